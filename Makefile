@@ -1,0 +1,34 @@
+# semcomm: `make run` runs the quickstart, `make test` runs the whole suite.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: run test system-deps lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch from local disk first, so that nothing pulls a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/semcomm quickstart
+
+system-deps:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) system-deps
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

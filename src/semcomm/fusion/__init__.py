@@ -1,0 +1,1 @@
+"""semcomm.fusion"""

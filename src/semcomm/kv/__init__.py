@@ -1,0 +1,24 @@
+"""KV prefix cache: chunk keys, the chunk format, codecs and stores (memory, disk, Redis, tiered).
+
+This package knows nothing of transformers or HTTP: chunks are numpy arrays and bytes.
+"""
+
+from ._format import FORMAT_VERSION, Chunk, ChunkHeader, TensorSpec, decode_chunk, encode_chunk, read_header
+from ._keys import LAYOUT_VERSION, ChunkKey, Namespace, NamespaceDigest, chunk_key, chunk_keys, chunk_spans
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LAYOUT_VERSION",
+    "Chunk",
+    "ChunkHeader",
+    "ChunkKey",
+    "Namespace",
+    "NamespaceDigest",
+    "TensorSpec",
+    "chunk_key",
+    "chunk_keys",
+    "chunk_spans",
+    "decode_chunk",
+    "encode_chunk",
+    "read_header",
+]

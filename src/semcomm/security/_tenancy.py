@@ -1,0 +1,138 @@
+"""Server-side tenant salts.
+
+A tenant's salt is ``HMAC-SHA256(server_secret, "semcomm/tenant-salt/v{version}/" + tenant_id)``.
+Clients never choose it: they present credentials, the server maps them to a tenant id and
+derives the salt here. The *digest* of the salt (never the salt itself) goes into every KV
+namespace, prefix-index key and semantic scope, so that different tenants can never share a key.
+
+The server secret comes from, in order: the ``secret=`` argument, the ``SEMCOMM_SECRET``
+environment variable (hex or text), or a per-user secret file
+(``$SEMCOMM_HOME/secret``, default ``~/.cache/semcomm/secret``) created with mode 0600 on first
+use, so that processes on one machine agree on keys without configuration. Machines that share
+a Redis store must share ``SEMCOMM_SECRET``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NewType
+
+from ..errors import TenantError
+
+__all__ = [
+    "TenantId",
+    "TenantSalt",
+    "TenantSalter",
+    "NO_TENANT_DIGEST",
+    "load_server_secret",
+    "semcomm_home",
+]
+
+TenantId = NewType("TenantId", str)
+"""A tenant's name as configured on the server; never taken from a client-controlled field."""
+
+NO_TENANT_DIGEST = "public"
+"""Salt digest used for data that belongs to no tenant (single-user, or prefixes marked public)."""
+
+_SALT_LABEL = "semcomm/tenant-salt/v{version}/"
+
+
+def semcomm_home() -> Path:
+    """Directory for per-user semcomm state (secret file, default caches)."""
+    return Path(os.environ.get("SEMCOMM_HOME", Path.home() / ".cache" / "semcomm"))
+
+
+def load_server_secret(secret: bytes | str | None = None) -> bytes:
+    """Return the server secret (see the module docstring for the lookup order)."""
+    if secret is None:
+        secret = os.environ.get("SEMCOMM_SECRET")
+    if secret is not None:
+        if isinstance(secret, str):
+            try:
+                raw = bytes.fromhex(secret)
+            except ValueError:
+                raw = secret.encode("utf-8")
+        else:
+            raw = bytes(secret)
+        if len(raw) < 16:
+            raise TenantError("the server secret must be at least 16 bytes long")
+        return raw
+    path = semcomm_home() / "secret"
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = secrets.token_bytes(32)
+    tmp = path.with_name(f"secret.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(new.hex())
+    try:
+        os.link(tmp, path)  # atomic: the first process to create the file wins
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return bytes.fromhex(path.read_text().strip())
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSalt:
+    """A tenant's salt. ``value`` is secret; ``digest`` is what goes into keys and scopes."""
+
+    tenant: str  # the tenant id it was derived for
+    version: int  # secret/salt version, bumped on rotation
+    value: bytes  # 32 secret bytes; never logged, never stored next to data
+
+    @property
+    def digest(self) -> str:
+        """Hex SHA-256 of the salt: safe to place in keys and headers."""
+        return hashlib.sha256(b"semcomm/salt-digest/" + self.value).hexdigest()
+
+
+class TenantSalter:
+    """Derives tenant salts from the server secret; one per server, passed to every component.
+
+    Versioned: ``rotate(new_secret)`` makes a new version current while older versions stay
+    derivable (readers can still find entries written under them).
+    """
+
+    def __init__(self, secret: bytes | str | None = None, *, version: int = 1):
+        self._secrets: dict[int, bytes] = {version: load_server_secret(secret)}
+        self._current = version
+
+    @property
+    def version(self) -> int:
+        return self._current
+
+    def rotate(self, new_secret: bytes | str) -> int:
+        """Install a new secret as the next version and return that version number."""
+        self._current = max(self._secrets) + 1
+        self._secrets[self._current] = load_server_secret(new_secret)
+        return self._current
+
+    def versions(self) -> list[int]:
+        return sorted(self._secrets, reverse=True)
+
+    def salt(self, tenant: str, *, version: int | None = None) -> TenantSalt:
+        if not isinstance(tenant, str) or not tenant:
+            raise TenantError(f"tenant id must be a non-empty string, got {tenant!r}")
+        v = self._current if version is None else version
+        try:
+            secret = self._secrets[v]
+        except KeyError:
+            raise TenantError(f"unknown salt version {v}; known: {self.versions()}") from None
+        label = (_SALT_LABEL.format(version=v) + tenant).encode("utf-8")
+        return TenantSalt(tenant=tenant, version=v, value=hmac.new(secret, label, "sha256").digest())
+
+    def digest(self, tenant: str | None, *, version: int | None = None) -> str:
+        """Salt digest for ``tenant``; :data:`NO_TENANT_DIGEST` when ``tenant`` is None."""
+        if tenant is None:
+            return NO_TENANT_DIGEST
+        return self.salt(tenant, version=version).digest

@@ -1,0 +1,52 @@
+"""Shared fixtures: a real redis-server, an isolated SEMCOMM_HOME."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from ._redis import RedisServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _semcomm_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test session gets its own secret file; nothing touches the user's ~/.cache."""
+    home = tmp_path_factory.getbasetemp() / "semcomm-home"
+    monkeypatch.setenv("SEMCOMM_HOME", str(home))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server of the suite's own on a free loopback port (session-wide)."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the suite's redis-server, flushed before each test."""
+    if redis_server.proc is None:
+        redis_server.start()
+    redis_server.flush()
+    yield redis_server.url
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server for one test alone (outage tests stop and restart it)."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
