@@ -5,6 +5,8 @@ This package knows nothing of transformers or HTTP: chunks are numpy arrays and 
 
 from ._format import FORMAT_VERSION, Chunk, ChunkHeader, TensorSpec, decode_chunk, encode_chunk, read_header
 from ._keys import LAYOUT_VERSION, ChunkKey, Namespace, NamespaceDigest, chunk_key, chunk_keys, chunk_spans
+from ._memory import MemoryStore
+from ._store import ChunkStore, Fetched, PrefixMatch, StoreEvent, StoreStats
 
 __all__ = [
     "FORMAT_VERSION",
@@ -12,6 +14,12 @@ __all__ = [
     "Chunk",
     "ChunkHeader",
     "ChunkKey",
+    "ChunkStore",
+    "Fetched",
+    "MemoryStore",
+    "PrefixMatch",
+    "StoreEvent",
+    "StoreStats",
     "Namespace",
     "NamespaceDigest",
     "TensorSpec",

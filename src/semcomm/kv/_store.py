@@ -1,0 +1,264 @@
+"""The chunk store interface shared by every KV tier, and what all stores have in common.
+
+A store maps a :data:`ChunkKey` (32-byte hash-chain key) to the bytes of one encoded chunk
+(:func:`semcomm.kv.encode_chunk`). Every store:
+
+* validates a value on ``put`` (a malformed chunk, or one whose header names another key, is
+  refused with :class:`~semcomm.errors.InvalidInputError` and nothing is stored);
+* never serves bytes it cannot vouch for (persistent tiers verify the checksum on every ``get``;
+  a bad entry is counted in ``stats().corrupt``, deleted and reported as a miss);
+* reports ``store``/``evict`` events with a per-store, strictly increasing sequence number
+  (the routing package's precise prefix index follows them).
+
+``StoreBase`` holds the shared machinery (events, default ``lookup``/``fetch``, async twins);
+concrete stores implement ``get``, ``put``, ``contains``, ``delete``, ``scan`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from ..errors import CorruptEntryError, InvalidInputError, NamespaceMismatchError
+from ._format import ChunkHeader, decode_chunk
+from ._keys import ChunkKey
+
+__all__ = [
+    "KEY_SIZE",
+    "ChunkStore",
+    "StoreStats",
+    "PrefixMatch",
+    "Fetched",
+    "StoreEvent",
+    "EventKind",
+    "StoreBase",
+    "check_key",
+    "validate_chunk",
+]
+
+logger = logging.getLogger("semcomm.kv")
+
+KEY_SIZE = 32
+"""Bytes in a chunk key (BLAKE2b-256 digest, see ``_keys``)."""
+
+EventKind = Literal["store", "evict"]
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """A snapshot of one store's counters (a fresh object per ``stats()`` call)."""
+
+    name: str  # tier name: "memory", "disk", "redis", "tiered"
+    entries: int  # chunks held (this process's view for disk; server view for redis)
+    bytes: int  # encoded bytes held
+    capacity_bytes: int | None  # byte budget; None = unbounded (redis without a budget)
+    hits: int = 0  # get/fetch calls that returned bytes
+    misses: int = 0  # get/fetch calls that returned None (absent, corrupt or backend down)
+    puts: int = 0  # values accepted by put
+    rejected: int = 0  # valid values not stored (larger than the budget, or all else pinned)
+    evictions: int = 0  # entries removed to respect the budget
+    corrupt: int = 0  # entries that failed validation on read; deleted, never served
+    errors: int = 0  # backend failures turned into misses / no-op puts
+    outages: int = 0  # distinct backend outages seen (redis)
+    pinned: int = 0  # entries pinned against eviction
+    tiers: tuple[StoreStats, ...] = ()  # per-tier stats (TieredStore only), fastest first
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Result of ``lookup``: the longest run of consecutive cached chunks from ``keys[0]``."""
+
+    num_chunks: int  # chunks cached from keys[0] on, without a gap
+    tiers: tuple[str, ...]  # tier name holding each of those chunks (len == num_chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """Result of ``fetch``: validated chunk bytes and the tier that served them."""
+
+    value: bytes
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """A change in a store, delivered to subscribers in ``seq`` order."""
+
+    kind: EventKind  # "store": a chunk became available; "evict": it is gone
+    key: ChunkKey
+    tier: str  # name of the tier where it happened
+    seq: int  # per-store sequence number, strictly increasing from 1
+    reason: str = ""  # "put", "promote", "evict", "delete", "corrupt", "expired"
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """What the engine, fusion, routing and security packages rely on from any store."""
+
+    name: str
+
+    def get(self, key: ChunkKey) -> bytes | None: ...
+
+    def put(self, key: ChunkKey, value: bytes) -> None: ...
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    def delete(self, key: ChunkKey) -> bool: ...
+
+    def scan(self) -> Iterator[ChunkKey]: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch: ...
+
+    def fetch(self, key: ChunkKey) -> Fetched | None: ...
+
+    def subscribe(self, callback: Callable[[StoreEvent], None]) -> None: ...
+
+    async def aget(self, key: ChunkKey) -> bytes | None: ...
+
+    async def aput(self, key: ChunkKey, value: bytes) -> None: ...
+
+    async def acontains(self, key: ChunkKey) -> bool: ...
+
+    async def adelete(self, key: ChunkKey) -> bool: ...
+
+    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch: ...
+
+    async def afetch(self, key: ChunkKey) -> Fetched | None: ...
+
+
+def check_key(key: object) -> ChunkKey:
+    """Return ``key`` as bytes, or raise ``TypeError``/``ValueError`` naming what is wrong."""
+    if isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    if not isinstance(key, bytes):
+        raise TypeError(f"chunk key must be {KEY_SIZE} bytes, got {type(key).__name__}")
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"chunk key must be {KEY_SIZE} bytes, got {len(key)} bytes")
+    return ChunkKey(key)
+
+
+def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkHeader]:
+    """Check that ``value`` is a complete, intact chunk whose header names ``key``.
+
+    Returns the value as ``bytes`` and its header; raises :class:`InvalidInputError` otherwise.
+    """
+    if isinstance(value, (bytearray, memoryview)):
+        value = bytes(value)
+    if not isinstance(value, bytes):
+        raise TypeError(f"chunk value must be bytes from encode_chunk, got {type(value).__name__}")
+    try:
+        chunk = decode_chunk(value, expect_key=key, verify=True)
+    except (CorruptEntryError, NamespaceMismatchError) as exc:
+        raise InvalidInputError(
+            f"value for chunk key {key.hex()[:16]} is not a valid semcomm chunk: {exc}"
+        ) from None
+    return value, chunk.header
+
+
+def parent_of(header: ChunkHeader) -> ChunkKey | None:
+    """The parent chunk key named in a header (None for a chain's first chunk)."""
+    if header.parent is None:
+        return None
+    try:
+        raw = bytes.fromhex(header.parent)
+    except ValueError:
+        return None
+    return ChunkKey(raw) if len(raw) == KEY_SIZE else None
+
+
+class StoreBase:
+    """Shared machinery: event fan-out, default ``lookup``/``fetch``, async twins via threads.
+
+    Subclasses call :meth:`_emit` *after* releasing their own locks, so a subscriber may call
+    back into the store. Subscribers run synchronously in the thread that changed the store;
+    an exception in one is logged and does not disturb the store or the other subscribers.
+    """
+
+    name: str = "store"
+
+    def __init__(self) -> None:
+        self._subscribers: list[Callable[[StoreEvent], None]] = []
+        self._event_lock = threading.RLock()  # orders delivery by seq
+        self._seq = 0  # last sequence number handed out; only _emit changes it
+
+    # ---- events -------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[StoreEvent], None]) -> None:
+        """Call ``callback(StoreEvent)`` on every later store/evict in this store."""
+        if not callable(callback):
+            raise TypeError("subscribe() needs a callable")
+        with self._event_lock:
+            self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[StoreEvent], None]) -> None:
+        """Stop delivering events to ``callback`` (no error if it was not subscribed)."""
+        with self._event_lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+    def _emit(self, kind: EventKind, key: ChunkKey, reason: str, tier: str | None = None) -> None:
+        with self._event_lock:
+            self._seq += 1
+            if not self._subscribers:
+                return
+            event = StoreEvent(kind=kind, key=key, tier=tier or self.name, seq=self._seq,
+                               reason=reason)
+            for cb in list(self._subscribers):
+                try:
+                    cb(event)
+                except Exception:  # a broken subscriber must not break the store
+                    logger.exception("store event subscriber %r failed", cb)
+
+    # ---- defaults built on the five primitives -------------------------------------------
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key (one round trip where the backend allows)."""
+        return [self.contains(k) for k in keys]
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
+        """Longest run of consecutive present chunks from ``keys[0]`` (does not touch LRU)."""
+        n = 0
+        for present in self.contains_many(keys):
+            if not present:
+                break
+            n += 1
+        return PrefixMatch(n, (self.name,) * n)
+
+    def fetch(self, key: ChunkKey) -> Fetched | None:
+        value = self.get(key)  # type: ignore[attr-defined]
+        return None if value is None else Fetched(value, self.name)
+
+    def __contains__(self, key: object) -> bool:
+        return self.contains(check_key(key))  # type: ignore[attr-defined,no-any-return]
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release resources (nothing to do for most stores)."""
+
+    # ---- async twins (thread offload; RedisStore overrides with native async) ------------
+    async def aget(self, key: ChunkKey) -> bytes | None:
+        return await asyncio.to_thread(self.get, key)  # type: ignore[attr-defined,no-any-return]
+
+    async def aput(self, key: ChunkKey, value: bytes) -> None:
+        await asyncio.to_thread(self.put, key, value)  # type: ignore[attr-defined]
+
+    async def acontains(self, key: ChunkKey) -> bool:
+        return await asyncio.to_thread(self.contains, key)  # type: ignore[attr-defined,no-any-return]
+
+    async def adelete(self, key: ChunkKey) -> bool:
+        return await asyncio.to_thread(self.delete, key)  # type: ignore[attr-defined,no-any-return]
+
+    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
+        return await asyncio.to_thread(self.lookup, list(keys))
+
+    async def afetch(self, key: ChunkKey) -> Fetched | None:
+        return await asyncio.to_thread(self.fetch, key)

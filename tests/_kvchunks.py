@@ -1,0 +1,36 @@
+"""Build small, real chunk chains for the store tests (encode_chunk on tiny numpy arrays)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from semcomm.kv import ChunkKey, Namespace, chunk_keys, encode_chunk
+
+NS = Namespace(model="test-model", tokenizer="", dtype="float32", codec="none", tenant="t0")
+
+
+def chain(n: int, *, seed: int = 0, chunk_tokens: int = 4, payload: int = 64,
+          ns: Namespace = NS) -> list[tuple[ChunkKey, bytes]]:
+    """``n`` consecutive chunks of one prompt: [(key, encoded bytes)], parents linked."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, size=n * chunk_tokens)
+    keys = chunk_keys(ns.digest, tokens, chunk_tokens)
+    out: list[tuple[ChunkKey, bytes]] = []
+    parent: bytes | None = None
+    for i, key in enumerate(keys):
+        arrays = {"k.0": rng.standard_normal(payload // 2, dtype=np.float32),
+                  "v.0": rng.standard_normal(payload // 2, dtype=np.float32)}
+        value = encode_chunk(namespace=ns.digest, key=key, parent=parent,
+                             num_tokens=chunk_tokens, start=i * chunk_tokens, dtype="float32",
+                             codec="none", codec_params={}, arrays=arrays)
+        out.append((key, value))
+        parent = key
+    return out
+
+
+def singles(n: int, *, seed: int = 0, payload: int = 64) -> list[tuple[ChunkKey, bytes]]:
+    """``n`` unrelated first chunks (no parents) of equal size."""
+    out = []
+    for i in range(n):
+        out.extend(chain(1, seed=seed * 100_003 + i, payload=payload))
+    return out
