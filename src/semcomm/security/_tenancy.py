@@ -18,9 +18,10 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NewType
+from typing import Any, NewType
 
 from ..errors import TenantError
 
@@ -29,6 +30,9 @@ __all__ = [
     "TenantSalt",
     "TenantSalter",
     "NO_TENANT_DIGEST",
+    "CLIENT_SALT_FIELDS",
+    "ClientSaltError",
+    "reject_client_salt",
     "load_server_secret",
     "semcomm_home",
 ]
@@ -136,3 +140,51 @@ class TenantSalter:
         if tenant is None:
             return NO_TENANT_DIGEST
         return self.salt(tenant, version=version).digest
+
+
+CLIENT_SALT_FIELDS = frozenset(
+    {"cache_salt", "salt", "cache_salt_map", "salt_regions", "tenant_salt", "cache_namespace"}
+)
+"""Request fields through which other servers let clients choose a cache salt (vLLM ``cache_salt``,
+its proposed ``cache_salt_map``/``salt_regions``). semcomm derives salts itself and refuses them."""
+
+_CLIENT_SALT_HEADERS = frozenset({"x-cache-salt", "x-semcomm-salt", "x-tenant-salt"})
+_NESTED = ("extra_body", "metadata", "semcomm")  # containers some clients use for extra fields
+
+
+class ClientSaltError(TenantError):
+    """A client tried to choose its own cache salt; the server answers 400."""
+
+    status_code = 400
+
+    def __init__(self, field: str) -> None:
+        super().__init__(
+            f"request field {field!r} is not accepted: semcomm derives cache salts on the server "
+            "from the authenticated tenant (a client-chosen salt would let one tenant read "
+            "another's cache, CVE-2025-46570); remove the field"
+        )
+        self.field = field
+
+
+def reject_client_salt(
+    body: Mapping[str, Any] | None, headers: Mapping[str, str] | None = None
+) -> None:
+    """Raise :class:`ClientSaltError` if a request tries to supply a salt.
+
+    Checks the top level of ``body``, the nested containers ``extra_body``/``metadata``/``semcomm``,
+    and salt headers. Call it on every request before anything is looked up in a cache.
+    """
+    if body:
+        for name in body:
+            if isinstance(name, str) and name.lower() in CLIENT_SALT_FIELDS:
+                raise ClientSaltError(name)
+        for container in _NESTED:
+            inner = body.get(container)
+            if isinstance(inner, Mapping):
+                for name in inner:
+                    if isinstance(name, str) and name.lower() in CLIENT_SALT_FIELDS:
+                        raise ClientSaltError(f"{container}.{name}")
+    if headers:
+        for name in headers:
+            if name.lower() in _CLIENT_SALT_HEADERS:
+                raise ClientSaltError(f"header {name}")

@@ -1,0 +1,278 @@
+"""AEAD sealing of data at rest: per-scope AES-256-GCM keys derived by HKDF, with rotation.
+
+Envelope (big-endian framing, all of it authenticated)::
+
+    b"SCS1"        4 bytes  magic and envelope format version
+    key_version    u32      which master secret the data key came from
+    nonce          12 bytes random per seal (96-bit GCM IV)
+    ciphertext     n bytes  AES-256-GCM of the plaintext
+    tag            16 bytes GCM tag
+
+The data key of a *scope* is ``HKDF-SHA256(ikm=master[key_version], salt="semcomm/seal/v1",
+info="semcomm/seal-key/v1" || u32len(scope) || scope)``. A scope names the tenant boundary the
+data lives in: a KV namespace digest (which folds in the tenant salt digest) or a semantic scope
+string (which starts with the tenant salt digest). Different tenants therefore never share a key.
+
+The associated data binds a sealed blob to where it may be read::
+
+    "semcomm/sealed/v1" || u32len(kind) || kind || u32len(scope) || scope
+                        || u32len(context) || context || envelope header (magic + key_version)
+
+``kind`` separates uses ("kv-chunk", "semantic-entry"), ``context`` is the entry's own identity
+(its chunk key and header, its entry id). A blob moved to another key, namespace, tenant or kind,
+or a blob written by anyone without the server secret, fails the GCM tag: :class:`SealedEntryError`
+(an :class:`~semcomm.errors.IntegrityError` that is also a :class:`~semcomm.errors.CorruptEntryError`,
+so that a store's corrupt-entry path counts and deletes it). Only holders of the server secret can
+produce blobs that readers accept: that is the writer authentication.
+
+Rotation: :meth:`TenantKeyring.rotate` makes a new master current; older versions stay readable
+until :meth:`TenantKeyring.retire` drops them. :meth:`Sealer.open_ex` reports ``stale`` so a store
+may re-seal an entry under the current version when it reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..errors import CorruptEntryError, IntegrityError
+from ._tenancy import load_server_secret
+
+__all__ = [
+    "ENVELOPE_MAGIC",
+    "ENVELOPE_OVERHEAD",
+    "SealedEntryError",
+    "SealStats",
+    "Opened",
+    "TenantKeyring",
+    "Sealer",
+    "is_sealed",
+    "envelope_version",
+]
+
+ENVELOPE_MAGIC = b"SCS1"
+_HEAD = struct.Struct(">4sI")  # magic, key_version
+_NONCE_LEN = 12
+_TAG_LEN = 16
+ENVELOPE_OVERHEAD = _HEAD.size + _NONCE_LEN + _TAG_LEN
+"""Bytes a sealed blob adds to its plaintext (36)."""
+
+_HKDF_SALT = b"semcomm/seal/v1"
+_HKDF_INFO = b"semcomm/seal-key/v1"
+_AAD_LABEL = b"semcomm/sealed/v1"
+
+
+class SealedEntryError(IntegrityError, CorruptEntryError):
+    """A sealed entry failed authentication (tampered, swapped, forged, or unsealed where sealing
+    is required). Never served; stores count and delete it like any corrupt entry."""
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed framing, so that ("ab", "c") and ("a", "bc") never collide."""
+    return struct.pack(">I", len(data)) + data
+
+
+def is_sealed(blob: bytes | bytearray | memoryview) -> bool:
+    """Whether ``blob`` starts like a sealed envelope (cheap; does not authenticate it)."""
+    return len(blob) >= ENVELOPE_OVERHEAD and bytes(blob[:4]) == ENVELOPE_MAGIC
+
+
+def envelope_version(blob: bytes | bytearray | memoryview) -> int:
+    """Key version recorded in a sealed envelope (unauthenticated until opened)."""
+    if not is_sealed(blob):
+        raise SealedEntryError("not a sealed envelope")
+    return int(_HEAD.unpack_from(bytes(blob[: _HEAD.size]))[1])
+
+
+@dataclass(slots=True)
+class SealStats:
+    """Counters of one :class:`Sealer`; updated under its lock."""
+
+    sealed: int = 0  # blobs produced
+    opened: int = 0  # blobs authenticated and decrypted
+    rejected: int = 0  # blobs that failed authentication (tampered/swapped/forged/unsealed)
+    stale: int = 0  # opened blobs sealed under an older key version
+    by_reason: dict[str, int] = field(default_factory=dict)  # rejected, per reason
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """Result of :meth:`Sealer.open_ex`."""
+
+    plaintext: bytes
+    key_version: int  # version the blob was sealed under
+    stale: bool  # True when a newer key version is current: re-seal to migrate
+
+
+class TenantKeyring:
+    """Versioned master secrets and the per-scope AES-256 keys derived from them.
+
+    Invariant: ``current`` is always a key in ``_masters``; retired versions are gone for good
+    (blobs sealed under them become unreadable, which is the point of retiring).
+    Derived keys are memoised in a bounded LRU (``max_cached_keys``) so that memory stays bounded
+    however many tenants and namespaces exist.
+    """
+
+    def __init__(
+        self,
+        secret: bytes | str | None = None,
+        *,
+        version: int = 1,
+        max_cached_keys: int = 4096,
+    ) -> None:
+        if version < 1:
+            raise ValueError(f"key version must be >= 1, got {version}")
+        # The master is domain-separated from the salt secret: the same server secret serves both.
+        self._masters: dict[int, bytes] = {version: self._master(load_server_secret(secret))}
+        self._current = version
+        self._cache: OrderedDict[tuple[int, str], bytes] = OrderedDict()
+        self._max_cached = max_cached_keys
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _master(secret: bytes) -> bytes:
+        return hashlib.sha256(b"semcomm/seal-master/v1\0" + secret).digest()
+
+    @property
+    def current(self) -> int:
+        """The key version new blobs are sealed under."""
+        return self._current
+
+    def versions(self) -> list[int]:
+        """Readable key versions, newest first."""
+        return sorted(self._masters, reverse=True)
+
+    def rotate(self, new_secret: bytes | str) -> int:
+        """Install ``new_secret`` as the next version (now current); older ones stay readable."""
+        master = self._master(load_server_secret(new_secret))
+        with self._lock:
+            self._current = max(self._masters) + 1
+            self._masters[self._current] = master
+            return self._current
+
+    def retire(self, version: int) -> None:
+        """Forget an old version: blobs sealed under it are rejected from now on."""
+        with self._lock:
+            if version == self._current:
+                raise ValueError("cannot retire the current key version; rotate first")
+            self._masters.pop(version, None)
+            for k in [k for k in self._cache if k[0] == version]:
+                del self._cache[k]
+
+    def key(self, scope: str, version: int | None = None) -> bytes:
+        """The 32-byte AES key of ``scope`` under ``version`` (default: current)."""
+        v = self._current if version is None else version
+        ck = (v, scope)
+        with self._lock:
+            hit = self._cache.get(ck)
+            if hit is not None:
+                self._cache.move_to_end(ck)
+                return hit
+            master = self._masters.get(v)
+        if master is None:
+            raise SealedEntryError(f"sealed under unknown or retired key version {v}")
+        key = HKDF(
+            algorithm=hashes.SHA256(),
+            length=32,
+            salt=_HKDF_SALT,
+            info=_HKDF_INFO + _lp(scope.encode("utf-8")),
+        ).derive(master)
+        with self._lock:
+            self._cache[ck] = key
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return key
+
+
+class Sealer:
+    """Seals and opens blobs of one ``kind`` with keys from a :class:`TenantKeyring`.
+
+    Thread-safe; one per store is typical (several may share a keyring).
+    """
+
+    def __init__(self, keyring: TenantKeyring | None = None, *, kind: str = "blob") -> None:
+        if not kind:
+            raise ValueError("kind must be a non-empty string")
+        self.keyring = keyring if keyring is not None else TenantKeyring()
+        self.kind = kind
+        self._kind_b = _lp(kind.encode("utf-8"))
+        self._lock = threading.Lock()
+        self._stats = SealStats()
+
+    # -- counters -------------------------------------------------------------------------
+    def stats(self) -> SealStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            s = self._stats
+            return SealStats(s.sealed, s.opened, s.rejected, s.stale, dict(s.by_reason))
+
+    def _reject(self, reason: str, message: str) -> SealedEntryError:
+        with self._lock:
+            self._stats.rejected += 1
+            self._stats.by_reason[reason] = self._stats.by_reason.get(reason, 0) + 1
+        return SealedEntryError(message)
+
+    def count_rejection(self, reason: str) -> None:
+        """Count a rejection decided by a caller (e.g. a chunk-level check before decryption)."""
+        with self._lock:
+            self._stats.rejected += 1
+            self._stats.by_reason[reason] = self._stats.by_reason.get(reason, 0) + 1
+
+    # -- sealing --------------------------------------------------------------------------
+    def _aad(self, head: bytes, scope: str, context: bytes) -> bytes:
+        return _AAD_LABEL + self._kind_b + _lp(scope.encode("utf-8")) + _lp(bytes(context)) + head
+
+    def seal(self, plaintext: bytes | bytearray | memoryview, *, scope: str, context: bytes = b"") -> bytes:
+        """Encrypt and authenticate ``plaintext`` for ``scope``, bound to ``context``."""
+        version = self.keyring.current
+        head = _HEAD.pack(ENVELOPE_MAGIC, version)
+        nonce = os.urandom(_NONCE_LEN)
+        ct = AESGCM(self.keyring.key(scope, version)).encrypt(
+            nonce, bytes(plaintext), self._aad(head, scope, context)
+        )
+        with self._lock:
+            self._stats.sealed += 1
+        return head + nonce + ct
+
+    def open_ex(self, blob: bytes | bytearray | memoryview, *, scope: str, context: bytes = b"") -> Opened:
+        """Authenticate and decrypt; raises :class:`SealedEntryError` (counted) on any failure."""
+        data = bytes(blob)
+        if not is_sealed(data):
+            raise self._reject("unsealed", f"{self.kind}: entry is not sealed (forged or legacy)")
+        head = data[: _HEAD.size]
+        version = int(_HEAD.unpack(head)[1])
+        try:
+            key = self.keyring.key(scope, version)
+        except SealedEntryError as exc:
+            raise self._reject("unknown-version", f"{self.kind}: {exc}") from None
+        nonce = data[_HEAD.size : _HEAD.size + _NONCE_LEN]
+        try:
+            pt = AESGCM(key).decrypt(nonce, data[_HEAD.size + _NONCE_LEN :], self._aad(head, scope, context))
+        except InvalidTag:
+            raise self._reject(
+                "auth-failed",
+                f"{self.kind}: authentication failed (tampered, moved to another key/scope, or forged)",
+            ) from None
+        stale = version != self.keyring.current
+        with self._lock:
+            self._stats.opened += 1
+            if stale:
+                self._stats.stale += 1
+        return Opened(plaintext=pt, key_version=version, stale=stale)
+
+    def open(self, blob: bytes | bytearray | memoryview, *, scope: str, context: bytes = b"") -> bytes:
+        """Like :meth:`open_ex`, returning the plaintext only."""
+        return self.open_ex(blob, scope=scope, context=context).plaintext
+
+    def reseal(self, blob: bytes, *, scope: str, context: bytes = b"") -> bytes:
+        """Open ``blob`` and seal it again under the current key version (rotation migration)."""
+        return self.seal(self.open(blob, scope=scope, context=context), scope=scope, context=context)
