@@ -1,1 +1,44 @@
-"""semcomm.fusion"""
+"""semcomm.fusion: cache-to-cache (C2C) fusion between two different models.
+
+A trained :class:`Fuser` projects a sharer model's KV cache into a receiver model's cache, so
+the receiver reads what the sharer understood of a shared context without any text being
+generated. :func:`align_offsets` maps tokens between two tokenizers by character spans;
+:class:`FusionTrainer` trains a fuser with both models frozen; :class:`FusionPipeline`
+generates with the fused cache; :mod:`semcomm.fusion` evaluation compares receiver alone,
+sharer alone, text-to-text and C2C. See ``docs/fusion.md``.
+"""
+
+from __future__ import annotations
+
+from ._align import Alignment, EncodedPrompt, PromptParts, align_offsets, encode_prompt
+from ._fuser import Fuser, FuserConfig
+from ._io import load_fuser, read_fuser_config, save_fuser
+from ._pipeline import FusionPipeline, Generation, ModelSide, greedy_decode
+from ._spec import LAYER_MAPPINGS, ModelSpec, layer_mapping, model_spec
+from ._train import FusionExample, FusionTrainer, TrainConfig, TrainResult, read_examples
+
+__all__ = [
+    "Alignment",
+    "EncodedPrompt",
+    "PromptParts",
+    "align_offsets",
+    "encode_prompt",
+    "Fuser",
+    "FuserConfig",
+    "load_fuser",
+    "read_fuser_config",
+    "save_fuser",
+    "FusionPipeline",
+    "Generation",
+    "ModelSide",
+    "greedy_decode",
+    "LAYER_MAPPINGS",
+    "ModelSpec",
+    "layer_mapping",
+    "model_spec",
+    "FusionExample",
+    "FusionTrainer",
+    "TrainConfig",
+    "TrainResult",
+    "read_examples",
+]

@@ -1,0 +1,86 @@
+"""Moving KV tensors in and out of transformers caches, and the batched fused forward.
+
+Everything here works on batches padded on the left (prompts) with explicit position ids,
+so that padded and unpadded runs compute the same values for real tokens. Fusion is post-hoc
+and per layer, as in C2C: the receiver prefills the prompt without its last token, each
+layer's cache is fused, and the last prompt token is then fed through the fused cache so
+that the first generated token already sees the fused context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+__all__ = [
+    "KVLayers",
+    "cache_to_layers",
+    "layers_to_cache",
+    "prefill_layers",
+    "align_layers",
+    "positions_from_mask",
+    "output_cache",
+]
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([B, H, N, D], [B, H, N, D])
+
+
+def cache_to_layers(cache: Any) -> KVLayers:
+    """Per-layer (keys, values) of a transformers cache (v5 ``cache.layers[i].keys``)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"expected a transformers Cache with .layers, got {type(cache).__name__}")
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def layers_to_cache(layers: KVLayers) -> DynamicCache:
+    """A fresh DynamicCache holding ``layers`` (the tensors are not copied)."""
+    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+
+
+def positions_from_mask(mask: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Tensor:
+    """Position ids for a left-padded batch: real tokens count from ``start``; pads get 0.
+
+    mask: [B, T] of 0/1; start: [B] or int (tokens already in the cache).
+    """
+    pos = mask.long().cumsum(-1) - 1
+    if isinstance(start, torch.Tensor):
+        pos = pos + start[:, None]
+    else:
+        pos = pos + start
+    return pos.clamp_min(0) * mask.long()
+
+
+def prefill_layers(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> KVLayers:
+    """Run ``model`` on a left-padded batch and return its KV per layer (no grad)."""
+    with torch.no_grad():
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions_from_mask(mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return cache_to_layers(output_cache(out))
+
+
+def output_cache(out: Any) -> Any:
+    """The cache of a model output (``cache`` in transformers v5, ``past_key_values`` before)."""
+    if "cache" in out:
+        return out["cache"]
+    return out["past_key_values"]
+
+
+def align_layers(layers: KVLayers, weights: torch.Tensor) -> KVLayers:
+    """Sharer KV gathered onto receiver tokens.
+
+    layers: per sharer layer ([B, Hs, M, Ds], ...); weights: [B, N, M] (rows of the
+    alignment matrix). Returns per sharer layer ([B, Hs, N, Ds], ...).
+    """
+    w = weights.to(layers[0][0].dtype)
+    return [
+        (torch.einsum("bnm,bhmd->bhnd", w, k), torch.einsum("bnm,bhmd->bhnd", w, v))
+        for k, v in layers
+    ]
