@@ -1,1 +1,20 @@
-"""semcomm.engine"""
+"""The transformers engine: prefill with exact KV prefix reuse, decode, streaming, snapshots.
+
+Public names: :class:`HFEngine`, :class:`GenerationResult`, :class:`GenerationStats`,
+:class:`PrefillResult`, :class:`TokenStream`, :class:`KVSnapshot`, :data:`DEFAULT_CHUNK_SIZE`.
+``_cache_adapter`` is the only module that touches the transformers Cache API.
+"""
+
+from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
+from ._snapshot import KVSnapshot
+from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "GenerationResult",
+    "GenerationStats",
+    "HFEngine",
+    "KVSnapshot",
+    "PrefillResult",
+    "TokenStream",
+]

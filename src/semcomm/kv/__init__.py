@@ -3,12 +3,18 @@
 This package knows nothing of transformers or HTTP: chunks are numpy arrays and bytes.
 """
 
+from ._codecs import CODECS, CodecReport, EncodedKV, KVCodec, get_codec
 from ._format import FORMAT_VERSION, Chunk, ChunkHeader, TensorSpec, decode_chunk, encode_chunk, read_header
 from ._keys import LAYOUT_VERSION, ChunkKey, Namespace, NamespaceDigest, chunk_key, chunk_keys, chunk_spans
 from ._memory import MemoryStore
 from ._store import ChunkStore, Fetched, PrefixMatch, StoreEvent, StoreStats
 
 __all__ = [
+    "CODECS",
+    "CodecReport",
+    "EncodedKV",
+    "KVCodec",
+    "get_codec",
     "FORMAT_VERSION",
     "LAYOUT_VERSION",
     "Chunk",

@@ -1,0 +1,602 @@
+"""HFEngine: a transformers causal LM with an exact, persistent KV prefix cache.
+
+Request path (``generate``): tokenize -> longest cached prefix (``store.lookup``) -> fetch,
+verify and decode those chunks into one ``[L, H, T, D]`` buffer -> a ``DynamicCache`` (via the
+cache adapter) -> prefill the rest (at least one token: a fully cached prompt still feeds its
+last token) -> choose the first token (TTFT) -> store the prompt's new chunks (full chunks and
+the partial tail; chunks already stored are skipped) -> decode.
+
+The namespace (model fingerprint, tokenizer fingerprint, dtype, codec spec, tenant salt digest)
+roots every chunk key, so two engines share chunks only when every one of those matches.
+An engine is not thread-safe: serialize calls (the server runs one engine per worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptEntryError, InvalidInputError, NamespaceMismatchError
+from ..kv._codecs import KVCodec, get_codec
+from ..kv._format import Chunk, decode_chunk, encode_chunk
+from ..kv._keys import ChunkKey, Namespace, NamespaceDigest, chunk_keys, chunk_spans
+from ..security import NO_TENANT_DIGEST, TenantSalter
+from . import _cache_adapter as ca
+from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+from ._snapshot import KVSnapshot
+from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
+
+__all__ = ["HFEngine", "DEFAULT_CHUNK_SIZE"]
+
+logger = logging.getLogger("semcomm.engine")
+
+DEFAULT_CHUNK_SIZE = 256
+"""Tokens per chunk. Measured in benchmarks/bench_kv_ttft.py (see docs/engine.md): at 2k
+prompt tokens the per-chunk overhead (header, checksum, one store call) is a few percent of
+the hit path at 256 and grows quickly below 64; larger chunks lose reuse granularity."""
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_MAX_POS_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
+
+
+def _resolve_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        dt = getattr(torch, dtype, None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    raise InvalidInputError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+
+
+class HFEngine:
+    """A transformers causal LM that reuses KV chunks from a :class:`semcomm.kv.ChunkStore`.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` or a model id/path (``AutoModelForCausalLM``).
+        tokenizer: a loaded tokenizer, an id/path, or None (then prompts are token ids; when
+            ``model`` is a string the tokenizer is loaded from the same place).
+        store: where chunks live (``MemoryStore``, ``DiskStore``, ``RedisStore``,
+            ``TieredStore``); None disables reuse.
+        chunk_size: tokens per chunk (see :data:`DEFAULT_CHUNK_SIZE`).
+        codec: codec spec or object (``"lossless"``, ``"fp8"``, ``"int8"``, ``"int4:g32"``...).
+        tenant: tenant id; its salt digest goes into the namespace (None = public data).
+        salter: the server's :class:`~semcomm.security.TenantSalter` (default: a new one from
+            the local secret).
+        device: ``"cuda"``/``"cpu"``/a ``torch.device``; default cuda when available.
+        dtype: model dtype (casts the model), default the model's own.
+        adapter: fingerprint of a LoRA/adapter applied to the model ("" for none).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        store: Any = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        codec: str | KVCodec = "lossless",
+        tenant: str | None = None,
+        salter: TenantSalter | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        adapter: str = "",
+    ):
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.codec: KVCodec = get_codec(codec)
+        tdtype = _resolve_dtype(dtype)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = model
+            kw: dict[str, Any] = {"dtype": tdtype} if tdtype is not None else {}
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            if tokenizer is None:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(path)
+                except (OSError, ValueError) as exc:
+                    logger.info("no tokenizer at %s (%s); prompts must be token ids", path, exc)
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if tdtype is not None:
+            model = model.to(tdtype)
+        ca.check_supported(model)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.store = store
+        self.chunk_size = chunk_size
+        self.tenant = tenant
+        self._runner = ca.ModelRunner(self.model)
+        self.layout = ca.probe_layout(self.model, self.device)
+        self.dtype: torch.dtype = self.layout.dtype
+        if self.dtype not in _DTYPE_NAMES:
+            raise InvalidInputError(f"unsupported KV dtype {self.dtype}")
+        if tenant is None:
+            tenant_digest = NO_TENANT_DIGEST
+        else:
+            tenant_digest = (salter or TenantSalter()).digest(tenant)
+        self.namespace = Namespace(
+            model=model_fingerprint(self.model),
+            tokenizer=tokenizer_fingerprint(tokenizer),
+            dtype=_DTYPE_NAMES[self.dtype],
+            codec=self.codec.spec,
+            tenant=tenant_digest,
+            adapter=adapter,
+        )
+        self.namespace_digest: NamespaceDigest = self.namespace.digest
+        emb = self.model.get_input_embeddings()
+        self.vocab_size: int = int(getattr(emb, "num_embeddings", self.model.config.vocab_size))
+        cfg = self.model.config
+        self.max_positions: int | None = next(
+            (int(getattr(cfg, a)) for a in _MAX_POS_ATTRS if isinstance(getattr(cfg, a, None), int)),
+            None,
+        )
+        self.eos_token_ids: frozenset[int] = self._eos_ids()
+        logger.info(
+            "HFEngine %s on %s: %d layers x %d kv heads, chunk %d, codec %s, namespace %s",
+            type(self.model).__name__, self.device, self.layout.num_layers,
+            self.layout.kv_heads, chunk_size, self.codec.spec, self.namespace_digest.hex()[:12],
+        )
+
+    # ------------------------------------------------------------------ input
+    def _eos_ids(self) -> frozenset[int]:
+        gc = getattr(self.model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos is None and self.tokenizer is not None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        return frozenset(int(i) for i in ids)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, chat messages, or token ids (validated)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidInputError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
+            ids = [int(t) for t in prompt.reshape(-1).tolist()]
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
+            if self.tokenizer is None:
+                raise InvalidInputError("chat messages need a tokenizer with a chat template")
+            for m in prompt:
+                if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                    raise InvalidInputError(f"chat message must have 'role' and 'content': {m!r}")
+            out = self.tokenizer.apply_chat_template(
+                [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(out, Mapping) or hasattr(out, "keys"):
+                out = out["input_ids"]
+            ids = list(out)
+        elif isinstance(prompt, Sequence):
+            ids = []
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise InvalidInputError(f"token ids must be integers, got {t!r}")
+                ids.append(int(t))
+        else:
+            raise InvalidInputError(
+                f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}"
+            )
+        self._validate_ids(ids)
+        return ids
+
+    def _validate_ids(self, ids: Sequence[int], max_new_tokens: int = 0) -> None:
+        if not ids:
+            raise InvalidInputError("the prompt is empty")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidInputError(
+                f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        if self.max_positions is not None and len(ids) + max_new_tokens > self.max_positions:
+            raise InvalidInputError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"maximum of {self.max_positions} positions"
+            )
+
+    def decode(self, token_ids: Sequence[int]) -> str | None:
+        """Text of token ids (special tokens skipped), None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
+        """This engine's chunk keys for ``token_ids`` (what the replica router indexes)."""
+        return chunk_keys(self.namespace_digest, token_ids, self.chunk_size)
+
+    def cached_tokens(self, prompt: Prompt) -> int:
+        """How many prompt tokens the store would serve right now (no data moved)."""
+        ids = self.tokenize(prompt)
+        if self.store is None:
+            return 0
+        keys = self.chunk_keys(ids)
+        match = self.store.lookup(keys)
+        spans = chunk_spans(len(ids), self.chunk_size)
+        return spans[match.num_chunks - 1][1] if match.num_chunks else 0
+
+    # ---------------------------------------------------------------- restore
+    def _check_chunk(self, chunk: Chunk, start: int, end: int) -> None:
+        h = chunk.header
+        if h.start != start or h.num_tokens != end - start:
+            raise CorruptEntryError(
+                f"chunk {h.key[:16]} covers [{h.start}, {h.start + h.num_tokens}), expected "
+                f"[{start}, {end})"
+            )
+        if h.dtype != self.namespace.dtype or h.codec != self.codec.name:
+            raise CorruptEntryError(f"chunk {h.key[:16]} has dtype/codec {h.dtype}/{h.codec}")
+
+    def _gather_from_store(
+        self, ids: list[int], keys: list[ChunkKey], stats: GenerationStats
+    ) -> tuple[list[Chunk], list[str], list[bytes]]:
+        if self.store is None:
+            return [], [], []
+        t0 = time.perf_counter()
+        match = self.store.lookup(keys)
+        stats.lookup_ms = (time.perf_counter() - t0) * 1e3
+        spans = chunk_spans(len(ids), self.chunk_size)
+        chunks: list[Chunk] = []
+        tiers: list[str] = []
+        raw: list[bytes] = []
+        for i in range(match.num_chunks):
+            fetched = self.store.fetch(keys[i])
+            if fetched is None:  # evicted between lookup and fetch
+                break
+            try:
+                chunk = decode_chunk(
+                    fetched.value, expect_key=keys[i], expect_namespace=self.namespace_digest
+                )
+                self._check_chunk(chunk, *spans[i])
+            except (CorruptEntryError, NamespaceMismatchError) as exc:
+                logger.warning("chunk %d of the prompt is unusable (%s); treating as a miss", i, exc)
+                break
+            chunks.append(chunk)
+            tiers.append(str(fetched.tier))
+            raw.append(fetched.value)
+        return chunks, tiers, raw
+
+    def _gather_from_snapshot(
+        self, ids: list[int], snap: KVSnapshot
+    ) -> tuple[list[Chunk], list[str], list[bytes]]:
+        self._check_snapshot(snap)
+        n_common = 0
+        for a, b in zip(ids, snap.token_ids):
+            if a != b:
+                break
+            n_common += 1
+        snap_keys = chunk_keys(self.namespace_digest, snap.token_ids, snap.chunk_size)
+        spans = chunk_spans(len(snap.token_ids), snap.chunk_size)
+        chunks: list[Chunk] = []
+        raw: list[bytes] = []
+        for i, data in enumerate(snap.chunks):
+            if spans[i][1] > n_common:
+                break
+            chunk = decode_chunk(data, expect_key=snap_keys[i], expect_namespace=self.namespace_digest)
+            self._check_chunk(chunk, *spans[i])
+            chunks.append(chunk)
+            raw.append(data)
+        return chunks, ["snapshot"] * len(chunks), raw
+
+    def _check_snapshot(self, snap: KVSnapshot) -> None:
+        if not isinstance(snap, KVSnapshot):
+            raise InvalidInputError(f"expected a KVSnapshot, got {type(snap).__name__}")
+        if snap.namespace != self.namespace_digest:
+            raise NamespaceMismatchError(
+                f"snapshot belongs to namespace {snap.namespace.hex()[:16]}, this engine is "
+                f"{self.namespace_digest.hex()[:16]} (different model, tokenizer, dtype, codec or "
+                "tenant)"
+            )
+        if len(snap.chunks) != len(chunk_spans(len(snap.token_ids), snap.chunk_size)):
+            raise CorruptEntryError("snapshot chunk count does not match its tokens")
+
+    def _restore(self, chunks: list[Chunk]) -> tuple[Any, int]:
+        """Decode chunks into one CPU buffer and build a cache on the device."""
+        total = sum(c.header.num_tokens for c in chunks)
+        if total == 0:
+            return ca.new_cache(), 0
+        lay = self.layout
+        pin = self.device.type == "cuda"
+        out_k = torch.empty((lay.num_layers, lay.kv_heads, total, lay.k_dim), dtype=self.dtype,
+                            pin_memory=pin)
+        out_v = torch.empty((lay.num_layers, lay.kv_heads, total, lay.v_dim), dtype=self.dtype,
+                            pin_memory=pin)
+        pos = 0
+        for c in chunks:
+            n = c.header.num_tokens
+            self.codec.decode_into(c.arrays, out_k, out_v, pos, n)
+            pos += n
+        return ca.cache_from_stacks(out_k, out_v, self.device), total
+
+    # ---------------------------------------------------------------- prefill
+    def _prefill(
+        self, ids: list[int], snapshot: KVSnapshot | None, t_start: float
+    ) -> tuple[PrefillResult, list[ChunkKey]]:
+        stats = GenerationStats(prompt_tokens=len(ids), codec=self.codec.spec)
+        keys = self.chunk_keys(ids)
+        t0 = time.perf_counter()
+        if snapshot is not None:
+            chunks, tiers, raw = self._gather_from_snapshot(ids, snapshot)
+        else:
+            chunks, tiers, raw = self._gather_from_store(ids, keys, stats)
+        with torch.no_grad():
+            cache, restored = self._restore(chunks)
+            if restored >= len(ids):  # invariant 3: recompute at least the last token
+                ca.crop_cache(cache, restored - len(ids) + 1)
+            stats.load_ms = (time.perf_counter() - t0) * 1e3
+            kept = ca.cache_length(cache)
+            stats.hit_tokens = kept
+            stats.hit_chunks = len(chunks)
+            stats.hit_tiers = tuple(tiers)
+            stats.bytes_loaded = sum(c.nbytes for c in chunks)
+            stats.recomputed_tokens = len(ids) - kept
+            t1 = time.perf_counter()
+            rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
+            logits = self._runner.forward(rest, cache)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            stats.prefill_ms = (time.perf_counter() - t1) * 1e3
+        stats.ttft_s = time.perf_counter() - t_start
+        assert ca.cache_length(cache) == len(ids)
+        result = PrefillResult(
+            cache=cache, last_logits=logits, input_ids=ids, stats=stats,
+            chunk_bytes=list(raw) + [None] * (len(keys) - len(raw)),
+        )
+        return result, keys
+
+    def _store_chunks(self, pre: PrefillResult, keys: list[ChunkKey]) -> None:
+        """Write the prompt's chunks that the store lacks (called once the prompt is in cache)."""
+        stats = pre.stats
+        if self.store is None:
+            return
+        t0 = time.perf_counter()
+        ids = pre.input_ids
+        spans = chunk_spans(len(ids), self.chunk_size)
+        first = stats.hit_chunks if not stats.hit_tiers or stats.hit_tiers[0] != "snapshot" else 0
+        todo = [i for i in range(first, len(keys)) if not self.store.contains(keys[i])]
+        if todo:
+            lo = spans[todo[0]][0]
+            with torch.no_grad():
+                k_all, v_all = ca.stack_range(pre.cache, lo, len(ids))
+                k_all, v_all = k_all.cpu(), v_all.cpu()
+            for i in todo:
+                s, e = spans[i]
+                data = self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
+                                    v_all[:, :, s - lo : e - lo])
+                self.store.put(keys[i], data)
+                stats.bytes_stored += len(data)
+                stats.chunks_stored += 1
+        stats.store_ms = (time.perf_counter() - t0) * 1e3
+
+    def _encode(
+        self, keys: list[ChunkKey], i: int, s: int, e: int, k: torch.Tensor, v: torch.Tensor
+    ) -> bytes:
+        enc = self.codec.encode(k, v)
+        return encode_chunk(
+            namespace=self.namespace_digest,
+            key=keys[i],
+            parent=keys[i - 1] if i else None,
+            num_tokens=e - s,
+            start=s,
+            dtype=self.namespace.dtype,
+            codec=self.codec.name,
+            codec_params={**self.codec.params, "spec": self.codec.spec},
+            arrays=enc.arrays,
+            bf16_names=enc.bf16_names,
+            meta={"layers": self.layout.num_layers},
+        )
+
+    def prefill(self, prompt: Prompt, *, snapshot: KVSnapshot | None = None,
+                store: bool = True) -> PrefillResult:
+        """Restore the longest cached prefix, prefill the rest and (by default) store new chunks.
+
+        Returns the prompt's full ``DynamicCache`` (every prompt token), the last position's
+        logits, the token ids and stats. The caller owns the cache.
+        """
+        t_start = time.perf_counter()
+        ids = self.tokenize(prompt)
+        pre, keys = self._prefill(ids, snapshot, t_start)
+        if store:
+            self._store_chunks(pre, keys)
+        pre.stats.total_s = time.perf_counter() - t_start
+        return pre
+
+    # --------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str | int] | str | None = None,
+        stream: bool = False,
+        snapshot: KVSnapshot | None = None,
+    ) -> GenerationResult | TokenStream:
+        """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
+
+        ``stop``: strings (need a tokenizer) and/or token ids ending generation (the stop
+        string is cut from ``text``). ``stream=True`` returns a :class:`TokenStream` of text
+        pieces (token ids without a tokenizer) whose ``.result`` is set at the end.
+        ``snapshot``: continue from a :class:`KVSnapshot` (its tokens must prefix the prompt).
+        """
+        t_start = time.perf_counter()
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise InvalidInputError(
+                f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} "
+                f"(0 < p <= 1), top_k={top_k} (>= 0)"
+            )
+        if prompt is None and snapshot is not None:
+            prompt = list(snapshot.token_ids)
+        ids = self.tokenize(prompt)
+        self._validate_ids(ids, max_new_tokens)
+        stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+        stop_strs = [s for s in stops if isinstance(s, str) and s]
+        stop_ids = {int(s) for s in stops if isinstance(s, int)}
+        if stop_strs and self.tokenizer is None:
+            raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
+        gen = self._generate_iter(
+            ids, max_new_tokens, temperature, top_p, top_k, seed, stop_strs, stop_ids,
+            snapshot, t_start,
+        )
+        if stream:
+            return TokenStream(gen)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                result: GenerationResult = done.value
+                return result
+
+    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+              rng: torch.Generator | None) -> int:
+        if temperature == 0:
+            return int(torch.argmax(logits))
+        scores = logits / temperature
+        if top_k:
+            kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sp, dim=-1)
+            drop = cum - sp > top_p  # keep the smallest prefix whose mass reaches top_p
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, si, sp)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=rng))
+
+    def _generate_iter(
+        self, ids: list[int], max_new: int, temperature: float, top_p: float, top_k: int,
+        seed: int | None, stop_strs: list[str], stop_ids: set[int],
+        snapshot: KVSnapshot | None, t_start: float,
+    ) -> Iterator[Any]:
+        pre, keys = self._prefill(ids, snapshot, t_start)
+        stats = pre.stats
+        rng: torch.Generator | None = None
+        if seed is not None:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(int(seed))
+        out: list[int] = []
+        emitted = ""
+        finish = "length"
+        cache = pre.cache
+        nxt = self._pick(pre.last_logits, temperature, top_p, top_k, rng) if max_new else None
+        stats.ttft_s = time.perf_counter() - t_start
+        self._store_chunks(pre, keys)
+        pre.cache = None  # the decode loop owns the cache from here
+        t_dec = time.perf_counter()
+        text: str | None = None
+        while nxt is not None:
+            out.append(nxt)
+            piece: Any = nxt
+            if self.tokenizer is not None:
+                text = self.decode(out) or ""
+                cut = min((text.find(s) for s in stop_strs if s in text), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+                    finish = "stop"
+                piece = "" if text.endswith("\ufffd") else text[len(emitted):]
+                if piece:
+                    emitted = text
+            if piece != "":
+                yield piece
+            if finish == "stop" or nxt in stop_ids:
+                finish = "stop"
+                break
+            if nxt in self.eos_token_ids:
+                finish = "eos"
+                break
+            if len(out) >= max_new:
+                break
+            with torch.no_grad():
+                logits = self._runner.forward(
+                    torch.tensor([[nxt]], dtype=torch.long, device=self.device), cache
+                )
+            nxt = self._pick(logits, temperature, top_p, top_k, rng)
+        dt = time.perf_counter() - t_dec
+        stats.new_tokens = len(out)
+        stats.decode_tokens_per_s = (len(out) - 1) / dt if len(out) > 1 and dt > 0 else 0.0
+        stats.finish_reason = finish if out else "length"
+        stats.total_s = time.perf_counter() - t_start
+        if self.tokenizer is not None and finish != "stop":
+            text = self.decode(out)
+        return GenerationResult(token_ids=out, text=text, stats=stats, prompt_ids=ids)
+
+    # -------------------------------------------------------------- snapshots
+    def snapshot(self, prompt: Prompt) -> KVSnapshot:
+        """Export the KV of ``prompt`` (restored or computed) with this engine's namespace."""
+        pre = self.prefill(prompt)
+        ids = pre.input_ids
+        keys = self.chunk_keys(ids)
+        spans = chunk_spans(len(ids), self.chunk_size)
+        chunks: list[bytes] = []
+        with torch.no_grad():
+            k_all, v_all = ca.stack_range(pre.cache, 0, len(ids))
+            k_all, v_all = k_all.cpu(), v_all.cpu()
+        for i, (s, e) in enumerate(spans):
+            data = pre.chunk_bytes[i] if i < len(pre.chunk_bytes) else None
+            if data is None:  # computed here: encode (hits keep their stored bytes)
+                data = self._encode(keys, i, s, e, k_all[:, :, s:e], v_all[:, :, s:e])
+            chunks.append(data)
+        return KVSnapshot(
+            namespace=bytes(self.namespace_digest),
+            token_ids=tuple(ids),
+            chunk_size=self.chunk_size,
+            codec=self.codec.spec,
+            chunks=tuple(chunks),
+        )
+
+    def import_snapshot(self, snap: KVSnapshot | bytes) -> int:
+        """Verify a snapshot and put its chunks into this engine's store; returns chunks added.
+
+        Raises :class:`NamespaceMismatchError` for a snapshot of another namespace and
+        :class:`CorruptEntryError` for damaged data (nothing is stored then).
+        """
+        if isinstance(snap, (bytes, bytearray, memoryview)):
+            snap = KVSnapshot.from_bytes(bytes(snap))
+        self._check_snapshot(snap)
+        ids = list(snap.token_ids)
+        self._validate_ids(ids)
+        chunks, _, raw = self._gather_from_snapshot(ids, snap)  # verifies every chunk first
+        if self.store is None:
+            return 0
+        if snap.chunk_size == self.chunk_size:
+            keys = self.chunk_keys(ids)
+            added = 0
+            for key, data in zip(keys, raw):
+                if not self.store.contains(key):
+                    self.store.put(key, data)
+                    added += 1
+            return added
+        # another chunking: restore and re-chunk with ours
+        with torch.no_grad():
+            cache, _ = self._restore(chunks)
+        pre = PrefillResult(cache=cache, last_logits=torch.empty(0), input_ids=ids,
+                            stats=GenerationStats(prompt_tokens=len(ids)))
+        self._store_chunks(pre, self.chunk_keys(ids))
+        return pre.stats.chunks_stored
+
+    def __repr__(self) -> str:
+        return (
+            f"HFEngine({type(self.model).__name__}, device={self.device}, chunk_size="
+            f"{self.chunk_size}, codec={self.codec.spec!r}, store={getattr(self.store, 'name', None)})"
+        )
