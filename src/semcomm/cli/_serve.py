@@ -2,8 +2,66 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from typing import Any
+
 import typer
+
+__all__ = ["register"]
+
+
+def serve(
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML config file (merged "
+                                       "over the embedded default; see docs/server.md)."),
+    host: str | None = typer.Option(None, "--host", help="Address to bind (default from "
+                                    "config: 127.0.0.1)."),
+    port: int | None = typer.Option(None, "--port", "-p", help="Port to bind (default from "
+                                    "config: 8000)."),
+    ray: bool = typer.Option(False, "--ray", help="Deploy the engines as Ray Serve replicas "
+                             "behind semcomm's replica router, with Redis-backed stores."),
+    log_level: str = typer.Option("info", "--log-level", help="Log level (debug, info, "
+                                  "warning, error)."),
+    check: bool = typer.Option(False, "--check", help="Validate the config, print it as JSON "
+                               "and exit."),
+) -> None:
+    """Serve an OpenAI-compatible API with semantic, KV-prefix and cache-to-cache reuse.
+
+    With no --config it serves the embedded default offline (a local model, a SQLite semantic
+    cache, memory + disk KV stores). Clients authenticate with 'Authorization: Bearer <key>'
+    using the keys of the [tenants] table.
+    """
+    from ..errors import require
+    from ..server import load_config
+
+    overrides: dict[str, Any] = {"server": {}}
+    if host is not None:
+        overrides["server"]["host"] = host
+    if port is not None:
+        overrides["server"]["port"] = port
+    cfg = load_config(config, overrides=overrides)
+    if check:
+        typer.echo(cfg.model_dump_json(indent=2, exclude={"tenants"}))
+        return
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    require("uvicorn", "server")
+    if ray:
+        from ..server._ray import serve_ray
+
+        serve_ray(cfg)
+        return
+    import uvicorn
+
+    from ..server import create_app
+
+    app = create_app(cfg)
+    typer.echo(f"semcomm serving on http://{cfg.server.host}:{cfg.server.port} "
+               f"(models: {', '.join([*cfg.models, *cfg.pipelines])})")
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level.lower(),
+                access_log=False)
 
 
 def register(app: typer.Typer) -> None:
     """Attach the `serve` command(s) to the main app."""
+    app.command("serve")(serve)

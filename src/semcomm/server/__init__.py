@@ -1,1 +1,42 @@
-"""semcomm.server"""
+"""semcomm.server: an OpenAI-compatible gateway running the whole semcomm request path.
+
+``create_app(config)`` builds the FastAPI app; ``load_config(path)`` reads and validates the TOML
+configuration (embedded default + file + ``SEMCOMM__SECTION__KEY`` environment overrides);
+``Gateway`` is the request path without HTTP; ``ModelBackend`` is the protocol every model is
+served through (in-process HF engines, OpenAI-compatible upstreams, pipelines). See
+``docs/server.md``.
+"""
+
+from ._app import create_app
+from ._backends import (
+    BackendStatus,
+    Completion,
+    FaultyBackend,
+    GenRequest,
+    LocalBackend,
+    ModelBackend,
+    UpstreamBackend,
+)
+from ._batching import BatchingWorker, EngineRunner, Job
+from ._config import DEFAULT_TOML, ServerConfig, load_config
+from ._gateway import Gateway
+from ._pipeline import PipelineBackend
+
+__all__ = [
+    "DEFAULT_TOML",
+    "BackendStatus",
+    "BatchingWorker",
+    "Completion",
+    "EngineRunner",
+    "FaultyBackend",
+    "Gateway",
+    "GenRequest",
+    "Job",
+    "LocalBackend",
+    "ModelBackend",
+    "PipelineBackend",
+    "ServerConfig",
+    "UpstreamBackend",
+    "create_app",
+    "load_config",
+]

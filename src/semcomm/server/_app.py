@@ -1,0 +1,394 @@
+"""The FastAPI app: OpenAI-compatible endpoints over a :class:`Gateway`, plus ops endpoints.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /dashboard``
+and ``GET /dashboard/data``, ``GET /admin/stats`` and ``POST /admin/invalidate`` (admin key).
+
+Every answer to a generation request carries ``x-semcomm-hits``: the layers that served this
+request from cache, for this tenant only (``semantic``, ``kv:<tokens>``, ``c2c`` or ``none``).
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import (
+    InvalidInputError,
+    OverloadedError,
+    SemcommError,
+    TenantError,
+    UpstreamError,
+)
+from ._backends import Completion, GenRequest, InjectedFault
+from ._batching import Delta
+from ._config import ServerConfig, load_config
+from ._dashboard import dashboard_data
+from ._gateway import Gateway, ModelNotFound, Served
+from ._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    usage_dict,
+)
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+HITS_HEADER = "x-semcomm-hits"
+
+
+class InvalidateRequest(BaseModel):
+    tag: str | None = Field(None, min_length=1)
+    scope: str | None = Field(None, min_length=1)
+    tenant: str | None = Field(None, min_length=1)
+
+
+def _err(status: int, message: str, type_: str, *, param: str | None = None,
+         code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param=param, code=code), status_code=status,
+                        headers={HITS_HEADER: "none", **(headers or {})})
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    """Map an exception raised before any byte was sent to an OpenAI-style error."""
+    if isinstance(exc, ModelNotFound):
+        return _err(404, str(exc), "invalid_request_error", param="model",
+                    code="model_not_found")
+    if isinstance(exc, OverloadedError):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        status = int(getattr(exc, "status_code", 429))
+        return _err(status, str(exc), "rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": retry})
+    if isinstance(exc, TenantError):
+        status = int(getattr(exc, "status_code", 401))
+        if status == 400:
+            return _err(400, str(exc), "invalid_request_error",
+                        param=getattr(exc, "field", None), code="client_salt_refused")
+        return _err(401, str(exc), "invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+    if isinstance(exc, InvalidInputError):
+        return _err(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
+    if isinstance(exc, UpstreamError):
+        st = exc.status or 502
+        if st == 429:
+            return _err(429, str(exc), "rate_limit_error", code="upstream_rate_limited",
+                        headers={"Retry-After": "1"})
+        if st in (400, 404, 413, 422):
+            return _err(400, str(exc), "invalid_request_error", code="upstream_rejected")
+        status = 504 if st == 504 else 502
+        return _err(status, str(exc), "upstream_error",
+                    code="upstream_timeout" if status == 504 else "upstream_failed")
+    if isinstance(exc, InjectedFault):
+        headers = {"Retry-After": str(int(exc.retry_after_s))} if exc.retry_after_s else None
+        return _err(exc.status, str(exc), "server_error", code="injected_failure",
+                    headers=headers)
+    if isinstance(exc, asyncio.TimeoutError):
+        return _err(504, "the request timed out in the gateway", "timeout_error",
+                    code="timeout")
+    if isinstance(exc, SemcommError):
+        return _err(500, str(exc), "server_error")
+    log.exception("unexpected error", exc_info=exc)
+    return _err(500, "internal error (see the server log)", "server_error")
+
+
+def _cache_flags(request: Request) -> tuple[bool, bool]:
+    cc = request.headers.get("cache-control", "").lower()
+    return "no-cache" in cc, "no-store" in cc
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | None = None
+               ) -> FastAPI:
+    """Build the app. ``config`` is a :class:`ServerConfig`, a TOML path, or None (defaults)."""
+    if gateway is None:
+        if config is None or isinstance(config, str):
+            config = load_config(config)
+        gateway = Gateway(config)
+    gw = gateway
+    cfg: ServerConfig = gw.config
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.startup()
+        try:
+            yield
+        finally:
+            await gw.shutdown()
+
+    app = FastAPI(title="semcomm", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible gateway with semantic, KV-prefix and "
+                              "cache-to-cache reuse inside tenant boundaries.")
+    app.state.gateway = gw
+
+    # --- errors ----------------------------------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            msg = "the request body is not valid JSON"
+            param = None
+        elif first.get("type") == "missing":
+            msg = f"missing required parameter {param!r}"
+        else:
+            msg = f"invalid parameter {param!r}: {first.get('msg', 'invalid value')}"
+        return _err(400, msg, "invalid_request_error", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _err(exc.status_code, str(exc.detail), typ)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(exc)
+
+    # --- generation ------------------------------------------------------------------------------
+    def _auth(request: Request) -> str | None:
+        return gw.authenticate(request.headers.get("authorization"))
+
+    def _max_tokens(asked: int | None) -> int:
+        n = asked if asked is not None else cfg.server.default_max_tokens
+        if n > cfg.server.max_tokens_limit:
+            e = InvalidInputError(f"max_tokens is {n}; this server allows at most "
+                                  f"{cfg.server.max_tokens_limit}")
+            e.param = "max_tokens"  # type: ignore[attr-defined]
+            raise e
+        return n
+
+    async def _serve(request: Request, req: GenRequest, body: dict[str, Any], endpoint: str
+                     ) -> Served:
+        no_cache, no_store = _cache_flags(request)
+        return await asyncio.wait_for(
+            gw.serve(req, endpoint=endpoint, body=body, headers=dict(request.headers),
+                     no_cache=no_cache, no_store=no_store),
+            timeout=cfg.server.request_timeout_s)
+
+    def _headers(served: Served, rid: str) -> dict[str, str]:
+        return {HITS_HEADER: served.hits_header, "x-semcomm-model": served.model,
+                "x-request-id": rid}
+
+    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tenant = _auth(request)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        req = GenRequest(
+            model=body.model,
+            messages=[{"role": "system" if m.role == "developer" else m.role,
+                       "content": m.text()} for m in body.messages],
+            prompt=None,
+            max_tokens=_max_tokens(body.max_completion_tokens or body.max_tokens),
+            temperature=body.temperature if body.temperature is not None else 0.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
+        )
+        raw = body.model_dump(exclude_none=True)
+        served = await _serve(request, req, raw, "chat")
+        headers = _headers(served, rid)
+        if not body.stream:
+            final = await _drain(served)
+            usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens)
+            meta = {**final.meta, "hits": final.hits or ["none"]}
+            return JSONResponse(chat_response(rid, served.model, final.text, final.finish_reason,
+                                              usage, meta), headers=headers)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created = int(time.time())
+
+        async def events() -> AsyncIterator[bytes]:
+            yield _sse(chat_chunk(rid, served.model, created, content="", role=True))
+            try:
+                async for item in served.items:
+                    if isinstance(item, Delta):
+                        yield _sse(chat_chunk(rid, served.model, created, content=item.text))
+                    elif isinstance(item, Completion):
+                        if served.hits_header == "semantic":
+                            yield _sse(chat_chunk(rid, served.model, created, content=item.text))
+                        meta = {**item.meta, "hits": item.hits or ["none"]}
+                        yield _sse(chat_chunk(rid, served.model, created,
+                                              finish=item.finish_reason, meta=meta))
+                        if include_usage:
+                            yield _sse(chat_chunk(rid, served.model, created, empty=True,
+                                                  usage=usage_dict(item.prompt_tokens,
+                                                                   item.completion_tokens,
+                                                                   item.hit_tokens)))
+            except Exception as exc:
+                log.warning("stream %s failed: %s", rid, exc)
+                body_ = json.loads(_error_response(exc).body)
+                yield _sse(body_)
+                return
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tenant = _auth(request)
+        if body.echo or body.suffix:
+            e = InvalidInputError("echo and suffix are not supported")
+            e.param = "echo" if body.echo else "suffix"  # type: ignore[attr-defined]
+            raise e
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        req = GenRequest(
+            model=body.model, messages=None, prompt=body.prompt_text(),
+            max_tokens=_max_tokens(body.max_tokens),
+            temperature=body.temperature if body.temperature is not None else 0.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
+        )
+        if not req.prompt:
+            e = InvalidInputError("prompt must not be empty")
+            e.param = "prompt"  # type: ignore[attr-defined]
+            raise e
+        served = await _serve(request, req, body.model_dump(exclude_none=True), "completions")
+        headers = _headers(served, rid)
+        if not body.stream:
+            final = await _drain(served)
+            usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens)
+            meta = {**final.meta, "hits": final.hits or ["none"]}
+            return JSONResponse(completion_response(rid, served.model, final.text,
+                                                    final.finish_reason, usage, meta),
+                                headers=headers)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created = int(time.time())
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for item in served.items:
+                    if isinstance(item, Delta):
+                        yield _sse(completion_chunk(rid, served.model, created, text=item.text))
+                    elif isinstance(item, Completion):
+                        text = item.text if served.hits_header == "semantic" else ""
+                        meta = {**item.meta, "hits": item.hits or ["none"]}
+                        yield _sse(completion_chunk(rid, served.model, created, text=text,
+                                                    finish=item.finish_reason, meta=meta))
+                        if include_usage:
+                            yield _sse(completion_chunk(rid, served.model, created, empty=True,
+                                                        usage=usage_dict(item.prompt_tokens,
+                                                                         item.completion_tokens,
+                                                                         item.hit_tokens)))
+            except Exception as exc:
+                log.warning("stream %s failed: %s", rid, exc)
+                yield _sse(json.loads(_error_response(exc).body))
+                return
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+    async def _drain(served: Served) -> Completion:
+        final = None
+        async for item in served.items:
+            if isinstance(item, Completion):
+                final = item
+        assert final is not None
+        return final
+
+    # --- models, health, metrics -----------------------------------------------------------------
+    @app.get("/v1/models", summary="List models")
+    async def list_models(request: Request) -> JSONResponse:
+        tenant = _auth(request)
+        data = []
+        for name in gw.model_names(tenant):
+            b = gw.backends[name]
+            data.append({"id": name, "object": "model", "created": int(gw.stats.started),
+                         "owned_by": "semcomm", "semcomm": {"kind": b.kind}})
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id}", summary="Describe one model")
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        tenant = _auth(request)
+        if model_id not in gw.model_names(tenant):
+            raise ModelNotFound(model_id, gw.model_names(tenant))
+        return JSONResponse({"id": model_id, "object": "model", "created": int(gw.stats.started),
+                             "owned_by": "semcomm"})
+
+    @app.get("/health", summary="Health of every model and cache backend")
+    async def health() -> JSONResponse:
+        h = gw.health()
+        return JSONResponse(h, status_code=200)
+
+    @app.get("/metrics", summary="Prometheus metrics (all prefixed semcomm_)")
+    async def metrics(request: Request) -> Response:
+        key = cfg.server.metrics_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            return _err(401, "metrics need 'Authorization: Bearer <metrics_key>'",
+                        "invalid_request_error", code="invalid_api_key")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        gw.health()  # refresh gauges
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- dashboard -------------------------------------------------------------------------------
+    @app.get("/dashboard", response_class=HTMLResponse, summary="Live dashboard")
+    async def dashboard() -> HTMLResponse:
+        html = resources.files("semcomm.server").joinpath("static/dashboard.html").read_text(
+            encoding="utf-8")
+        return HTMLResponse(html, headers={"Content-Security-Policy":
+                                           "default-src 'self'; script-src 'unsafe-inline'; "
+                                           "style-src 'unsafe-inline'; img-src data:"})
+
+    @app.get("/dashboard/data", summary="Figures behind the dashboard (JSON)")
+    async def dashboard_json() -> JSONResponse:
+        return JSONResponse(dashboard_data(gw))
+
+    # --- admin -----------------------------------------------------------------------------------
+    def _admin(request: Request) -> JSONResponse | None:
+        if not cfg.server.admin_key:
+            return _err(403, "admin endpoints are disabled: set server.admin_key",
+                        "permission_error", code="admin_disabled")
+        if not gw.is_admin(request.headers.get("authorization")):
+            return _err(401, "admin endpoints need 'Authorization: Bearer <admin_key>'",
+                        "invalid_request_error", code="invalid_api_key")
+        return None
+
+    @app.get("/admin/stats", summary="Cache statistics (admin key)")
+    async def admin_stats(request: Request) -> JSONResponse:
+        denied = _admin(request)
+        if denied is not None:
+            return denied
+        return JSONResponse({"stores": gw.store_stats(), "health": gw.health(),
+                             "dashboard": dashboard_data(gw)})
+
+    @app.post("/admin/invalidate", summary="Invalidate semantic entries by tag or scope (admin)")
+    async def admin_invalidate(body: InvalidateRequest, request: Request) -> JSONResponse:
+        denied = _admin(request)
+        if denied is not None:
+            return denied
+        if not body.tag and not body.scope:
+            raise InvalidInputError("give a tag or a scope to invalidate")
+        if body.tenant is not None and body.tenant not in cfg.tenants:
+            raise InvalidInputError(f"unknown tenant {body.tenant!r}")
+        if gw.semantic is None:
+            return _err(409, "the semantic cache is not enabled", "invalid_request_error")
+        n = await asyncio.to_thread(gw.semantic.invalidate, tag=body.tag, scope=body.scope,
+                                    tenant=body.tenant)
+        return JSONResponse({"invalidated": n})
+
+    return app

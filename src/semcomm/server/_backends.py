@@ -1,0 +1,452 @@
+"""Model backends: the narrow protocol the gateway serves every model through.
+
+A :class:`ModelBackend` turns a :class:`GenRequest` into a stream of :class:`Started`,
+:class:`Delta` and a final :class:`Completion` (``complete`` collects the stream). Three kinds:
+
+* :class:`LocalBackend`: an in-process HF model behind a :class:`BatchingWorker` (KV prefix
+  reuse when the runner is a ``semcomm.engine`` runner, plain batched decoding otherwise);
+* :class:`UpstreamBackend`: any OpenAI-compatible server (vLLM, Ollama, a cloud API, another
+  semcomm), over httpx with timeouts and retries only where a retry cannot duplicate output;
+* ``PipelineBackend`` (in ``_pipeline``): a chain of stages served as one virtual model.
+
+:class:`FaultyBackend` wraps a backend to fail on purpose (test-only ``fail_mode`` option).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import InvalidInputError, OverloadedError, UpstreamError
+from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
+
+__all__ = [
+    "GenRequest",
+    "Completion",
+    "BackendStatus",
+    "StreamItem",
+    "ModelBackend",
+    "LocalBackend",
+    "UpstreamBackend",
+    "FaultyBackend",
+    "InjectedFault",
+    "collect",
+    "render_prompt",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """One normalized generation request (chat or plain completion)."""
+
+    model: str  # the name the client asked for
+    messages: list[dict[str, str]] | None  # chat: [{"role", "content"}], content flattened to text
+    prompt: str | None  # completion: the raw prompt
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    tenant: str | None = None  # configured tenant id from the API key; never from the body
+    request_id: str = ""
+    snapshot: Any = None  # KV snapshot to continue from (pipeline handoff on one model)
+
+
+@dataclass(slots=True)
+class Completion:
+    """The final result of a request, whatever served it."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    hits: list[str] = field(default_factory=list)  # header tokens: "semantic", "kv:512", "c2c"
+    hit_tokens: int = 0  # prompt tokens not recomputed (KV prefix or snapshot)
+    ttft_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)  # reported as response["semcomm"]
+
+
+StreamItem = Started | Delta | Completion
+
+
+@dataclass(slots=True)
+class BackendStatus:
+    up: bool
+    detail: str = ""
+    queue_depth: int = 0
+    in_flight: int = 0
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """What the gateway needs from a model: a stream of results, a status, a close."""
+
+    name: str
+    kind: str  # "hf" | "upstream" | "pipeline"
+
+    def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]: ...
+
+    def status(self) -> BackendStatus: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def collect(items: AsyncIterator[StreamItem]) -> Completion:
+    """Drain a backend stream and return its final :class:`Completion`."""
+    final: Completion | None = None
+    async for item in items:
+        if isinstance(item, Completion):
+            final = item
+    if final is None:  # pragma: no cover - protocol violation by a backend
+        raise UpstreamError("the backend ended without a result", status=502)
+    return final
+
+
+def render_prompt(tokenizer: Any, req: GenRequest) -> list[int]:
+    """Token ids of the request's prompt: the chat template for messages, plain text otherwise."""
+    if req.messages is not None:
+        if getattr(tokenizer, "chat_template", None):
+            out = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                tokenize=True)
+            ids = out["input_ids"] if hasattr(out, "keys") else out
+            return [int(i) for i in ids]
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant:"
+    else:
+        text = req.prompt or ""
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+class LocalBackend:
+    """An in-process model: requests become :class:`Job` s on a :class:`BatchingWorker`."""
+
+    kind = "hf"
+
+    def __init__(self, name: str, worker: BatchingWorker, *, kv_reuse: bool = False) -> None:
+        self.name = name
+        self.worker = worker
+        self.runner = worker.runner
+        self.tokenizer = worker.runner.tokenizer
+        self.kv_reuse = kv_reuse  # the runner restores cached KV prefixes
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(up=True, detail=f"in-process {self.runner.model_id}",
+                             queue_depth=self.worker.queue_depth, in_flight=self.worker.in_flight)
+
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        ids = render_prompt(self.tokenizer, req)
+        if not ids:
+            raise InvalidInputError("the prompt is empty after rendering")
+        limit = self.runner.max_positions
+        if len(ids) + 1 > limit:
+            raise InvalidInputError(
+                f"the prompt has {len(ids)} tokens; model {self.name!r} accepts at most "
+                f"{limit - 1} prompt tokens"
+            )
+        return ids
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        ids = self.prompt_ids(req)
+        max_new = min(req.max_tokens, self.runner.max_positions - len(ids))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(event: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        job = Job(prompt_ids=ids, max_new_tokens=max_new, temperature=req.temperature,
+                  top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=req.tenant,
+                  emit=emit, snapshot=req.snapshot)
+        self.worker.submit(job)  # OverloadedError when the queue is full
+        done = False
+        hits: list[str] = []
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, Started):
+                    if event.hit_tokens:
+                        hits.append(f"kv:{event.hit_tokens}")
+                    yield event
+                elif isinstance(event, Delta):
+                    yield event
+                elif isinstance(event, Finished):
+                    done = True
+                    out = event.output
+                    meta: dict[str, Any] = {"model": self.name, "engine": self.runner.model_id}
+                    if out.hit_tiers:
+                        meta["kv_tiers"] = sorted(set(out.hit_tiers))
+                    meta.update(out.extra)
+                    yield Completion(
+                        text=out.text, finish_reason=out.finish_reason,
+                        prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
+                        hits=hits if out.hit_tokens else [], hit_tokens=out.hit_tokens,
+                        ttft_s=out.ttft_s, meta=meta,
+                    )
+                    return
+                elif isinstance(event, Failed):
+                    done = True
+                    raise event.error
+        finally:
+            if not done:
+                job.cancelled.set()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.worker.close)
+
+
+# --- upstream ---------------------------------------------------------------------------------
+
+_RETRY_STATUSES = {429, 502, 503, 504}
+
+
+def _error_message(resp: Any) -> str:
+    try:
+        body = resp.json()
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:300]
+        return str(err)[:300]
+    except Exception:
+        return (resp.text or "").strip()[:300] or resp.reason_phrase
+
+
+class UpstreamBackend:
+    """An OpenAI-compatible model server reached over HTTP.
+
+    Retries (at most ``max_retries``, exponential backoff with jitter, honouring Retry-After up
+    to 2 s) happen only when no output can have been produced yet: connection failures and 429,
+    502, 503, 504 answers, and for streams only before the first chunk. A read timeout is not
+    retried (the upstream may still be working; retrying would double its load); it becomes an
+    :class:`UpstreamError` with status 504.
+    """
+
+    kind = "upstream"
+
+    def __init__(self, name: str, *, base_url: str, api_key: str | None = None,
+                 upstream_model: str | None = None, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 5.0, max_retries: int = 2) -> None:
+        import httpx
+
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.upstream_model = upstream_model or name
+        self.max_retries = max_retries
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+        self._up = True
+        self._detail = f"upstream {self.base_url}"
+        self._in_flight = 0
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(up=self._up, detail=self._detail, in_flight=self._in_flight)
+
+    def _body(self, req: GenRequest, stream: bool) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {
+            "model": self.upstream_model,
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "stream": stream,
+        }
+        if req.stop:
+            body["stop"] = req.stop
+        if req.seed is not None:
+            body["seed"] = req.seed
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if req.messages is not None:
+            body["messages"] = req.messages
+            return "/chat/completions", body
+        body["prompt"] = req.prompt
+        return "/completions", body
+
+    def _mark(self, up: bool, detail: str) -> None:
+        if up != self._up:
+            log.warning("upstream model %s is now %s: %s", self.name, "up" if up else "down", detail)
+        self._up, self._detail = up, detail
+
+    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
+        delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+        if retry_after:
+            try:
+                delay = min(2.0, max(delay, float(retry_after)))
+            except ValueError:
+                pass
+        await asyncio.sleep(delay)
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        import httpx
+
+        path, body = self._body(req, stream=True)
+        t0 = time.perf_counter()
+        self._in_flight += 1
+        try:
+            attempt = 0
+            while True:
+                try:
+                    async with self._client.stream("POST", path, json=body) as resp:
+                        if resp.status_code >= 400:
+                            await resp.aread()
+                            msg = _error_message(resp)
+                            if resp.status_code in _RETRY_STATUSES and attempt < self.max_retries:
+                                log.info("upstream %s answered %d, retrying", self.name,
+                                         resp.status_code)
+                                await self._backoff(attempt, resp.headers.get("retry-after"))
+                                attempt += 1
+                                continue
+                            self._mark(resp.status_code < 500, f"HTTP {resp.status_code}")
+                            raise UpstreamError(
+                                f"upstream model {self.name!r} answered HTTP {resp.status_code}: "
+                                f"{msg}", status=resp.status_code,
+                                retryable=resp.status_code in _RETRY_STATUSES)
+                        async for item in self._parse_sse(resp, req, t0):
+                            yield item
+                        self._mark(True, f"upstream {self.base_url}")
+                        return
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    if attempt < self.max_retries:
+                        await self._backoff(attempt, None)
+                        attempt += 1
+                        continue
+                    self._mark(False, f"unreachable: {exc.__class__.__name__}")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} at {self.base_url} is unreachable "
+                        f"({exc.__class__.__name__}) after {attempt + 1} attempts",
+                        status=502, retryable=True) from exc
+                except httpx.TimeoutException as exc:
+                    self._mark(False, "timed out")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} timed out ({exc.__class__.__name__})",
+                        status=504) from exc
+                except httpx.HTTPError as exc:
+                    self._mark(False, f"broken reply: {exc.__class__.__name__}")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} broke off its reply "
+                        f"({exc.__class__.__name__}: {exc})", status=502) from exc
+        finally:
+            self._in_flight -= 1
+
+    async def _parse_sse(self, resp: Any, req: GenRequest, t0: float) -> AsyncIterator[StreamItem]:
+        parts: list[str] = []
+        finish = "stop"
+        usage: dict[str, Any] = {}
+        ttft = 0.0
+        started = False
+        saw_done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                saw_done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise UpstreamError(f"upstream model {self.name!r} sent a malformed event",
+                                    status=502) from exc
+            if "error" in chunk:
+                err = chunk["error"]
+                raise UpstreamError(f"upstream model {self.name!r} failed mid-stream: "
+                                    f"{err.get('message') if isinstance(err, dict) else err}",
+                                    status=502)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if "delta" in choice else choice.get("text")
+                if not started:
+                    started = True
+                    yield Started(prompt_tokens=0, hit_tokens=0)
+                if text:
+                    if not parts:
+                        ttft = time.perf_counter() - t0
+                    parts.append(text)
+                    yield Delta(text)
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+        if not saw_done:
+            raise UpstreamError(f"upstream model {self.name!r} ended its stream without [DONE]",
+                                status=502)
+        if not started:
+            yield Started(prompt_tokens=0, hit_tokens=0)
+        text = "".join(parts)
+        yield Completion(
+            text=text, finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens", 0) or 0),
+            completion_tokens=int(usage.get("completion_tokens", 0) or 0),
+            ttft_s=ttft, meta={"model": self.name, "upstream": self.base_url},
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# --- failure injection (test-only) ---------------------------------------------------------------
+
+
+class InjectedFault(Exception):
+    """Raised by :class:`FaultyBackend`; the app answers with ``status`` (test-only)."""
+
+    def __init__(self, message: str, status: int, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class FaultyBackend:
+    """Wraps a backend and fails on purpose, as configured by the test-only ``fail_mode``.
+
+    Modes: ``http_500`` and ``http_503`` answer with that status for the first ``fail_count``
+    requests (0 = always); ``slow`` waits ``fail_delay_s`` before serving; ``drop`` sends the
+    first event of a stream and then aborts the connection.
+    """
+
+    def __init__(self, inner: ModelBackend, mode: str, *, delay_s: float = 0.0,
+                 count: int = 0) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.kind = inner.kind
+        self.mode = mode
+        self.delay_s = delay_s
+        self.count = count
+        self.calls = 0
+
+    def status(self) -> BackendStatus:
+        return self.inner.status()
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        self.calls += 1
+        failing = self.count == 0 or self.calls <= self.count
+        if self.mode in ("http_500", "http_503") and failing:
+            status = int(self.mode[5:])
+            raise InjectedFault(f"injected failure ({self.mode})", status,
+                                retry_after_s=1 if status == 503 else None)
+        if self.mode == "slow":
+            await asyncio.sleep(self.delay_s)
+        sent = 0
+        async for item in self.inner.stream(req):
+            if self.mode == "drop" and failing and isinstance(item, Delta) and sent >= 1:
+                raise ConnectionAbortedError("injected failure (drop)")
+            if isinstance(item, Delta):
+                sent += 1
+            yield item
+        if self.mode == "drop" and failing and sent <= 1:
+            raise ConnectionAbortedError("injected failure (drop)")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+_ = OverloadedError  # re-exported for callers that catch it around ``stream``

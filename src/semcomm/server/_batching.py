@@ -1,0 +1,203 @@
+"""Engine jobs and the batching worker that serves them.
+
+One :class:`BatchingWorker` owns one engine runner and one thread. Requests queue in FIFO order
+(bounded: a full queue raises :class:`OverloadedError`, which the app turns into 429 with
+Retry-After); the thread takes the oldest request plus every request queued behind it, up to
+``max_batch``, and hands the batch to the runner. FIFO batches mean no request is starved: a
+request waits at most for the batches ahead of it.
+
+Events flow back from the engine thread to the asyncio side through ``emit`` callbacks that the
+backend makes thread-safe with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import OverloadedError
+
+__all__ = [
+    "Job",
+    "Started",
+    "Delta",
+    "Finished",
+    "Failed",
+    "GenOutput",
+    "EngineRunner",
+    "BatchingWorker",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenOutput:
+    """What an engine produced for one job."""
+
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    hit_tokens: int = 0  # prompt tokens restored from the KV prefix cache (not recomputed)
+    hit_tiers: tuple[str, ...] = ()  # tier that served each hit chunk
+    ttft_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # engine stats worth reporting
+
+
+@dataclass(slots=True)
+class Started:
+    """Prefill done: how much of the prompt came from cache. Sent before any token."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    hit_tiers: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+
+
+@dataclass(slots=True)
+class Finished:
+    output: GenOutput
+
+
+@dataclass(slots=True)
+class Failed:
+    error: BaseException
+
+
+Event = Started | Delta | Finished | Failed
+
+
+@dataclass(slots=True)
+class Job:
+    """One generation request as the engine thread sees it."""
+
+    prompt_ids: list[int]  # full prompt, rendered and tokenized
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    tenant: str | None  # configured tenant id (never client-chosen); selects the KV namespace
+    emit: Callable[[Event], None]  # thread-safe; called from the engine thread
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set when the client left
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    snapshot: Any = None  # optional KV snapshot to continue from (pipelines, same model)
+
+
+class EngineRunner(Protocol):
+    """Runs a batch of jobs to completion on the calling thread, emitting events per job."""
+
+    model_id: str
+    tokenizer: Any
+    max_positions: int
+
+    def run(self, jobs: list[Job]) -> None: ...
+
+
+class BatchingWorker:
+    """A bounded FIFO queue in front of one runner, drained in batches by one thread.
+
+    Invariants: at most ``max_queue`` jobs wait; jobs start in arrival order; a batch holds at
+    most ``max_batch`` jobs; every submitted job gets exactly one Finished or Failed event.
+    """
+
+    def __init__(self, runner: EngineRunner, *, max_batch: int = 8, max_queue: int = 64,
+                 name: str = "engine") -> None:
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError("max_batch and max_queue must be >= 1")
+        self.runner = runner
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.name = name
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = 0  # jobs in the batch now running
+        self._batches = 0
+        self._batched_jobs = 0
+        self._service_s = 0.0  # EWMA of one batch's wall time, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name=f"semcomm-{name}", daemon=True)
+        self._thread.start()
+
+    # --- asyncio side -------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise OverloadedError(f"model {self.name!r} is shutting down", retry_after_s=5)
+            if len(self._queue) >= self.max_queue:
+                raise OverloadedError(
+                    f"model {self.name!r} has {len(self._queue)} queued requests (limit "
+                    f"{self.max_queue}); retry later",
+                    retry_after_s=self.retry_after_s(),
+                )
+            self._queue.append(job)
+            self._cond.notify()
+
+    def retry_after_s(self) -> float:
+        batches_ahead = len(self._queue) / self.max_batch + 1
+        return max(1.0, round(batches_ahead * max(self._service_s, 0.05), 1))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._busy + len(self._queue)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "queued": len(self._queue),
+            "running": self._busy,
+            "batches": self._batches,
+            "mean_batch": self._batched_jobs / self._batches if self._batches else 0.0,
+        }
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                batch = []
+                while self._queue and len(batch) < self.max_batch:
+                    job = self._queue.popleft()
+                    if job.cancelled.is_set():
+                        job.emit(Failed(ConnectionAbortedError("client went away")))
+                        continue
+                    batch.append(job)
+                self._busy = len(batch)
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.runner.run(batch)
+            except BaseException as exc:  # every job must hear back, whatever went wrong
+                log.exception("engine %s failed on a batch of %d", self.name, len(batch))
+                for job in batch:
+                    job.emit(Failed(exc))
+            finally:
+                dt = time.perf_counter() - t0
+                self._service_s = dt if self._service_s == 0 else 0.8 * self._service_s + 0.2 * dt
+                self._batches += 1
+                self._batched_jobs += len(batch)
+                with self._cond:
+                    self._busy = 0

@@ -1,0 +1,332 @@
+"""The server configuration: one TOML file, validated by pydantic, overridable by environment.
+
+Layering, later wins: the embedded default (:data:`DEFAULT_TOML`), then the user's TOML file
+(tables merge key by key, so a file that only sets ``[tenants.acme]`` keeps every default),
+then environment variables ``SEMCOMM__SECTION__KEY=value`` (double underscores separate the
+path; the value is read as a TOML value when it parses as one, else as a string), e.g.
+``SEMCOMM__SERVER__PORT=9000`` or ``SEMCOMM__TENANTS__ACME__API_KEY=k1``.
+
+Errors are :class:`semcomm.errors.ConfigError` naming the dotted key and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import ConfigError
+
+__all__ = [
+    "DEFAULT_TOML",
+    "ENV_PREFIX",
+    "ServerConfig",
+    "ServerSection",
+    "ModelConfig",
+    "KVConfig",
+    "SemanticConfig",
+    "RoutingConfig",
+    "TenantConfig",
+    "PipelineConfig",
+    "PipelineStage",
+    "RayConfig",
+    "load_config",
+]
+
+ENV_PREFIX = "SEMCOMM__"
+
+DEFAULT_TOML = """
+# semcomm embedded default: offline, one process, no services to run.
+[server]
+host = "127.0.0.1"
+port = 8000
+
+[models.semcomm-tiny]
+kind = "hf"
+path = "auto"          # the reference receiver model when installed, else a config-built tiny Qwen2
+
+[kv]
+enabled = true
+tiers = ["memory", "disk"]
+
+[semantic]
+enabled = true
+backend = "sqlite"
+
+[pipelines.semcomm-chain]
+description = "router step then specialist step on one model; handoff by KV snapshot"
+stages = [
+  { model = "semcomm-tiny", system = "You are a support router. Name the team that should answer." },
+  { model = "semcomm-tiny", system = "You are the specialist. Answer the customer." },
+]
+"""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    admin_key: str | None = None  # admin endpoints answer 403 unless this is set
+    metrics_key: str | None = None  # when set, /metrics needs it as a bearer token
+    allow_anonymous: bool | None = None  # default: True when no tenant is configured
+    max_queue: int = Field(64, ge=1)  # per engine; beyond it requests get 429 + Retry-After
+    max_batch: int = Field(8, ge=1)  # requests decoded together per engine step
+    max_tokens_limit: int = Field(1024, ge=1)  # largest max_tokens a request may ask for
+    default_max_tokens: int = Field(64, ge=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    state_dir: str | None = None  # default: $SEMCOMM_HOME/server
+    secret: str | None = None  # server secret for tenant salts (default: SEMCOMM_SECRET / file)
+
+
+class ModelConfig(_Section):
+    kind: Literal["hf", "upstream"] = "hf"
+    # hf: "auto", "tiny", "reference:sharer", "reference:receiver", an HF id or a local path
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: str | None = None
+    kv_cache: bool = True  # reuse KV prefixes through semcomm.engine when available
+    chunk_size: int | None = Field(None, ge=1)
+    # upstream: an OpenAI-compatible server
+    base_url: str | None = None  # e.g. "http://127.0.0.1:8001/v1"
+    api_key: str | None = None
+    upstream_model: str | None = None  # model name on the upstream (default: this name)
+    timeout_s: float = Field(60.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=10)
+    # test-only: make this upstream model fail (to test the gateway's error paths)
+    fail_mode: Literal["none", "http_500", "http_503", "slow", "drop"] = "none"
+    fail_delay_s: float = Field(0.0, ge=0)
+    fail_count: int = Field(0, ge=0)  # fail only the first N requests (0: every request)
+    # capability / cost, for the model router
+    cost: float = Field(1.0, ge=0)
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ModelConfig:
+        if self.kind == "upstream" and not self.base_url:
+            raise ValueError("kind = 'upstream' needs base_url")
+        if self.kind == "hf" and self.base_url:
+            raise ValueError("base_url is only for kind = 'upstream'")
+        return self
+
+
+class KVConfig(_Section):
+    enabled: bool = True
+    tiers: list[Literal["memory", "disk", "redis"]] = ["memory", "disk"]
+    memory_bytes: int = Field(256 * 2**20, ge=0)
+    disk_path: str | None = None  # default: <state_dir>/kv
+    disk_bytes: int = Field(2 * 2**30, ge=0)
+    redis_url: str | None = None
+    chunk_size: int | None = Field(None, ge=1)
+    codec: str | None = None
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> KVConfig:
+        if "redis" in self.tiers and not self.redis_url:
+            raise ValueError("tiers includes 'redis' but redis_url is not set")
+        return self
+
+
+class SemanticConfig(_Section):
+    enabled: bool = True
+    backend: Literal["memory", "sqlite", "redis"] = "sqlite"
+    path: str | None = None  # sqlite file (default: <state_dir>/semantic.sqlite3)
+    redis_url: str | None = None
+    threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
+    ttl_s: float | None = Field(None, gt=0)
+    context_turns: int = Field(4, ge=0)  # earlier turns that must match exactly
+    only_greedy: bool = True  # cache answers only for temperature == 0 requests
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> SemanticConfig:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("backend = 'redis' needs redis_url")
+        return self
+
+
+class RoutingConfig(_Section):
+    default_model: str | None = None  # model used when a request says "auto"/"default"
+    auto_models: list[str] = []  # candidates for "auto" (model router); default: all models
+    replica_policy: str = "default"
+
+
+class TenantConfig(_Section):
+    api_key: str = Field(min_length=1)
+    api_keys: list[str] = []  # extra keys for the same tenant (rotation)
+    models: list[str] | None = None  # allowed models (None: all)
+    share_public: bool = False  # may hit prefixes marked public
+
+
+class PipelineStage(_Section):
+    model: str
+    system: str = ""  # the stage's own system prompt
+    max_tokens: int | None = Field(None, ge=1)
+    role: str = ""  # free text shown in metadata ("router", "specialist", "sharer", ...)
+
+
+class PipelineConfig(_Section):
+    stages: list[PipelineStage] = Field(min_length=1)
+    handoff: Literal["auto", "kv", "c2c", "text"] = "auto"
+    description: str = ""
+    fuser: str | None = None  # path of a trained fuser for c2c handoff (default: shipped one)
+
+
+class RayConfig(_Section):
+    replicas: int = Field(2, ge=1)
+    redis_url: str | None = None
+    address: str | None = None  # existing Ray cluster (default: start a local one)
+    num_cpus_per_replica: float = Field(1.0, gt=0)
+
+
+class ServerConfig(_Section):
+    """The whole server configuration (see the module docstring for layering)."""
+
+    server: ServerSection = ServerSection()
+    models: dict[str, ModelConfig] = {}
+    kv: KVConfig = KVConfig()
+    semantic: SemanticConfig = SemanticConfig()
+    routing: RoutingConfig = RoutingConfig()
+    tenants: dict[str, TenantConfig] = {}
+    pipelines: dict[str, PipelineConfig] = {}
+    ray: RayConfig = RayConfig()
+    security: dict[str, Any] = {}  # passed through to semcomm.security's server hooks
+
+    @field_validator("models")
+    @classmethod
+    def _need_model(cls, v: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        if not v:
+            raise ValueError("at least one model must be configured")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ServerConfig:
+        names = set(self.models)
+        for pname, p in self.pipelines.items():
+            if pname in names:
+                raise ValueError(f"pipelines.{pname}: name already used by a model")
+            for i, st in enumerate(p.stages):
+                if st.model not in names:
+                    raise ValueError(
+                        f"pipelines.{pname}.stages.{i}.model: unknown model {st.model!r} "
+                        f"(configured: {sorted(names)})"
+                    )
+        keys: dict[str, str] = {}
+        for tname, t in self.tenants.items():
+            for key in [t.api_key, *t.api_keys]:
+                if key in keys and keys[key] != tname:
+                    raise ValueError(f"tenants.{tname}.api_key: same key as tenants.{keys[key]}")
+                keys[key] = tname
+                if self.server.admin_key and key == self.server.admin_key:
+                    raise ValueError(f"tenants.{tname}.api_key: must differ from server.admin_key")
+            for m in t.models or []:
+                if m not in names and m not in self.pipelines:
+                    raise ValueError(f"tenants.{tname}.models: unknown model {m!r}")
+        dm = self.routing.default_model
+        if dm is not None and dm not in names and dm not in self.pipelines:
+            raise ValueError(f"routing.default_model: unknown model {dm!r}")
+        for m in self.routing.auto_models:
+            if m not in names:
+                raise ValueError(f"routing.auto_models: unknown model {m!r}")
+        return self
+
+    @property
+    def anonymous_allowed(self) -> bool:
+        if self.server.allow_anonymous is not None:
+            return self.server.allow_anonymous
+        return not self.tenants
+
+    def state_dir(self) -> Path:
+        if self.server.state_dir:
+            return Path(self.server.state_dir).expanduser()
+        from ..security import semcomm_home
+
+        return semcomm_home() / "server"
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if not path:
+            continue
+        try:
+            value: Any = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = tree
+        for p in path[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"environment variable {name}: {'.'.join(path)} conflicts with "
+                                  "another override")
+            node = nxt
+        node[path[-1]] = value
+    return tree
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see docs/server.md)"
+        lines.append(f"{loc or '<root>'}: {msg}")
+    return "; ".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    defaults: bool = True,
+) -> ServerConfig:
+    """Build the configuration: embedded default, then ``path``, then env vars, then ``overrides``.
+
+    With ``defaults=False`` the embedded models and pipelines are left out (the file must
+    configure its own); every other section still has defaults.
+    """
+    data: dict[str, Any] = tomllib.loads(DEFAULT_TOML) if defaults else {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from exc
+        try:
+            user = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+        # a file that defines its own models replaces the embedded ones (and their pipelines)
+        if defaults and "models" in user:
+            data.pop("models", None)
+            data.pop("pipelines", None)
+        data = _merge(data, user)
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        where = f" in {str(path)!r}" if path is not None else ""
+        raise ConfigError(f"invalid semcomm config{where}: {_describe(exc)}") from None

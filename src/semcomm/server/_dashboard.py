@@ -1,0 +1,63 @@
+"""Figures behind ``/dashboard``: hit rates, tokens and ms saved, memory per tier, routing
+spread and the most reused cached prefixes (opaque fingerprints, never their text)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway
+
+__all__ = ["dashboard_data"]
+
+
+def dashboard_data(gw: Gateway) -> dict[str, Any]:
+    s = gw.stats
+    layers = sorted(set(s.layer_hits) | set(s.lookups) | {"semantic", "kv"})
+    total = max(1, s.requests)
+    per_layer = {
+        layer: {
+            "hits": s.layer_hits.get(layer, 0),
+            "hit_rate": round(s.layer_hits.get(layer, 0) / total, 4),
+            "tokens_saved": s.layer_tokens.get(layer, 0),
+            "ms_saved": round(s.layer_ms.get(layer, 0.0), 2),
+        }
+        for layer in layers
+    }
+    tiers = {}
+    for tier, st in gw.store_stats().items():
+        tiers[tier] = {"bytes": int(st.get("bytes", 0) or 0),
+                       "entries": int(st.get("entries", 0) or 0),
+                       "capacity_bytes": int(st.get("capacity_bytes", 0) or 0),
+                       "evictions": int(st.get("evictions", 0) or 0)}
+    top = sorted(s.prefixes.items(), key=lambda kv: (kv[1].reuses, kv[1].saved_tokens),
+                 reverse=True)[:10]
+    models = {}
+    for name, b in gw.backends.items():
+        st = b.status()
+        models[name] = {"kind": b.kind, "up": st.up, "queue_depth": st.queue_depth,
+                        "in_flight": st.in_flight}
+    point = {"t": round(time.time() - s.started, 1), "requests": s.requests,
+             "tokens_saved": sum(s.layer_tokens.values()),
+             "ms_saved": round(sum(s.layer_ms.values()), 1)}
+    if not s.history or s.history[-1]["t"] + 1 <= point["t"]:
+        s.history.append(point)
+        del s.history[:-120]
+    return {
+        "uptime_s": round(time.time() - s.started, 1),
+        "requests": s.requests,
+        "errors": s.errors,
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "tokens_saved": sum(s.layer_tokens.values()),
+        "ms_saved": round(sum(s.layer_ms.values()), 2),
+        "layers": per_layer,
+        "tiers": tiers,
+        "routing": dict(s.routing),
+        "handoffs": dict(s.handoffs),
+        "models": models,
+        "top_prefixes": [{"id": fp, "tokens": p.tokens, "reuses": p.reuses,
+                          "saved_tokens": p.saved_tokens} for fp, p in top],
+        "history": list(s.history),
+    }

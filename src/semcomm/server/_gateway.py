@@ -1,0 +1,442 @@
+"""The request path, independent of HTTP: auth -> admission -> semantic cache -> model -> store.
+
+A :class:`Gateway` owns the backends, the semantic cache layer, the shared KV store, the
+metrics and the dashboard statistics of one server. The FastAPI app (``_app``) only parses
+requests and formats responses; ``run_demo`` and the Ray deployment reuse the same object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidInputError, OverloadedError, TenantError, UpstreamError
+from ..security import TenantSalter
+from ._backends import Completion, GenRequest, ModelBackend, StreamItem
+from ._batching import Delta, Started
+from ._config import ServerConfig
+from ._metrics import Metrics
+
+__all__ = ["Gateway", "Served", "DashboardStats", "ModelNotFound"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(InvalidInputError):
+    """The requested model is not configured (or not allowed for this tenant)."""
+
+    def __init__(self, model: str, available: list[str]) -> None:
+        super().__init__(f"model {model!r} does not exist; available: {', '.join(available)}")
+        self.model = model
+
+
+@dataclass(slots=True)
+class Served:
+    """What the app needs to answer one request: the resolved model and the item stream."""
+
+    model: str
+    hits_header: str  # known before the first byte: "semantic", "kv:512", "none", ...
+    items: AsyncIterator[StreamItem]
+    first: Started | Completion | None  # the first item, already taken from ``items``
+
+
+@dataclass(slots=True)
+class _PrefixUse:
+    tokens: int = 0  # prompt tokens of the prefix
+    reuses: int = 0  # requests that reused it
+    saved_tokens: int = 0
+
+
+class DashboardStats:
+    """Running totals for the dashboard (no texts, no tenant ids; bounded)."""
+
+    MAX_PREFIXES = 512
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.requests = 0
+        self.errors = 0
+        self.layer_hits: dict[str, int] = {}
+        self.layer_tokens: dict[str, int] = {}
+        self.layer_ms: dict[str, float] = {}
+        self.lookups: dict[str, int] = {}
+        self.routing: dict[str, int] = {}
+        self.handoffs: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.prefixes: OrderedDict[str, _PrefixUse] = OrderedDict()
+        self.history: list[dict[str, float]] = []  # one point per second-ish, bounded
+        self._ms_per_prompt_token = 0.0  # EWMA of prefill cost, to price KV hits
+        self._ms_per_request = 0.0  # EWMA of a full generation, to price semantic hits
+
+    def record(self, layer: str, tokens: int, ms: float) -> None:
+        self.layer_hits[layer] = self.layer_hits.get(layer, 0) + 1
+        self.layer_tokens[layer] = self.layer_tokens.get(layer, 0) + tokens
+        self.layer_ms[layer] = self.layer_ms.get(layer, 0.0) + ms
+
+    def lookup(self, layer: str) -> None:
+        self.lookups[layer] = self.lookups.get(layer, 0) + 1
+
+    def prefix(self, fingerprint: str, tokens: int, saved: int) -> None:
+        p = self.prefixes.get(fingerprint)
+        if p is None:
+            p = self.prefixes[fingerprint] = _PrefixUse(tokens=tokens)
+            while len(self.prefixes) > self.MAX_PREFIXES:
+                # drop the least reused among the oldest half
+                victim = min(list(self.prefixes.items())[: self.MAX_PREFIXES // 2],
+                             key=lambda kv: kv[1].reuses)[0]
+                del self.prefixes[victim]
+        if saved:
+            p.reuses += 1
+            p.saved_tokens += saved
+
+    def learn_cost(self, prompt_tokens: int, hit_tokens: int, ttft_s: float, total_s: float) -> None:
+        computed = max(1, prompt_tokens - hit_tokens)
+        per_tok = ttft_s * 1000 / computed
+        a = 0.2
+        if per_tok > 0:
+            self._ms_per_prompt_token = (per_tok if not self._ms_per_prompt_token
+                                         else (1 - a) * self._ms_per_prompt_token + a * per_tok)
+        if total_s > 0:
+            ms = total_s * 1000
+            self._ms_per_request = (ms if not self._ms_per_request
+                                    else (1 - a) * self._ms_per_request + a * ms)
+
+
+def _fingerprint(tenant_digest: str, messages: list[dict[str, str]] | None,
+                 prompt: str | None) -> tuple[str, int]:
+    """An opaque id of a request's shared prefix (system prompt or first 256 chars), no text."""
+    if messages:
+        head = next((m["content"] for m in messages if m["role"] in ("system", "developer")),
+                    messages[0]["content"][:256])
+    else:
+        head = (prompt or "")[:256]
+    h = hashlib.blake2b(f"{tenant_digest}\x00{head}".encode(), digest_size=6).hexdigest()
+    return h, len(head)
+
+
+class Gateway:
+    """The request path of one server (see the module docstring)."""
+
+    def __init__(self, config: ServerConfig, *, backends: dict[str, ModelBackend] | None = None,
+                 semantic: Any = None, kv_store: Any = None) -> None:
+        self.config = config
+        self.salter = TenantSalter(config.server.secret)
+        self._keys: dict[str, str] = {}
+        for name, t in config.tenants.items():
+            for key in [t.api_key, *t.api_keys]:
+                self._keys[key] = name
+        self.backends: dict[str, ModelBackend] = dict(backends or {})
+        self.semantic = semantic  # a SemanticLayer or None
+        self.kv_store = kv_store  # the ChunkStore shared by in-process engines, or None
+        self.stats = DashboardStats()
+        self.metrics = Metrics(self.store_stats)
+        self.guard: Any = None  # semcomm.security.RequestGuard, set by ``_wiring``
+        self.model_router: Any = None  # semcomm.routing model router, set by ``_wiring``
+        self.notes: dict[str, str] = {}  # what is wired and what is not (for /health)
+        self._started = False
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self._started:
+            return
+        from ._wiring import wire
+
+        await asyncio.to_thread(wire, self)
+        self._started = True
+        for name, b in self.backends.items():
+            self.metrics.backend_up.labels(name).set(1 if b.status().up else 0)
+        if self.semantic is not None:
+            self.metrics.semantic_up.set(1 if self.semantic.up else 0)
+
+    async def shutdown(self) -> None:
+        for b in list(self.backends.values()):
+            try:
+                await b.aclose()
+            except Exception:  # pragma: no cover - best effort on shutdown
+                log.exception("closing backend %s failed", b.name)
+        if self.semantic is not None:
+            await asyncio.to_thread(self.semantic.close)
+        if self.kv_store is not None and hasattr(self.kv_store, "close"):
+            await asyncio.to_thread(self.kv_store.close)
+        self._started = False
+
+    # --- auth ------------------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> str | None:
+        """Map an ``Authorization: Bearer <key>`` header to a configured tenant id.
+
+        Returns None (the anonymous, single-user namespace) when no tenant is configured and
+        the key is unknown or absent. Raises :class:`TenantError` otherwise.
+        """
+        key = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                key = value.strip()
+        if key is not None:
+            for k, tenant in self._keys.items():
+                if hmac.compare_digest(k.encode(), key.encode()):
+                    return tenant
+        if self.config.anonymous_allowed:
+            return None
+        if key is None:
+            raise TenantError("missing API key: send 'Authorization: Bearer <api_key>'")
+        raise TenantError("incorrect API key provided")
+
+    def is_admin(self, authorization: str | None) -> bool:
+        admin = self.config.server.admin_key
+        if not admin or not authorization:
+            return False
+        scheme, _, value = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
+                                                                  admin.encode())
+
+    def tenant_digest(self, tenant: str | None) -> str:
+        return self.salter.digest(tenant)
+
+    # --- models ----------------------------------------------------------------------------------
+    def model_names(self, tenant: str | None = None) -> list[str]:
+        names = list(self.backends)
+        if tenant is not None:
+            allowed = self.config.tenants[tenant].models
+            if allowed is not None:
+                names = [n for n in names if n in allowed]
+        return names
+
+    def resolve(self, model: str, tenant: str | None, req: GenRequest) -> tuple[str, ModelBackend]:
+        names = self.model_names(tenant)
+        if model in ("auto", "default"):
+            chosen = None
+            if self.model_router is not None:
+                chosen = self.model_router(req, [n for n in names if n in self.backends])
+            if chosen is None:
+                dm = self.config.routing.default_model
+                chosen = dm if dm in names else (names[0] if names else None)
+            if chosen is None:
+                raise ModelNotFound(model, names)
+            self.metrics.routed.labels(chosen).inc()
+            self.stats.routing[chosen] = self.stats.routing.get(chosen, 0) + 1
+            model = chosen
+        if model not in names:
+            raise ModelNotFound(model, names)
+        return model, self.backends[model]
+
+    # --- the request path -----------------------------------------------------------------------
+    async def serve(self, req: GenRequest, *, endpoint: str, body: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None, no_cache: bool = False,
+                    no_store: bool = False) -> Served:
+        """Run the request path up to the first item; the rest streams from ``Served.items``.
+
+        Raises before anything is sent (bad input, unknown model, overload, upstream down), so
+        the app can answer with a proper status code.
+        """
+        t0 = time.perf_counter()
+        if not req.request_id:
+            req.request_id = uuid.uuid4().hex
+        model, backend = self.resolve(req.model, req.tenant, req)
+        req.model = model
+        digest = self.tenant_digest(req.tenant)
+        isolate = False
+        if self.guard is not None:
+            probe_tokens = list((req.prompt or "".join(m["content"] for m in req.messages or []))
+                                .encode("utf-8"))
+            admission = self.guard.admit(req.tenant, probe_tokens, max_tokens=req.max_tokens,
+                                         body=body, headers=headers)
+            digest = admission.salt_digest
+            isolate = admission.isolate
+        self.stats.requests += 1
+        fp, fp_len = _fingerprint(digest, req.messages, req.prompt)
+
+        # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
+        sem_ok = (self.semantic is not None and self.semantic.up and not isolate
+                  and (req.temperature == 0 or not self.config.semantic.only_greedy))
+        if sem_ok and not no_cache:
+            self.stats.lookup("semantic")
+            hit = await self.semantic.lookup(req, digest)
+            if hit is not None:
+                return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len)
+            self.metrics.misses.labels("semantic").inc()
+
+        # 2. the model (in-process engine, upstream, or pipeline)
+        overhead = time.perf_counter() - t0
+        self.metrics.overhead.observe(overhead)
+        items = backend.stream(req)
+        try:
+            first = await items.__anext__()
+        except StopAsyncIteration:  # pragma: no cover - protocol violation
+            raise UpstreamError(f"model {model!r} produced nothing", status=502) from None
+        except OverloadedError:
+            self.metrics.rejected.labels(model).inc()
+            raise
+        except UpstreamError:
+            self.metrics.upstream_retries.labels(model).inc()
+            self.metrics.backend_up.labels(model).set(1 if backend.status().up else 0)
+            raise
+        hits: list[str] = []
+        if isinstance(first, Started) and first.hit_tokens:
+            hits.append(f"kv:{first.hit_tokens}")
+        if isinstance(first, Completion):
+            hits = list(first.hits)
+        store = sem_ok and not no_store
+        return Served(model=model, hits_header=",".join(hits) or "none",
+                      items=self._finish(req, backend, first, items, endpoint, t0, store, digest,
+                                         fp, fp_len),
+                      first=first)
+
+    def _semantic_hit(self, req: GenRequest, hit: Any, endpoint: str, t0: float, fp: str,
+                      fp_len: int) -> Served:
+        answer = hit.answer
+        tokens = hit.prompt_tokens + hit.completion_tokens
+        saved_ms = self.stats._ms_per_request
+        self.metrics.hits.labels("semantic").inc()
+        self.metrics.similarity.observe(hit.similarity)
+        self.metrics.tokens_saved.labels("semantic").inc(tokens)
+        self.metrics.seconds_saved.labels("semantic").inc(saved_ms / 1000)
+        self.stats.record("semantic", tokens, saved_ms)
+        self.stats.prefix(fp, fp_len, tokens)
+        comp = Completion(
+            text=answer, finish_reason="stop", prompt_tokens=hit.prompt_tokens,
+            completion_tokens=hit.completion_tokens, hits=["semantic"], hit_tokens=0,
+            ttft_s=time.perf_counter() - t0,
+            meta={"model": req.model, "semantic": {"similarity": round(hit.similarity, 4),
+                                                    "entry_id": hit.entry_id,
+                                                    "age_s": round(hit.age_s, 3)}},
+        )
+        self._account(req.model, endpoint, comp, t0, status="200")
+
+        async def one() -> AsyncIterator[StreamItem]:
+            yield comp
+
+        return Served(model=req.model, hits_header="semantic", items=one(), first=comp)
+
+    async def _finish(self, req: GenRequest, backend: ModelBackend, first: StreamItem,
+                      items: AsyncIterator[StreamItem], endpoint: str, t0: float, store: bool,
+                      digest: str, fp: str, fp_len: int) -> AsyncIterator[StreamItem]:
+        final: Completion | None = None
+        status = "200"
+        try:
+            yield first
+            if isinstance(first, Completion):
+                final = first
+            else:
+                async for item in items:
+                    if isinstance(item, Completion):
+                        final = item
+                    yield item
+        except BaseException as exc:
+            status = "error"
+            self.stats.errors += 1
+            self.metrics.errors.labels(type(exc).__name__).inc()
+            raise
+        finally:
+            if final is None and status == "200":
+                status = "cancelled"
+            self.metrics.requests.labels(endpoint, req.model, status).inc()
+            self.metrics.backend_up.labels(req.model).set(1 if backend.status().up else 0)
+        assert final is not None
+        self._account(req.model, endpoint, final, t0, status="200", count=False)
+        # KV prefix, snapshot and C2C savings, as the backend reported them
+        if final.hit_tokens:
+            ms = final.hit_tokens * self.stats._ms_per_prompt_token
+            layer_tokens = final.meta.get("saved_tokens_by_layer") or {"kv": final.hit_tokens}
+            for layer, tok in layer_tokens.items():
+                self.metrics.hits.labels(layer).inc()
+                self.metrics.tokens_saved.labels(layer).inc(tok)
+                share = tok / final.hit_tokens if final.hit_tokens else 0
+                self.metrics.seconds_saved.labels(layer).inc(ms * share / 1000)
+                self.stats.record(layer, tok, ms * share)
+        elif backend.kind == "hf":
+            self.metrics.misses.labels("kv").inc()
+        for mode, n in (final.meta.get("handoffs") or {}).items():
+            self.metrics.handoffs.labels(req.model, mode).inc(n)
+            self.stats.handoffs[mode] = self.stats.handoffs.get(mode, 0) + n
+        self.stats.prefix(fp, fp_len, final.hit_tokens)
+        self.stats.learn_cost(final.prompt_tokens, final.hit_tokens, final.ttft_s,
+                              time.perf_counter() - t0)
+        if store and final.finish_reason in ("stop", "length") and final.text:
+            try:
+                await self.semantic.store(req, digest, final)
+            except Exception as exc:  # a cache write must never fail the request
+                log.warning("semantic store failed: %s", exc)
+                self.metrics.errors.labels("SemanticStoreError").inc()
+
+    def _account(self, model: str, endpoint: str, comp: Completion, t0: float, *, status: str,
+                 count: bool = True) -> None:
+        if count:
+            self.metrics.requests.labels(endpoint, model, status).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        if comp.ttft_s:
+            self.metrics.ttft.labels(model).observe(comp.ttft_s)
+        self.metrics.prompt_tokens.labels(model).inc(comp.prompt_tokens)
+        self.metrics.completion_tokens.labels(model).inc(comp.completion_tokens)
+        self.stats.prompt_tokens += comp.prompt_tokens
+        self.stats.completion_tokens += comp.completion_tokens
+
+    async def complete(self, req: GenRequest, **kw: Any) -> tuple[Served, Completion]:
+        served = await self.serve(req, endpoint=kw.pop("endpoint", "internal"), **kw)
+        final = None
+        async for item in served.items:
+            if isinstance(item, Completion):
+                final = item
+        assert final is not None
+        return served, final
+
+    # --- introspection ---------------------------------------------------------------------------
+    def store_stats(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        store = self.kv_store
+        if store is not None:
+            tiers = getattr(store, "tiers", None) or getattr(store, "stores", None) or [store]
+            for t in tiers:
+                try:
+                    st = t.stats()
+                except Exception:
+                    continue
+                d = st if isinstance(st, dict) else {k: getattr(st, k) for k in
+                                                     ("entries", "bytes", "capacity_bytes", "hits",
+                                                      "misses", "evictions", "corrupt")
+                                                     if hasattr(st, k)}
+                out[f"kv-{getattr(t, 'name', 'store')}"] = d
+        if self.semantic is not None:
+            try:
+                out["semantic"] = self.semantic.stats()
+            except Exception:
+                pass
+        return out
+
+    def health(self) -> dict[str, Any]:
+        models = {}
+        for name, b in self.backends.items():
+            st = b.status()
+            models[name] = {"kind": b.kind, "up": st.up, "detail": st.detail,
+                            "queue_depth": st.queue_depth, "in_flight": st.in_flight}
+            self.metrics.backend_up.labels(name).set(1 if st.up else 0)
+            self.metrics.queue_depth.labels(name).set(st.queue_depth)
+        sem: dict[str, Any] = {"enabled": self.semantic is not None}
+        if self.semantic is not None:
+            sem.update(up=self.semantic.up, detail=self.semantic.detail)
+            self.metrics.semantic_up.set(1 if self.semantic.up else 0)
+        elif self.config.semantic.enabled:
+            sem.update(up=False, detail=self.notes.get("semantic", "not available"))
+            self.metrics.semantic_up.set(0)
+        down = [n for n, m in models.items() if not m["up"]]
+        degraded = bool(down) or (self.config.semantic.enabled and not sem.get("up", False))
+        return {
+            "status": "degraded" if degraded else "ok",
+            "models": models,
+            "semantic": sem,
+            "kv": {"enabled": self.kv_store is not None,
+                   "detail": self.notes.get("kv", "")},
+            "wiring": dict(self.notes),
+        }
+
+
+_ = field  # dataclass helper kept for subclasses

@@ -1,0 +1,110 @@
+"""Prometheus metrics of one gateway (own registry, so several apps can live in one process).
+
+Every name starts with ``semcomm_``. Labels never carry a tenant id, a prompt or a cache key:
+what a tenant's request hit is told to that tenant alone (the ``x-semcomm-hits`` header).
+Store sizes and evictions are read from the stores at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics", "LAYERS"]
+
+LAYERS = ("semantic", "kv", "snapshot", "c2c")
+"""Reuse layers, cheapest first: semantic answers, KV prefixes, KV snapshots handed between
+pipeline stages on one model, and cache-to-cache fusion between different models."""
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SIM_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0)
+
+
+class _StoreCollector(Collector):
+    """Reads store statistics at scrape time: bytes, entries, evictions per tier."""
+
+    def __init__(self, source: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            tiers = self.source()
+        except Exception:  # a scrape must not fail because a backend is down
+            tiers = {}
+        b = GaugeMetricFamily("semcomm_store_bytes", "Bytes held per store tier", labels=["tier"])
+        e = GaugeMetricFamily("semcomm_store_entries", "Entries per store tier", labels=["tier"])
+        cap = GaugeMetricFamily("semcomm_store_capacity_bytes", "Byte budget per store tier",
+                                labels=["tier"])
+        ev = CounterMetricFamily("semcomm_store_evictions", "Evictions per store tier",
+                                 labels=["tier"])
+        cor = CounterMetricFamily("semcomm_store_corrupt", "Corrupt entries rejected per tier",
+                                  labels=["tier"])
+        for tier, st in tiers.items():
+            b.add_metric([tier], float(st.get("bytes", 0) or 0))
+            e.add_metric([tier], float(st.get("entries", 0) or 0))
+            if st.get("capacity_bytes"):
+                cap.add_metric([tier], float(st["capacity_bytes"]))
+            ev.add_metric([tier], float(st.get("evictions", 0) or 0))
+            cor.add_metric([tier], float(st.get("corrupt", 0) or 0))
+        yield from (b, e, cap, ev, cor)
+
+
+class Metrics:
+    """All metric families of one gateway."""
+
+    def __init__(self, store_source: Callable[[], dict[str, dict[str, Any]]] | None = None):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("semcomm_requests", "Requests by endpoint, model and status",
+                                ["endpoint", "model", "status"], registry=r)
+        self.errors = Counter("semcomm_errors", "Errors by type", ["type"], registry=r)
+        self.hits = Counter("semcomm_cache_hits", "Requests served (partly) from cache, per layer",
+                            ["layer"], registry=r)
+        self.misses = Counter("semcomm_cache_misses", "Lookups that missed, per layer",
+                              ["layer"], registry=r)
+        self.tokens_saved = Counter("semcomm_tokens_saved",
+                                    "Tokens not computed thanks to a layer (prompt tokens not "
+                                    "recomputed; prompt and completion tokens for semantic hits)",
+                                    ["layer"], registry=r)
+        self.seconds_saved = Counter("semcomm_seconds_saved",
+                                     "Estimated wall time saved per layer", ["layer"], registry=r)
+        self.similarity = Histogram("semcomm_semantic_similarity",
+                                    "Cosine similarity of served semantic hits",
+                                    buckets=_SIM_BUCKETS, registry=r)
+        self.verifier_rejections = Counter("semcomm_verifier_rejections",
+                                           "Semantic candidates rejected by the verifier or policy",
+                                           registry=r)
+        self.semantic_up = Gauge("semcomm_semantic_backend_up",
+                                 "1 when the semantic cache backend works, 0 when it is down",
+                                 registry=r)
+        self.ttft = Histogram("semcomm_ttft_seconds", "Time to first token", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("semcomm_request_latency_seconds", "End-to-end request latency",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.overhead = Histogram("semcomm_gateway_overhead_seconds",
+                                  "Time spent in the gateway outside the model backend",
+                                  buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                           0.025, 0.05, 0.1), registry=r)
+        self.prompt_tokens = Counter("semcomm_prompt_tokens", "Prompt tokens received", ["model"],
+                                     registry=r)
+        self.completion_tokens = Counter("semcomm_completion_tokens", "Completion tokens returned",
+                                         ["model"], registry=r)
+        self.backend_up = Gauge("semcomm_backend_up", "1 when a model backend is up", ["model"],
+                                registry=r)
+        self.queue_depth = Gauge("semcomm_queue_depth", "Requests queued per model", ["model"],
+                                 registry=r)
+        self.rejected = Counter("semcomm_overload_rejections",
+                                "Requests refused with 429/503 because a queue was full",
+                                ["model"], registry=r)
+        self.handoffs = Counter("semcomm_pipeline_handoffs", "Pipeline handoffs by mode",
+                                ["pipeline", "mode"], registry=r)
+        self.routed = Counter("semcomm_routing_decisions", "Model router decisions", ["model"],
+                              registry=r)
+        self.upstream_retries = Counter("semcomm_upstream_failures",
+                                        "Upstream calls that failed, by model", ["model"],
+                                        registry=r)
+        if store_source is not None:
+            r.register(_StoreCollector(store_source))

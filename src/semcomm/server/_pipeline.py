@@ -1,0 +1,175 @@
+"""Pipelines: a chain of model stages served under one virtual model name.
+
+Prompt layout. Every stage sees the client's conversation first, then the earlier stages'
+instructions and outputs, then its own instruction::
+
+    stage 0: conversation + [system: s0]
+    stage 1: conversation + [system: s0] + [assistant: out0] + [system: s1]
+    stage 2: ... + [assistant: out1] + [system: s2]
+
+so each stage's prompt extends the previous stage's prompt and output. Handoff per transition,
+chosen automatically (``handoff = "auto"``) from what is available:
+
+* ``kv``: same model, KV-reusing engine. The next stage restores the previous stage's prompt
+  from the KV prefix cache (and its output too when the engine stores it) instead of
+  recomputing it; only the new tail is prefilled.
+* ``c2c``: different models with a trained fuser (``semcomm.fusion``): the receiver reads the
+  sharer's KV of the shared context through the fuser; the sharer writes no text.
+* ``text``: the fallback; the previous output is passed as text and prefilled again.
+
+The modes used are reported in ``response["semcomm"]["handoffs"]`` and the
+``semcomm_pipeline_handoffs`` metric.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ._backends import BackendStatus, Completion, GenRequest, LocalBackend, StreamItem, collect
+from ._batching import Started
+from ._config import PipelineConfig
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway
+
+__all__ = ["PipelineBackend", "stage_messages"]
+
+log = logging.getLogger(__name__)
+
+
+def stage_messages(base: list[dict[str, str]], systems: list[str], outputs: list[str],
+                   stage: int) -> list[dict[str, str]]:
+    """The messages stage ``stage`` sees (see the module docstring)."""
+    msgs = list(base)
+    for j in range(stage + 1):
+        if systems[j]:
+            msgs.append({"role": "system", "content": systems[j]})
+        if j < stage:
+            msgs.append({"role": "assistant", "content": outputs[j]})
+    return msgs
+
+
+class PipelineBackend:
+    """A virtual model that runs its stages in order (see the module docstring)."""
+
+    kind = "pipeline"
+
+    def __init__(self, name: str, cfg: PipelineConfig, gateway: Gateway) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.gateway = gateway
+
+    def _backend(self, i: int) -> Any:
+        return self.gateway.backends[self.cfg.stages[i].model]
+
+    def handoff_mode(self, i: int) -> str:
+        """Mode of the handoff into stage ``i`` (i >= 1)."""
+        prev, cur = self.cfg.stages[i - 1], self.cfg.stages[i]
+        b = self._backend(i)
+        want = self.cfg.handoff
+        same = prev.model == cur.model
+        kv_ok = same and isinstance(b, LocalBackend) and b.kv_reuse
+        if want in ("auto", "kv") and kv_ok:
+            return "kv"
+        if want in ("auto", "c2c") and not same and self._fusion(i) is not None:
+            return "c2c"
+        return "text"
+
+    def _fusion(self, i: int) -> Any:
+        getter = getattr(self.gateway, "fusion_for", None)
+        if getter is None:
+            return None
+        return getter(self.cfg.stages[i - 1].model, self.cfg.stages[i].model, self.cfg.fuser)
+
+    def plan_note(self) -> str:
+        try:
+            modes = [self.handoff_mode(i) for i in range(1, len(self.cfg.stages))]
+        except KeyError:
+            return "stages reference missing models"
+        chain = " -> ".join(s.model for s in self.cfg.stages)
+        return f"{chain}; handoffs {modes or ['none']}"
+
+    def status(self) -> BackendStatus:
+        ups = [self._backend(i).status() for i in range(len(self.cfg.stages))]
+        down = [s.detail for s in ups if not s.up]
+        return BackendStatus(up=not down, detail="; ".join(down) or self.plan_note(),
+                             queue_depth=sum(s.queue_depth for s in ups),
+                             in_flight=sum(s.in_flight for s in ups))
+
+    def _stage_req(self, req: GenRequest, i: int, messages: list[dict[str, str]]) -> GenRequest:
+        st = self.cfg.stages[i]
+        return GenRequest(model=st.model, messages=messages, prompt=None,
+                          max_tokens=st.max_tokens or req.max_tokens,
+                          temperature=req.temperature, top_p=req.top_p,
+                          stop=req.stop if i == len(self.cfg.stages) - 1 else [],
+                          seed=req.seed, tenant=req.tenant,
+                          request_id=f"{req.request_id}.{i}")
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        base = req.messages if req.messages is not None else [
+            {"role": "user", "content": req.prompt or ""}]
+        systems = [s.system for s in self.cfg.stages]
+        outputs: list[str] = []
+        stages_meta: list[dict[str, Any]] = []
+        handoffs: dict[str, int] = {}
+        saved: dict[str, int] = {}
+        prompt_total = completion_total = hit_total = 0
+        last = len(self.cfg.stages) - 1
+        for i in range(last + 1):
+            mode = self.handoff_mode(i) if i else "start"
+            if i:
+                handoffs[mode] = handoffs.get(mode, 0) + 1
+            sreq = self._stage_req(req, i, stage_messages(base, systems, outputs, i))
+            backend = self._backend(i)
+            if mode == "c2c":
+                comp = await self._fusion(i).generate(self, sreq, outputs)
+                items = None
+            elif i < last:
+                comp = await collect(backend.stream(sreq))
+                items = None
+            else:
+                items = backend.stream(sreq)
+                comp = None
+            if items is not None:  # final stage: stream it through
+                async for item in items:
+                    if isinstance(item, Started):
+                        yield Started(prompt_tokens=prompt_total + item.prompt_tokens,
+                                      hit_tokens=hit_total + item.hit_tokens)
+                    elif isinstance(item, Completion):
+                        comp = item
+                    else:
+                        yield item
+            assert comp is not None
+            layer = "kv" if mode in ("kv", "start") else ("c2c" if mode == "c2c" else "")
+            if comp.hit_tokens:
+                key = "snapshot" if mode == "kv" else (layer or "kv")
+                saved[key] = saved.get(key, 0) + comp.hit_tokens
+            prompt_total += comp.prompt_tokens
+            completion_total += comp.completion_tokens
+            hit_total += comp.hit_tokens
+            outputs.append(comp.text)
+            stages_meta.append({"stage": i, "model": self.cfg.stages[i].model,
+                                "role": self.cfg.stages[i].role, "handoff": mode,
+                                "prompt_tokens": comp.prompt_tokens,
+                                "hit_tokens": comp.hit_tokens,
+                                "completion_tokens": comp.completion_tokens,
+                                "ttft_s": round(comp.ttft_s, 6)})
+            if i == last:
+                hits = []
+                if saved.get("kv") or saved.get("snapshot"):
+                    hits.append(f"kv:{saved.get('kv', 0) + saved.get('snapshot', 0)}")
+                if saved.get("c2c") or handoffs.get("c2c"):
+                    hits.append("c2c")
+                yield Completion(
+                    text=comp.text, finish_reason=comp.finish_reason,
+                    prompt_tokens=prompt_total, completion_tokens=completion_total,
+                    hits=hits, hit_tokens=hit_total, ttft_s=comp.ttft_s,
+                    meta={"model": self.name, "pipeline": self.name, "stages": stages_meta,
+                          "handoffs": handoffs, "saved_tokens_by_layer": saved,
+                          "intermediate": outputs[:-1]},
+                )
+
+    async def aclose(self) -> None:
+        return None

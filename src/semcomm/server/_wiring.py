@@ -1,0 +1,230 @@
+"""Builds a gateway's parts from its config: models, KV store, semantic cache, security hooks.
+
+Each part comes from its own package (``semcomm.engine``, ``semcomm.kv``, ``semcomm.semantic``,
+``semcomm.security``, ``semcomm.routing``, ``semcomm.fusion``, ``semcomm.reference``). What
+could not be wired is recorded in ``gateway.notes`` (shown by ``/health``) and logged, never
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from ._backends import FaultyBackend, LocalBackend, ModelBackend, UpstreamBackend
+from ._batching import BatchingWorker
+from ._config import ModelConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway
+
+__all__ = ["wire", "load_hf", "build_kv_store", "build_semantic"]
+
+log = logging.getLogger(__name__)
+
+
+def _reference_path(which: str) -> Path | None:
+    try:
+        from .. import reference
+    except ImportError:  # pragma: no cover
+        return None
+    fn = getattr(reference, f"{which}_path", None)
+    if fn is None:
+        return None
+    try:
+        p = Path(fn())
+    except Exception:
+        return None
+    return p if (p / "config.json").exists() else None
+
+
+def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
+    """Load ``(model, tokenizer, model_id)`` for an in-process model entry."""
+    from ._tiny import TINY_MODEL_ID, build_tiny_model
+
+    path = cfg.path or "auto"
+    if path == "auto":
+        ref = _reference_path("receiver")
+        if ref is None:
+            model, tok = build_tiny_model()
+            return model, tok, TINY_MODEL_ID
+        path = str(ref)
+    elif path == "tiny":
+        model, tok = build_tiny_model()
+        return model, tok, TINY_MODEL_ID
+    elif path.startswith("reference:"):
+        which = path.split(":", 1)[1]
+        ref = _reference_path(which)
+        if ref is None:
+            raise ConfigError(f"models.{name}.path: reference model {which!r} is not available "
+                              "(run `semcomm reference build`)")
+        path = str(ref)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"models.{name}.path: cannot load {path!r}: {exc}") from exc
+    if cfg.device:
+        model.to(cfg.device)
+    model.eval()
+    return model, tok, path
+
+
+def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
+    """The ChunkStore shared by in-process engines (None when unavailable), and a note."""
+    kv = config.kv
+    if not kv.enabled:
+        return None, "disabled in config"
+    try:
+        from .. import kv as kvpkg
+    except ImportError as exc:  # pragma: no cover
+        return None, f"semcomm.kv unavailable: {exc}"
+    tiers = []
+    missing = []
+    for tier in kv.tiers:
+        if tier == "memory" and hasattr(kvpkg, "MemoryStore"):
+            tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes))
+        elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
+            path = Path(kv.disk_path) if kv.disk_path else config.state_dir() / "kv"
+            path.mkdir(parents=True, exist_ok=True)
+            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes))
+        elif tier == "redis" and hasattr(kvpkg, "RedisStore"):
+            tiers.append(kvpkg.RedisStore(url=kv.redis_url))
+        else:
+            missing.append(tier)
+    if not tiers:
+        return None, f"no KV store tier available (missing: {', '.join(missing)})"
+    note = f"tiers {[t.name for t in tiers]}"
+    if missing:
+        note += f"; not available: {missing}"
+    if len(tiers) == 1:
+        return tiers[0], note
+    if hasattr(kvpkg, "TieredStore"):
+        return kvpkg.TieredStore(tiers), note
+    return tiers[0], note + "; TieredStore unavailable, first tier only"
+
+
+def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
+    sc = config.semantic
+    if not sc.enabled:
+        return None, "disabled in config"
+    try:
+        from ..semantic import SemanticCache
+    except ImportError as exc:
+        return None, f"semcomm.semantic.SemanticCache unavailable: {exc}"
+    from ._semantic_layer import SemanticLayer
+
+    kw: dict[str, Any] = {}
+    if sc.backend == "sqlite":
+        path = Path(sc.path) if sc.path else config.state_dir() / "semantic.sqlite3"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kw["path"] = str(path)
+    elif sc.backend == "redis":
+        kw["store"] = _redis_semantic_store(sc.redis_url)
+    try:
+        cache = SemanticCache(salter=gateway.salter, **kw)
+    except TypeError:
+        cache = SemanticCache(**kw)
+    return SemanticLayer(cache, threshold=sc.threshold, ttl_s=sc.ttl_s, backend=sc.backend), \
+        f"{sc.backend} semantic cache"
+
+
+def _redis_semantic_store(url: str | None) -> Any:
+    from .. import semantic
+
+    for name in ("RedisEntryStore", "RedisStore"):
+        cls = getattr(semantic, name, None)
+        if cls is not None:
+            return cls(url)
+    raise ConfigError("semantic.backend = 'redis': semcomm.semantic has no Redis store")
+
+
+def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
+                   gateway: Gateway) -> LocalBackend:
+    from ._direct import DirectRunner
+
+    model, tok, model_id = load_hf(cfg, name)
+    runner: Any = None
+    kv_reuse = False
+    if cfg.kv_cache and store is not None:
+        from ._engine_runner import engine_runner
+
+        runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=gateway.salter,
+                                    chunk_size=cfg.chunk_size or config.kv.chunk_size,
+                                    codec=config.kv.codec)
+        kv_reuse = runner is not None
+        gateway.notes[f"model:{name}"] = why
+    if runner is None:
+        runner = DirectRunner(model, tok, model_id=model_id)
+        gateway.notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
+    worker = BatchingWorker(runner, max_batch=config.server.max_batch,
+                            max_queue=config.server.max_queue, name=name)
+    return LocalBackend(name, worker, kv_reuse=kv_reuse)
+
+
+def wire(gateway: Gateway) -> None:
+    """Fill in a gateway's backends, stores and hooks from its config (idempotent per name)."""
+    config = gateway.config
+    if gateway.kv_store is None:
+        gateway.kv_store, gateway.notes["kv"] = build_kv_store(config)
+    if gateway.semantic is None:
+        gateway.semantic, gateway.notes["semantic"] = build_semantic(config, gateway)
+    for name, mcfg in config.models.items():
+        if name in gateway.backends:
+            continue
+        backend: ModelBackend
+        if mcfg.kind == "upstream":
+            assert mcfg.base_url is not None
+            backend = UpstreamBackend(name, base_url=mcfg.base_url, api_key=mcfg.api_key,
+                                      upstream_model=mcfg.upstream_model,
+                                      timeout_s=mcfg.timeout_s,
+                                      connect_timeout_s=mcfg.connect_timeout_s,
+                                      max_retries=mcfg.max_retries)
+            gateway.notes[f"model:{name}"] = f"upstream {mcfg.base_url}"
+        else:
+            backend = _local_backend(name, mcfg, config, gateway.kv_store, gateway)
+        if mcfg.fail_mode != "none":
+            log.warning("model %s fails on purpose (fail_mode=%s): test configuration", name,
+                        mcfg.fail_mode)
+            backend = FaultyBackend(backend, mcfg.fail_mode, delay_s=mcfg.fail_delay_s,
+                                    count=mcfg.fail_count)
+        gateway.backends[name] = backend
+    from ._pipeline import PipelineBackend
+
+    for pname, pcfg in config.pipelines.items():
+        if pname not in gateway.backends:
+            gateway.backends[pname] = PipelineBackend(pname, pcfg, gateway)
+            gateway.notes[f"pipeline:{pname}"] = gateway.backends[pname].plan_note()  # type: ignore[attr-defined]
+    _wire_security(gateway)
+    _wire_router(gateway)
+
+
+def _wire_security(gateway: Gateway) -> None:
+    sec = gateway.config.security
+    try:
+        from ..security import ProbeConfig, ProbeDetector, RateLimiter, RequestGuard
+    except ImportError as exc:
+        gateway.notes["security"] = f"semcomm.security guard unavailable: {exc}"
+        return
+    detector = None
+    limiter = None
+    if sec.get("probe_detection", False):
+        pc = sec.get("probe", {})
+        detector = ProbeDetector(ProbeConfig(**pc)) if pc else ProbeDetector()
+    if sec.get("rate_limit_rps"):
+        limiter = RateLimiter(rate_per_s=float(sec["rate_limit_rps"]),
+                              burst=int(sec.get("rate_limit_burst", 10)))
+    gateway.guard = RequestGuard(gateway.salter, detector=detector, limiter=limiter)
+    gateway.notes["security"] = (f"request guard: client salts refused; probe detection "
+                                 f"{'on' if detector else 'off'}; rate limit "
+                                 f"{'on' if limiter else 'off'}")
+
+
+def _wire_router(gateway: Gateway) -> None:
+    gateway.notes.setdefault("model_router", "default model for 'auto' (routing.default_model)")
