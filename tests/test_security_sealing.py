@@ -182,3 +182,56 @@ def test_entry_sealer_json_roundtrip_and_scope_binding(keyring: TenantKeyring) -
     with pytest.raises(SealedEntryError):
         es.open_json(blob, scope="acme:qa", entry_id="e2")
     assert es.stats().rejected == 2
+
+
+def _entry(**kw):  # type: ignore[no-untyped-def]
+    from semcomm.semantic._entry import Entry
+
+    base = dict(id="e1", partition="p" * 32, query="what is my diagnosis?", answer="asthma",
+                vector=np.ones(8, dtype=np.float32) / np.sqrt(8), model="m", tenant="t" * 64,
+                metadata={"k": 1})
+    base.update(kw)
+    return Entry(**base)
+
+
+def test_semantic_entry_sealing_hides_query_and_answer(keyring: TenantKeyring) -> None:
+    from semcomm.semantic._entry import decode_entry, encode_entry
+
+    es = EntrySealer(keyring)
+    e = _entry()
+    sealed = es.seal_entry(e)
+    row = encode_entry(sealed)  # the store's row format is unchanged
+    assert "asthma" not in row.answer and "diagnosis" not in row.header
+    back = es.open_entry(decode_entry(row))
+    assert (back.query, back.answer, back.metadata) == (e.query, e.answer, e.metadata)
+    assert e.answer == "asthma"  # the caller's entry is untouched
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"id": "e2"},  # copied under another id
+        {"tenant": "u" * 64},  # moved to another tenant
+        {"partition": "q" * 32},  # moved to another scope/model partition
+        {"vector": np.ones(8, dtype=np.float32)},  # re-aimed at other questions
+    ],
+    ids=["id", "tenant", "partition", "vector"],
+)
+def test_semantic_entry_swaps_are_rejected(keyring: TenantKeyring, change: dict) -> None:
+    import dataclasses
+
+    es = EntrySealer(keyring)
+    sealed = es.seal_entry(_entry())
+    with pytest.raises(SealedEntryError):
+        es.open_entry(dataclasses.replace(sealed, **change))
+    assert es.stats().rejected == 1
+
+
+def test_semantic_entry_forged_without_secret_is_rejected(keyring: TenantKeyring) -> None:
+    es = EntrySealer(keyring)
+    with pytest.raises(SealedEntryError, match="not sealed"):
+        es.open_entry(_entry(answer="poisoned answer"))
+    forged = EntrySealer(TenantKeyring(SECRET_B)).seal_entry(_entry(answer="poisoned answer"))
+    with pytest.raises(SealedEntryError):
+        es.open_entry(forged)
+    assert es.stats().rejected == 2

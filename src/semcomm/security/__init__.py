@@ -10,7 +10,7 @@
 """
 
 from ._chunks import SEAL_ALG, ChunkSealer
-from ._entries import EntrySealer
+from ._entries import ENTRY_SEAL_ALG, EntrySealer
 from ._guard import Admission, ProbeThrottledError, RequestGuard
 from ._probe import ProbeConfig, ProbeDetector, ProbeVerdict, RateLimiter
 from ._sealing import (
@@ -37,6 +37,7 @@ from ._timing import PublicMatch, PublicPrefixRegistry, TimingGuard
 
 __all__ = [
     "CLIENT_SALT_FIELDS",
+    "ENTRY_SEAL_ALG",
     "ENVELOPE_OVERHEAD",
     "NO_TENANT_DIGEST",
     "SEAL_ALG",

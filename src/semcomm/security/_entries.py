@@ -1,19 +1,37 @@
 """Sealing of semantic-cache entries (SQLite rows, Redis hashes) at rest.
 
-An entry's stored value is a sealed envelope of its JSON payload (answer, metadata). The scope is the
-semantic scope string (which starts with the tenant salt digest) and the context is the entry id, so
-an entry copied to another id, scope or tenant fails authentication. The entry's embedding may stay
-in clear next to it for the in-process vector index; answers never do.
+:meth:`EntrySealer.seal_entry` turns a ``semcomm.semantic`` entry into its at-rest form: the query
+and the answer (the user's prompt and the model's reply) move into one AES-GCM envelope, stored
+base64 in the ``answer`` field, the ``query`` field is emptied and ``metadata["sealed"]`` says so.
+What stays in clear is what a store needs to index and expire entries without a key: id,
+partition, tenant salt digest, model, scope, times, the embedding vector.
+
+The scope of the data key is the entry's partition (a digest over scope, tenant salt digest, model
+and context) prefixed by its tenant digest, so tenants never share a key. The associated data binds
+id, partition, tenant, model, scope, embedder and a digest of the vector: an entry copied under
+another id or tenant, or given another vector (to make a poisoned answer match other questions),
+fails authentication. :meth:`EntrySealer.open_entry` reverses it; a store given a sealer rejects
+unsealed entries (written by someone without the server secret).
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import json
-from typing import Any
+from typing import Any, TypeVar
 
-from ._sealing import Opened, Sealer, SealStats, TenantKeyring
+import numpy as np
 
-__all__ = ["EntrySealer"]
+from ._sealing import Opened, SealedEntryError, Sealer, SealStats, TenantKeyring
+
+__all__ = ["EntrySealer", "ENTRY_SEAL_ALG"]
+
+ENTRY_SEAL_ALG = "aes-256-gcm/v1"
+_META_KEY = "sealed"
+
+E = TypeVar("E")
 
 
 class EntrySealer:
@@ -46,3 +64,50 @@ class EntrySealer:
 
     def open_json(self, blob: bytes, *, scope: str, entry_id: str) -> Any:
         return json.loads(self.open(blob, scope=scope, entry_id=entry_id))
+
+    # -- whole entries (duck-typed on semcomm.semantic's Entry dataclass) -------------------
+    @staticmethod
+    def _binding(entry: Any) -> tuple[str, bytes]:
+        vec = np.ascontiguousarray(entry.vector, dtype="<f4").tobytes()
+        ctx = json.dumps(
+            {"id": entry.id, "partition": entry.partition, "tenant": entry.tenant,
+             "model": entry.model, "scope": entry.scope, "embedder": entry.embedder,
+             "vector": hashlib.blake2b(vec, digest_size=32).hexdigest()},
+            sort_keys=True, separators=(",", ":"),
+        ).encode("utf-8")
+        return f"{entry.tenant}/{entry.partition}", ctx
+
+    @staticmethod
+    def is_sealed_entry(entry: Any) -> bool:
+        return isinstance(entry.metadata, dict) and entry.metadata.get(_META_KEY) == ENTRY_SEAL_ALG
+
+    def seal_entry(self, entry: E) -> E:
+        """The at-rest form of ``entry`` (a new object; ``entry`` is not changed)."""
+        e: Any = entry
+        if self.is_sealed_entry(e):
+            raise ValueError(f"entry {e.id!r} is already sealed")
+        scope, ctx = self._binding(e)
+        payload = json.dumps({"q": e.query, "a": e.answer}, separators=(",", ":"),
+                             ensure_ascii=False).encode("utf-8")
+        blob = self._sealer.seal(payload, scope=scope, context=ctx)
+        return dataclasses.replace(  # type: ignore[type-var]
+            e, query="", answer=base64.b64encode(blob).decode("ascii"),
+            metadata={**e.metadata, _META_KEY: ENTRY_SEAL_ALG},
+        )
+
+    def open_entry(self, entry: E) -> E:
+        """Authenticate and restore a sealed entry; :class:`SealedEntryError` (counted) if it
+        was tampered with, moved, or never sealed."""
+        e: Any = entry
+        if not self.is_sealed_entry(e):
+            self._sealer.count_rejection("unsealed")
+            raise SealedEntryError(f"semantic entry {e.id!r} is not sealed but sealing is required")
+        scope, ctx = self._binding(e)
+        try:
+            blob = base64.b64decode(e.answer.encode("ascii"), validate=True)
+        except (ValueError, UnicodeError):
+            self._sealer.count_rejection("malformed")
+            raise SealedEntryError(f"semantic entry {e.id!r}: sealed answer is not base64") from None
+        payload = json.loads(self._sealer.open(blob, scope=scope, context=ctx))
+        meta = {k: v for k, v in e.metadata.items() if k != _META_KEY}
+        return dataclasses.replace(e, query=payload["q"], answer=payload["a"], metadata=meta)  # type: ignore[type-var]
