@@ -6,8 +6,11 @@ This package knows nothing of transformers or HTTP: chunks are numpy arrays and 
 from ._codecs import CODECS, CodecReport, EncodedKV, KVCodec, get_codec
 from ._format import FORMAT_VERSION, Chunk, ChunkHeader, TensorSpec, decode_chunk, encode_chunk, read_header
 from ._keys import LAYOUT_VERSION, ChunkKey, Namespace, NamespaceDigest, chunk_key, chunk_keys, chunk_spans
+from ._disk import DiskStore
 from ._memory import MemoryStore
+from ._redis import RedisStore
 from ._store import ChunkStore, Fetched, PrefixMatch, StoreEvent, StoreStats
+from ._tiered import TieredStore
 
 __all__ = [
     "CODECS",
@@ -21,11 +24,14 @@ __all__ = [
     "ChunkHeader",
     "ChunkKey",
     "ChunkStore",
+    "DiskStore",
     "Fetched",
     "MemoryStore",
     "PrefixMatch",
+    "RedisStore",
     "StoreEvent",
     "StoreStats",
+    "TieredStore",
     "Namespace",
     "NamespaceDigest",
     "TensorSpec",

@@ -29,11 +29,11 @@ from ..errors import CorruptEntryError, NamespaceMismatchError
 
 __all__ = [
     "FORMAT_VERSION",
-    "TensorSpec",
-    "ChunkHeader",
     "Chunk",
-    "encode_chunk",
+    "ChunkHeader",
+    "TensorSpec",
     "decode_chunk",
+    "encode_chunk",
     "read_header",
 ]
 
@@ -189,24 +189,45 @@ def encode_chunk(
 
 def _split(data: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
     mv = memoryview(data)
-    if len(mv) < _PREFIX.size + _CHECKSUM_LEN:
-        raise CorruptEntryError(f"chunk too short ({len(mv)} bytes)")
-    magic, hlen = _PREFIX.unpack_from(mv, 0)
+    return header_from_prefix(mv, len(mv))
+
+
+def prefix_length(head: bytes | bytearray | memoryview) -> int:
+    """Bytes before the payload (magic, length, header JSON), from the first 8 bytes of a chunk."""
+    if len(head) < _PREFIX.size:
+        raise CorruptEntryError(f"chunk too short ({len(head)} bytes)")
+    magic, hlen = _PREFIX.unpack_from(head, 0)
     if magic != _MAGIC:
         raise CorruptEntryError(f"bad chunk magic {bytes(magic)!r}")
-    if hlen > _MAX_HEADER or _PREFIX.size + hlen + _CHECKSUM_LEN > len(mv):
+    if hlen > _MAX_HEADER:
         raise CorruptEntryError(f"bad chunk header length {hlen}")
+    return int(_PREFIX.size + hlen)
+
+
+def header_from_prefix(
+    head: bytes | bytearray | memoryview, total_len: int
+) -> tuple[ChunkHeader, int]:
+    """Parse the header from the start of a chunk of ``total_len`` bytes (for scanning files).
+
+    ``head`` must hold at least :func:`prefix_length` bytes. Returns the header and the payload
+    offset. Checks sizes against ``total_len``; does not verify the checksum.
+    """
+    mv = memoryview(head)
+    if total_len < _PREFIX.size + _CHECKSUM_LEN:
+        raise CorruptEntryError(f"chunk too short ({total_len} bytes)")
+    body = prefix_length(mv)
+    if body + _CHECKSUM_LEN > total_len or body > len(mv):
+        raise CorruptEntryError(f"bad chunk header length {body - _PREFIX.size}")
     try:
-        header = ChunkHeader.from_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
-    except (ValueError, KeyError, TypeError) as exc:
+        header = ChunkHeader.from_json(bytes(mv[_PREFIX.size : body]))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptEntryError(f"unreadable chunk header: {exc}") from None
     if header.format_version != FORMAT_VERSION:
         raise CorruptEntryError(f"unsupported chunk format version {header.format_version}")
-    body = _PREFIX.size + hlen
-    if body + header.payload_len + _CHECKSUM_LEN != len(mv):
+    if body + header.payload_len + _CHECKSUM_LEN != total_len:
         raise CorruptEntryError(
             f"chunk size mismatch: header says {header.payload_len} payload bytes, "
-            f"have {len(mv) - body - _CHECKSUM_LEN}"
+            f"have {total_len - body - _CHECKSUM_LEN}"
         )
     return header, body
 
@@ -225,6 +246,8 @@ def decode_chunk(
 ) -> Chunk:
     """Validate and decode a chunk. Raises ``CorruptEntryError`` or ``NamespaceMismatchError``."""
     header, body = _split(data)
+    if header.meta.get("sealed"):  # security.ChunkSealer: ciphertext must never decode as tensors
+        raise CorruptEntryError(f"chunk {header.key[:16]} is sealed; open it with the store's sealer")
     mv = memoryview(data)
     end = len(mv) - _CHECKSUM_LEN
     if verify and xxhash.xxh3_128_digest(mv[:end]) != bytes(mv[end:]):

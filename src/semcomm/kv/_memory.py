@@ -10,7 +10,7 @@ from ._keys import ChunkKey
 from ._lru import ChainLru
 from ._store import PrefixMatch, StoreBase, StoreStats, check_key, parent_of, validate_chunk
 
-__all__ = ["MemoryStore", "DEFAULT_MEMORY_CAPACITY"]
+__all__ = ["DEFAULT_MEMORY_CAPACITY", "MemoryStore"]
 
 logger = logging.getLogger("semcomm.kv")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -30,12 +31,12 @@ from ._keys import ChunkKey
 __all__ = [
     "KEY_SIZE",
     "ChunkStore",
-    "StoreStats",
-    "PrefixMatch",
-    "Fetched",
-    "StoreEvent",
     "EventKind",
+    "Fetched",
+    "PrefixMatch",
     "StoreBase",
+    "StoreEvent",
+    "StoreStats",
     "check_key",
     "validate_chunk",
 ]
@@ -172,7 +173,7 @@ def parent_of(header: ChunkHeader) -> ChunkKey | None:
     return ChunkKey(raw) if len(raw) == KEY_SIZE else None
 
 
-class StoreBase:
+class StoreBase(ABC):
     """Shared machinery: event fan-out, default ``lookup``/``fetch``, async twins via threads.
 
     Subclasses call :meth:`_emit` *after* releasing their own locks, so a subscriber may call
@@ -186,6 +187,31 @@ class StoreBase:
         self._subscribers: list[Callable[[StoreEvent], None]] = []
         self._event_lock = threading.RLock()  # orders delivery by seq
         self._seq = 0  # last sequence number handed out; only _emit changes it
+
+    # ---- the primitives every store implements ----------------------------------------------
+    @abstractmethod
+    def get(self, key: ChunkKey) -> bytes | None:
+        """Validated bytes of ``key``, or None (absent, corrupt, or backend down)."""
+
+    @abstractmethod
+    def put(self, key: ChunkKey, value: bytes) -> None:
+        """Store an encoded chunk; raises InvalidInputError for a malformed value."""
+
+    @abstractmethod
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is present (does not verify the bytes or change recency)."""
+
+    @abstractmethod
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove ``key``; True if it was present."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[ChunkKey]:
+        """Every key held (a snapshot)."""
+
+    @abstractmethod
+    def stats(self) -> StoreStats:
+        """A fresh snapshot of the counters."""
 
     # ---- events -------------------------------------------------------------------------
     def subscribe(self, callback: Callable[[StoreEvent], None]) -> None:
@@ -229,13 +255,13 @@ class StoreBase:
         return PrefixMatch(n, (self.name,) * n)
 
     def fetch(self, key: ChunkKey) -> Fetched | None:
-        value = self.get(key)  # type: ignore[attr-defined]
+        value = self.get(key)
         return None if value is None else Fetched(value, self.name)
 
     def __contains__(self, key: object) -> bool:
-        return self.contains(check_key(key))  # type: ignore[attr-defined,no-any-return]
+        return self.contains(check_key(key))
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -246,19 +272,22 @@ class StoreBase:
 
     # ---- async twins (thread offload; RedisStore overrides with native async) ------------
     async def aget(self, key: ChunkKey) -> bytes | None:
-        return await asyncio.to_thread(self.get, key)  # type: ignore[attr-defined,no-any-return]
+        return await asyncio.to_thread(self.get, key)
 
     async def aput(self, key: ChunkKey, value: bytes) -> None:
-        await asyncio.to_thread(self.put, key, value)  # type: ignore[attr-defined]
+        await asyncio.to_thread(self.put, key, value)
 
     async def acontains(self, key: ChunkKey) -> bool:
-        return await asyncio.to_thread(self.contains, key)  # type: ignore[attr-defined,no-any-return]
+        return await asyncio.to_thread(self.contains, key)
 
     async def adelete(self, key: ChunkKey) -> bool:
-        return await asyncio.to_thread(self.delete, key)  # type: ignore[attr-defined,no-any-return]
+        return await asyncio.to_thread(self.delete, key)
 
     async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
         return await asyncio.to_thread(self.lookup, list(keys))
+
+    async def acontains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await asyncio.to_thread(self.contains_many, list(keys))
 
     async def afetch(self, key: ChunkKey) -> Fetched | None:
         return await asyncio.to_thread(self.fetch, key)

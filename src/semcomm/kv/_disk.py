@@ -1,0 +1,491 @@
+"""DiskStore: one file per chunk in a directory, shared safely by several processes.
+
+Layout::
+
+    <root>/.semcomm-kv                 marker (JSON: kind and layout version)
+    <root>/.lock                       fcntl lock taken by eviction sweeps
+    <root>/<hh>/<64 hex>.sckv          one encoded chunk; <hh> = first two hex digits of the key
+    <root>/<hh>/.<64 hex>.<pid>.<rand>.tmp   a write in progress (renamed into place when done)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ConfigError, CorruptEntryError, NamespaceMismatchError
+from ._format import ChunkHeader, decode_chunk, header_from_prefix, prefix_length
+from ._keys import ChunkKey
+from ._lru import ChainLru
+from ._store import KEY_SIZE, StoreBase, StoreStats, check_key, parent_of, validate_chunk
+
+__all__ = ["DEFAULT_DISK_CAPACITY", "DiskStore"]
+
+logger = logging.getLogger("semcomm.kv")
+
+DEFAULT_DISK_CAPACITY = 10 << 30  # 10 GiB
+_SUFFIX = ".sckv"
+_TMP_SUFFIX = ".tmp"
+_MARKER = ".semcomm-kv"
+_LOCK = ".lock"
+_HEX = frozenset("0123456789abcdef")
+_STALE_TMP_S = 900.0  # a tmp file this old is abandoned even if its pid looks alive (pid reuse)
+_REFRESH_S = 1.0  # how often a writer re-lists the directory to see other processes' files
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _key_from_name(name: str) -> ChunkKey | None:
+    if not name.endswith(_SUFFIX):
+        return None
+    stem = name[: -len(_SUFFIX)]
+    if len(stem) != 2 * KEY_SIZE or not set(stem) <= _HEX:
+        return None
+    return ChunkKey(bytes.fromhex(stem))
+
+
+class DiskStore(StoreBase):
+    """Chunks as files under ``path``, bounded by ``capacity_bytes`` of file bytes.
+
+    Guarantees:
+
+    * **Atomic writes.** A chunk is written to a temporary file, fsynced and renamed into place
+      with ``os.replace``; readers see the old file or the new one, never a partial write.
+      A writer killed mid-write leaves only a ``.tmp`` file, which is never served and is
+      removed by the next open once its process is gone.
+    * **Verified reads.** Every ``get`` checks header, key and XXH3 checksum. A truncated,
+      bit-flipped or swapped file (content naming another key) is counted in
+      ``stats().corrupt``, deleted and reported as a miss.
+    * **Rebuilt index.** Opening scans the directory, reads each header (dropping and deleting
+      files that fail), removes stale temporary files and orders entries by mtime for LRU.
+    * **Budget.** LRU in this process's view, with chain tails evicted before their prefixes
+      and pinned entries kept (:class:`ChainLru`). Room is made *before* a write, so in one
+      process the directory never exceeds the budget. With several writers, each sweep holds
+      ``.lock`` (fcntl) and re-lists the directory, tolerating files that appear or vanish;
+      the total converges to the budget at every sweep (:meth:`sweep` forces one).
+    * Recency lives in memory (``get`` does not rewrite files); after a reopen it is the
+      file mtimes, i.e. write order.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int = DEFAULT_DISK_CAPACITY,
+        *,
+        name: str = "disk",
+        fsync: bool = True,
+    ):
+        super().__init__()
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        root = Path(path).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"DiskStore path {str(root)!r} exists and is not a directory")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create DiskStore directory {str(root)!r}: {exc}") from exc
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ConfigError(f"DiskStore directory {str(root)!r} is not writable")
+        self.name = name
+        self.path = root
+        self.capacity_bytes = capacity_bytes
+        self._fsync = fsync
+        self._lock = threading.RLock()
+        self._lru = ChainLru()
+        self._hits = self._misses = self._puts = self._rejected = 0
+        self._evictions = self._corrupt = self._errors = 0
+        self._last_refresh = 0.0
+        marker = root / _MARKER
+        if not marker.exists():
+            marker.write_text(json.dumps({"kind": "semcomm-kv-disk", "layout": 1}) + "\n")
+        self._lock_fd = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        with self._lock, self._flock():
+            self._rebuild()
+            self._evict_to(0, None)
+
+    # ---- paths and locking -------------------------------------------------------------
+    def _path(self, key: ChunkKey) -> Path:
+        h = key.hex()
+        return self.path / h[:2] / (h + _SUFFIX)
+
+    class _FLock:
+        __slots__ = ("fd",)
+
+        def __init__(self, fd: int) -> None:
+            self.fd = fd
+
+        def __enter__(self) -> None:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+        def __exit__(self, *exc: object) -> None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def _flock(self) -> DiskStore._FLock:
+        if self._lock_fd < 0:
+            raise RuntimeError("DiskStore is closed")
+        return DiskStore._FLock(self._lock_fd)
+
+    def close(self) -> None:
+        """Release the lock file descriptor; the directory stays as it is."""
+        with self._lock:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_lock_fd", -1)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- scanning ----------------------------------------------------------------------
+    def _shards(self) -> Iterator[os.DirEntry[str]]:
+        try:
+            with os.scandir(self.path) as it:
+                for d in it:
+                    if len(d.name) == 2 and set(d.name) <= _HEX and d.is_dir(follow_symlinks=False):
+                        yield d
+        except FileNotFoundError:
+            return
+
+    def _read_header(self, path: str, key: ChunkKey) -> tuple[ChunkHeader, int, int]:
+        """Header, size and mtime_ns of a chunk file; CorruptEntryError if it is not valid."""
+        with open(path, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
+            n = prefix_length(head)
+            head += f.read(n - len(head))
+        header, _ = header_from_prefix(head, st.st_size)
+        if header.key != key.hex():
+            raise CorruptEntryError(f"file for key {key.hex()[:16]} holds chunk {header.key[:16]}")
+        return header, st.st_size, st.st_mtime_ns
+
+    def _rebuild(self) -> None:
+        """Scan the directory into a fresh index (caller holds both locks)."""
+        found: list[tuple[int, ChunkKey, int, ChunkKey | None]] = []
+        now = time.time()
+        for shard in self._shards():
+            try:
+                entries = list(os.scandir(shard.path))
+            except OSError:
+                continue
+            for ent in entries:
+                if ent.name.endswith(_TMP_SUFFIX):
+                    self._maybe_remove_tmp(ent, now)
+                    continue
+                key = _key_from_name(ent.name)
+                if key is None:
+                    continue
+                try:
+                    header, size, mtime = self._read_header(ent.path, key)
+                except FileNotFoundError:
+                    continue
+                except (CorruptEntryError, OSError) as exc:
+                    self._drop_corrupt(key, ent.path, str(exc))
+                    continue
+                found.append((mtime, key, size, parent_of(header)))
+        found.sort(key=lambda t: t[0])  # oldest first: least recently used
+        self._lru = ChainLru()
+        for _, key, size, parent in found:
+            self._lru.add(key, size, parent)
+        self._last_refresh = time.monotonic()
+        logger.debug("DiskStore %s: %d chunks, %d bytes", self.path, len(self._lru),
+                     self._lru.bytes)
+
+    def _maybe_remove_tmp(self, ent: os.DirEntry[str], now: float) -> None:
+        parts = ent.name.split(".")  # ["", hex, pid, rand, "tmp"]
+        try:
+            pid = int(parts[2])
+        except (IndexError, ValueError):
+            pid = -1
+        try:
+            age = now - ent.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return
+        if pid <= 0 or not _pid_alive(pid) or age > _STALE_TMP_S:
+            try:
+                os.unlink(ent.path)
+                logger.info("removed stale temporary chunk file %s", ent.path)
+            except FileNotFoundError:
+                pass
+
+    def _refresh(self) -> None:
+        """Bring the index in line with the directory (other processes' writes and deletes)."""
+        on_disk: set[ChunkKey] = set()
+        for shard in self._shards():
+            try:
+                entries = list(os.scandir(shard.path))
+            except OSError:
+                continue
+            for ent in entries:
+                key = _key_from_name(ent.name)
+                if key is None:
+                    continue
+                on_disk.add(key)
+                if key not in self._lru:
+                    try:
+                        header, size, _ = self._read_header(ent.path, key)
+                    except FileNotFoundError:
+                        on_disk.discard(key)
+                        continue
+                    except (CorruptEntryError, OSError) as exc:
+                        on_disk.discard(key)
+                        self._drop_corrupt(key, ent.path, str(exc))
+                        continue
+                    self._lru.add(key, size, parent_of(header))
+        for key in [k for k in self._lru.entries if k not in on_disk]:
+            self._lru.remove(key)
+        self._last_refresh = time.monotonic()
+
+    def _drop_corrupt(self, key: ChunkKey, path: str, why: str, ino: int | None = None) -> None:
+        """Delete a bad file (only if it is still the file we read) and count it."""
+        logger.warning("DiskStore: dropping corrupt chunk file %s: %s", path, why)
+        try:
+            if ino is None or os.stat(path).st_ino == ino:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("DiskStore: could not delete %s: %s", path, exc)
+        with self._lock:
+            self._corrupt += 1
+            had = self._lru.remove(key) is not None
+        if had:
+            self._emit("evict", key, "corrupt")
+
+    # ---- eviction ----------------------------------------------------------------------
+    def _evict_to(self, incoming: int, protect: ChunkKey | None) -> tuple[bool, list[ChunkKey]]:
+        """Evict until ``incoming`` more bytes fit (caller holds both locks)."""
+        evicted: list[ChunkKey] = []
+        while self._lru.bytes + incoming > self.capacity_bytes:
+            victim = self._lru.victim(protect=protect)
+            if victim is None:
+                return False, evicted
+            self._lru.remove(victim)
+            try:
+                os.unlink(self._path(victim))
+            except FileNotFoundError:
+                pass  # another process evicted it already
+            self._evictions += 1
+            evicted.append(victim)
+        return True, evicted
+
+    def sweep(self) -> int:
+        """Re-list the directory and evict down to the budget; returns the number evicted."""
+        with self._lock, self._flock():
+            self._refresh()
+            _, evicted = self._evict_to(0, None)
+        for k in evicted:
+            self._emit("evict", k, "evict")
+        return len(evicted)
+
+    # ---- primitives --------------------------------------------------------------------
+    def get(self, key: ChunkKey) -> bytes | None:
+        key = check_key(key)
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                ino = os.fstat(f.fileno()).st_ino
+                data = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._misses += 1
+                gone = self._lru.remove(key) is not None
+            if gone:
+                self._emit("evict", key, "delete")
+            return None
+        except OSError as exc:
+            logger.warning("DiskStore: cannot read %s: %s", path, exc)
+            with self._lock:
+                self._misses += 1
+                self._errors += 1
+            return None
+        try:
+            chunk = decode_chunk(data, expect_key=key, verify=True)
+        except (CorruptEntryError, NamespaceMismatchError) as exc:
+            self._drop_corrupt(key, str(path), str(exc), ino=ino)
+            with self._lock:
+                self._misses += 1
+            return None
+        added = False
+        with self._lock:
+            self._hits += 1
+            if key in self._lru:
+                self._lru.touch(key)
+            else:  # written by another process
+                self._lru.add(key, len(data), parent_of(chunk.header))
+                added = True
+        if added:
+            self._emit("store", key, "found")
+        return data
+
+    def put(self, key: ChunkKey, value: bytes) -> None:
+        key = check_key(key)
+        value, header = validate_chunk(key, value)
+        parent = parent_of(header)
+        size = len(value)
+        if size > self.capacity_bytes:
+            with self._lock:
+                self._rejected += 1
+            return
+        with self._lock:
+            if key in self._lru:  # replacing: its bytes are freed first
+                self._lru.remove(key)
+                existed = True
+            else:
+                existed = False
+            evicted: list[ChunkKey] = []
+            refresh = time.monotonic() - self._last_refresh > _REFRESH_S
+            if refresh or self._lru.bytes + size > self.capacity_bytes:
+                with self._flock():
+                    if refresh:
+                        self._refresh()
+                        self._lru.remove(key)
+                    ok, evicted = self._evict_to(size, parent)
+            else:
+                ok = True
+            if not ok:
+                self._rejected += 1
+        for k in evicted:
+            self._emit("evict", k, "evict")
+        if not ok:
+            if existed:
+                self._forget_or_keep(key)
+            return
+        if not self._write(key, value):
+            return
+        with self._lock:
+            self._lru.add(key, size, parent)
+            self._puts += 1
+        if not existed:
+            self._emit("store", key, "put")
+
+    def _forget_or_keep(self, key: ChunkKey) -> None:
+        # the old file is still on disk: re-index it so the budget stays truthful
+        try:
+            header, size, _ = self._read_header(str(self._path(key)), key)
+        except (OSError, CorruptEntryError):
+            return
+        with self._lock:
+            self._lru.add(key, size, parent_of(header))
+
+    def _write(self, key: ChunkKey, value: bytes) -> bool:
+        final = self._path(key)
+        tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        fd = -1
+        try:
+            final.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            view = memoryview(value)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self._fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, final)
+            return True
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            level = logging.WARNING if exc.errno != errno.ENOENT else logging.DEBUG
+            logger.log(level, "DiskStore: could not write chunk %s: %s", key.hex()[:16], exc)
+            with self._lock:
+                self._errors += 1
+            return False
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self._path(check_key(key)).exists()
+
+    def delete(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        try:
+            os.unlink(self._path(key))
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        with self._lock:
+            known = self._lru.remove(key) is not None
+        if existed or known:
+            self._emit("evict", key, "delete")
+        return existed
+
+    def scan(self) -> Iterator[ChunkKey]:
+        """Keys of every chunk file in the directory (all processes' writes)."""
+        keys: list[ChunkKey] = []
+        for shard in self._shards():
+            try:
+                names = os.listdir(shard.path)
+            except OSError:
+                continue
+            for name in names:
+                key = _key_from_name(name)
+                if key is not None:
+                    keys.append(key)
+        return iter(keys)
+
+    def clear(self) -> None:
+        """Delete every chunk file (pinned ones included)."""
+        for key in list(self.scan()):
+            self.delete(key)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                name=self.name, entries=len(self._lru), bytes=self._lru.bytes,
+                capacity_bytes=self.capacity_bytes, hits=self._hits, misses=self._misses,
+                puts=self._puts, rejected=self._rejected, evictions=self._evictions,
+                corrupt=self._corrupt, errors=self._errors, pinned=self._lru.pinned,
+            )
+
+    # ---- pinning (this process's view) -----------------------------------------------------
+    def pin(self, key: ChunkKey) -> bool:
+        """Keep ``key`` from this process's evictions (counted); False if not indexed."""
+        key = check_key(key)
+        with self._lock:
+            return self._lru.pin(key)
+
+    def unpin(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        with self._lock:
+            return self._lru.unpin(key)
+
+    def eviction_order(self) -> list[ChunkKey]:
+        """Indexed entries least recently used first (for diagnostics)."""
+        with self._lock:
+            return self._lru.order()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __repr__(self) -> str:
+        return (f"DiskStore({str(self.path)!r}, entries={len(self._lru)}, "
+                f"bytes={self._lru.bytes}, capacity_bytes={self.capacity_bytes})")

@@ -1,0 +1,222 @@
+"""TieredStore: several stores, fastest first, used as one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+from ..errors import ConfigError
+from ._keys import ChunkKey
+from ._store import ChunkStore, Fetched, PrefixMatch, StoreBase, StoreEvent, StoreStats, check_key
+
+__all__ = ["TieredStore"]
+
+
+class TieredStore(StoreBase):
+    """Tiers ordered fastest first, e.g. ``[MemoryStore(), DiskStore(path), RedisStore(url)]``.
+
+    * **Write-through:** ``put`` validates once and writes the chunk to every tier.
+    * **Read in order, promote on hit:** ``fetch``/``get`` return the first tier holding the
+      key (``Fetched.tier`` names it) and copy the chunk into every faster tier.
+    * **Independent budgets:** each tier evicts on its own; eviction in a fast tier never
+      deletes from a slower one, so a chunk falls back to the next tier instead of vanishing.
+    * ``lookup`` counts a chunk as cached if any tier holds it and reports the tier per chunk
+      (the first that holds it); ``delete`` removes the key from every tier.
+    * ``stats()`` has hits/misses of the whole store, entries/bytes/capacity of its largest
+      tier, and every tier's own stats in ``tiers``.
+    * Events of every tier are forwarded with this store's own sequence numbers and
+      ``StoreEvent.tier`` naming the tier where the change happened.
+    """
+
+    name = "tiered"
+
+    def __init__(self, tiers: Sequence[ChunkStore], *, name: str = "tiered"):
+        super().__init__()
+        tiers = list(tiers)
+        if not tiers:
+            raise ConfigError("TieredStore needs at least one tier")
+        for t in tiers:
+            if not isinstance(t, ChunkStore):
+                raise TypeError(f"TieredStore tiers must be ChunkStores, got {type(t).__name__}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"TieredStore tier names must be distinct, got {names} "
+                              "(pass name=... to the stores)")
+        if any(t is self for t in tiers):
+            raise ConfigError("a TieredStore cannot contain itself")
+        self.name = name
+        self.tiers: tuple[ChunkStore, ...] = tuple(tiers)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._promotions = 0
+        for t in self.tiers:
+            t.subscribe(self._forward)
+
+    def _forward(self, ev: StoreEvent) -> None:
+        self._emit(ev.kind, ev.key, ev.reason, tier=ev.tier)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def fetch(self, key: ChunkKey) -> Fetched | None:
+        key = check_key(key)
+        for i, tier in enumerate(self.tiers):
+            value = tier.get(key)
+            if value is not None:
+                self._promote(key, value, i)
+                with self._lock:
+                    self._hits += 1
+                return Fetched(value, tier.name)
+        with self._lock:
+            self._misses += 1
+        return None
+
+    def _promote(self, key: ChunkKey, value: bytes, found_at: int) -> None:
+        if found_at == 0:
+            return
+        for faster in self.tiers[:found_at]:
+            faster.put(key, value)
+        with self._lock:
+            self._promotions += 1
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        got = self.fetch(key)
+        return None if got is None else got.value
+
+    def contains(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        return any(t.contains(key) for t in self.tiers)
+
+    def _tier_contains_many(self, tier: ChunkStore, keys: Sequence[ChunkKey]) -> list[bool]:
+        many = getattr(tier, "contains_many", None)
+        if many is not None:
+            return list(many(keys))
+        return [tier.contains(k) for k in keys]
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
+        """Longest gap-free run from ``keys[0]`` across tiers (one batched query per tier)."""
+        keys = [check_key(k) for k in keys]
+        where: list[str | None] = [None] * len(keys)
+        limit = len(keys)  # chunks past the first gap cannot count
+        for tier in self.tiers:
+            todo = [i for i in range(limit) if where[i] is None]
+            if not todo:
+                break
+            flags = self._tier_contains_many(tier, [keys[i] for i in todo])
+            for i, present in zip(todo, flags):
+                if present:
+                    where[i] = tier.name
+        n = 0
+        while n < limit and where[n] is not None:
+            n += 1
+        return PrefixMatch(n, tuple(w for w in where[:n] if w is not None))
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        keys = [check_key(k) for k in keys]
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            for i, present in zip(todo, self._tier_contains_many(tier, [keys[i] for i in todo])):
+                found[i] = found[i] or present
+        return found
+
+    # ---- writes --------------------------------------------------------------------------
+    def put(self, key: ChunkKey, value: bytes) -> None:
+        key = check_key(key)
+        for tier in self.tiers:  # the first tier validates; a bad value raises before any write
+            tier.put(key, value)
+
+    def delete(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        results = [t.delete(key) for t in self.tiers]
+        return any(results)
+
+    def scan(self) -> Iterator[ChunkKey]:
+        seen: set[ChunkKey] = set()
+        for tier in self.tiers:
+            for k in tier.scan():
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+    def stats(self) -> StoreStats:
+        per = tuple(t.stats() for t in self.tiers)
+        largest = max(per, key=lambda s: (s.entries, s.bytes))
+        with self._lock:
+            return StoreStats(
+                name=self.name, entries=largest.entries, bytes=largest.bytes,
+                capacity_bytes=largest.capacity_bytes, hits=self._hits, misses=self._misses,
+                puts=max(s.puts for s in per), rejected=sum(s.rejected for s in per),
+                evictions=sum(s.evictions for s in per), corrupt=sum(s.corrupt for s in per),
+                errors=sum(s.errors for s in per), outages=sum(s.outages for s in per),
+                pinned=sum(s.pinned for s in per), tiers=per,
+            )
+
+    @property
+    def promotions(self) -> int:
+        """Chunks copied into faster tiers after a hit in a slower one."""
+        return self._promotions
+
+    def close(self) -> None:
+        for t in self.tiers:
+            close = getattr(t, "close", None)
+            if close is not None:
+                close()
+
+    # ---- async twins: await each tier's own async method --------------------------------
+    async def afetch(self, key: ChunkKey) -> Fetched | None:
+        key = check_key(key)
+        for i, tier in enumerate(self.tiers):
+            value = await tier.aget(key)
+            if value is not None:
+                for faster in self.tiers[:i]:
+                    await faster.aput(key, value)
+                with self._lock:
+                    self._hits += 1
+                    if i:
+                        self._promotions += 1
+                return Fetched(value, tier.name)
+        with self._lock:
+            self._misses += 1
+        return None
+
+    async def aget(self, key: ChunkKey) -> bytes | None:
+        got = await self.afetch(key)
+        return None if got is None else got.value
+
+    async def aput(self, key: ChunkKey, value: bytes) -> None:
+        key = check_key(key)
+        for tier in self.tiers:
+            await tier.aput(key, value)
+
+    async def acontains(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        for tier in self.tiers:
+            if await tier.acontains(key):
+                return True
+        return False
+
+    async def adelete(self, key: ChunkKey) -> bool:
+        key = check_key(key)
+        results = [await t.adelete(key) for t in self.tiers]
+        return any(results)
+
+    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
+        keys = [check_key(k) for k in keys]
+        where: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i in range(len(keys)) if where[i] is None]
+            if not todo:
+                break
+            amany = getattr(tier, "acontains_many", None)
+            sub = [keys[i] for i in todo]
+            if amany is not None:
+                flags = list(await amany(sub))
+            else:
+                flags = [await tier.acontains(k) for k in sub]
+            for i, present in zip(todo, flags):
+                if present:
+                    where[i] = tier.name
+        n = 0
+        while n < len(keys) and where[n] is not None:
+            n += 1
+        return PrefixMatch(n, tuple(w for w in where[:n] if w is not None))
