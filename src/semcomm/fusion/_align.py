@@ -11,6 +11,8 @@ sharer tokens whose spans overlap its own:
 * split tokens (receiver "Bor" "deaux", sharer "bordeaux") both take the one sharer token;
 * merged tokens (receiver "Bordeaux", sharer "bord" "##eaux") take both (weights average them
   with ``reduce="mean"``, or take the rightmost with ``reduce="last"``);
+* a sharer token with exactly the receiver token's span is taken alone (identical tokenizers
+  align one to one);
 * receiver tokens with no overlapping sharer token (whitespace runs, which WordPiece drops;
   template or special tokens) and tokens straddling the shared text's edges are not fused.
 
@@ -122,11 +124,23 @@ def align_offsets(
     weights = torch.zeros(n_r, n_s, dtype=torch.float32)
     # sharer spans sorted by start; both lists are in text order, so one sweep suffices
     indexed = [(j, s) for j, s in enumerate(sharer_spans) if s is not None]
+    # exact span matches first: the k-th receiver token with span X takes the k-th sharer
+    # token with span X (identical tokenizers align 1:1, byte pieces of one character too)
+    exact: dict[tuple[int, int], list[int]] = {}
+    for j, s in indexed:
+        exact.setdefault(s, []).append(j)
+    seen: dict[tuple[int, int], int] = {}
     lo = 0
     for i, span in enumerate(receiver_spans):
         if span is None:
             continue
         a, b = span
+        k_seen = seen.get(span, 0)
+        seen[span] = k_seen + 1
+        same = exact.get(span)
+        if same is not None and k_seen < len(same):
+            weights[i, same[k_seen]] = 1.0
+            continue
         while lo < len(indexed) and indexed[lo][1][1] <= a:
             lo += 1
         hits: list[int] = []

@@ -63,6 +63,8 @@ def save_fuser(fuser: Fuser, directory: str | Path, *, extra: dict[str, Any] | N
 
 def _resolve(path: str | Path) -> tuple[Path, Path]:
     p = Path(path)
+    if not p.exists() and not p.suffix:
+        raise ConfigError(f"no fuser config at {p}: the folder does not exist")
     if p.is_dir():
         return p / CONFIG_NAME, p / WEIGHTS_NAME
     if p.suffix == ".json":

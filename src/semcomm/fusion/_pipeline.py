@@ -266,6 +266,9 @@ class FusionPipeline:
 def _as_dict(obj: Any) -> Any:
     if obj is None or isinstance(obj, dict):
         return obj
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
     try:
         from dataclasses import asdict, is_dataclass
 

@@ -1,0 +1,136 @@
+"""C2C on the reference pair: the data split, training examples, eval items, shipped fuser.
+
+The split is by fact: a fixed hash of each fact id puts it in the fuser's training half or
+its held-out half, across both the receiver's "seen" and "unseen" facts. The fuser never
+trains on any question about a held-out fact, so held-out accuracy measures knowledge the
+fuser carried from the sharer's cache, not knowledge stored in the fuser.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ._eval import MCItem
+from ._pipeline import ModelSide
+from ._train import FusionExample
+
+__all__ = [
+    "ASSETS_DIR",
+    "shipped_fuser_path",
+    "fact_is_heldout",
+    "reference_items",
+    "reference_examples",
+    "write_examples",
+    "load_reference_sides",
+]
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+HELDOUT_FRACTION = 0.5
+SPLIT_SALT = "semcomm-fusion-split-v1"
+
+
+def shipped_fuser_path() -> Path:
+    """Folder of the fuser shipped for the reference pair."""
+    return ASSETS_DIR / "reference"
+
+
+def fact_is_heldout(fact_id: str, fraction: float = HELDOUT_FRACTION) -> bool:
+    """Deterministic per-fact split (SHA-256 of a salted id, never Python ``hash()``)."""
+    h = hashlib.sha256(f"{SPLIT_SALT}:{fact_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def _background_prompt(question: str) -> str:
+    # T2T: the sharer writes what it knows in the world's support-conversation form
+    # ("user: ... / assistant: <one short sentence>"), the paper's "describe the background"
+    return f"user: {question}\nassistant:"
+
+
+def reference_items(world: Any, *, heldout: bool = True, limit: int | None = None) -> list[MCItem]:
+    """Multiple-choice items of held-out (or training) facts, seen and unseen interleaved."""
+    from ..reference import format_qa
+
+    by_split: dict[str, list[MCItem]] = {"seen": [], "unseen": []}
+    facts = {f.id: f for f in world.facts}
+    for q in world.mc_questions("all"):
+        if fact_is_heldout(q.fact_id) != heldout:
+            continue
+        by_split[q.split].append(
+            MCItem(
+                id=q.id,
+                prompt=q.prompt,
+                qa_prompt=format_qa(q.question),
+                options=tuple(q.options),
+                answer_index=int(q.answer_index),
+                background_prompt=_background_prompt(q.question),
+                split=q.split,
+                context=facts[q.fact_id].statement,
+            )
+        )
+    # interleave so that any prefix (a --limit) keeps the seen/unseen balance
+    out: list[MCItem] = []
+    for a, b in zip(by_split["unseen"], by_split["seen"]):
+        out += [a, b]
+    n = min(len(by_split["unseen"]), len(by_split["seen"]))
+    out += by_split["unseen"][n:] + by_split["seen"][n:]
+    return out[:limit] if limit else out
+
+
+def reference_examples(world: Any, *, answer_mode: str = "loglik") -> list[FusionExample]:
+    """Training examples from the training half of the facts (all question paraphrases).
+
+    ``loglik``: ``"question: Q answer:"`` -> ``" object."`` (what option scoring reads);
+    ``letter``: also the multiple-choice prompt -> ``" c."``.
+    """
+    from ..reference import format_qa
+
+    out: list[FusionExample] = []
+    for qa in world.qa_pairs("all"):
+        if fact_is_heldout(qa.fact_id):
+            continue
+        out.append(FusionExample(shared=format_qa(qa.question), answer=f" {qa.answer}."))
+    if answer_mode == "letter":
+        for q in world.mc_questions("all"):
+            if not fact_is_heldout(q.fact_id):
+                out.append(FusionExample(shared=q.prompt, answer=f" {q.letter}."))
+    return out
+
+
+def write_examples(examples: list[FusionExample], path: str | Path) -> Path:
+    """Write examples as the JSON Lines file ``semcomm fusion train --data`` reads."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", encoding="utf-8") as fh:
+        for ex in examples:
+            fh.write(json.dumps({"shared": ex.shared, "answer": ex.answer}) + "\n")
+    return p
+
+
+def load_side(path: str | Path, *, add_special_tokens: bool = True) -> ModelSide:
+    """A model folder (config.json + weights + tokenizer) as a :class:`ModelSide` in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..errors import ConfigError
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"no model at {p} (config.json missing)")
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(p))
+    return ModelSide(model, tok, add_special_tokens=add_special_tokens)
+
+
+def load_reference_sides() -> tuple[ModelSide, ModelSide]:
+    """(sharer, receiver) of the shipped reference pair."""
+    s_path, r_path = _assets_paths()
+    return load_side(s_path), load_side(r_path)
+
+
+def _assets_paths() -> tuple[Path, Path]:
+    from ..reference import _assets
+
+    return _assets.sharer_path(), _assets.receiver_path()
