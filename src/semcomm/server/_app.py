@@ -165,9 +165,14 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _err(exc.status_code, str(exc.detail), typ)
 
-    @app.exception_handler(Exception)
-    async def _any(request: Request, exc: Exception) -> JSONResponse:
+    async def _known(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(exc)
+
+    # handled in the exception middleware (a clean response, no traceback in the log)
+    for cls in (SemcommError, InjectedFault, asyncio.TimeoutError):
+        app.add_exception_handler(cls, _known)
+    # anything else: a 500 in OpenAI's shape (the server error middleware logs it)
+    app.add_exception_handler(Exception, _known)
 
     # --- generation ------------------------------------------------------------------------------
     def _auth(request: Request) -> str | None:

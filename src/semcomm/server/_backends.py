@@ -27,15 +27,15 @@ from ..errors import InvalidInputError, OverloadedError, UpstreamError
 from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
 __all__ = [
-    "GenRequest",
-    "Completion",
     "BackendStatus",
-    "StreamItem",
-    "ModelBackend",
-    "LocalBackend",
-    "UpstreamBackend",
+    "Completion",
     "FaultyBackend",
+    "GenRequest",
     "InjectedFault",
+    "LocalBackend",
+    "ModelBackend",
+    "StreamItem",
+    "UpstreamBackend",
     "collect",
     "render_prompt",
 ]

@@ -23,14 +23,14 @@ from typing import Any, Protocol
 from ..errors import OverloadedError
 
 __all__ = [
+    "BatchingWorker",
+    "Delta",
+    "EngineRunner",
+    "Failed",
+    "Finished",
+    "GenOutput",
     "Job",
     "Started",
-    "Delta",
-    "Finished",
-    "Failed",
-    "GenOutput",
-    "EngineRunner",
-    "BatchingWorker",
 ]
 
 log = logging.getLogger(__name__)

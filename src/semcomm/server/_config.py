@@ -24,16 +24,16 @@ from ..errors import ConfigError
 __all__ = [
     "DEFAULT_TOML",
     "ENV_PREFIX",
-    "ServerConfig",
-    "ServerSection",
-    "ModelConfig",
     "KVConfig",
-    "SemanticConfig",
-    "RoutingConfig",
-    "TenantConfig",
+    "ModelConfig",
     "PipelineConfig",
     "PipelineStage",
     "RayConfig",
+    "RoutingConfig",
+    "SemanticConfig",
+    "ServerConfig",
+    "ServerSection",
+    "TenantConfig",
     "load_config",
 ]
 
@@ -92,6 +92,8 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: str | None = None
     kv_cache: bool = True  # reuse KV prefixes through semcomm.engine when available
+    max_batch: int | None = Field(None, ge=1)  # overrides server.max_batch for this model
+    max_queue: int | None = Field(None, ge=1)  # overrides server.max_queue for this model
     chunk_size: int | None = Field(None, ge=1)
     # upstream: an OpenAI-compatible server
     base_url: str | None = None  # e.g. "http://127.0.0.1:8001/v1"

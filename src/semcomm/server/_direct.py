@@ -156,10 +156,7 @@ class DirectRunner:
                     if streams[row].stopped:
                         active[row] = False
                         finish[row] = "stop"
-                    elif len(streams[row].ids) >= job.max_new_tokens:
-                        active[row] = False
-                        finish[row] = "length"
-                    elif len(job.prompt_ids) + len(streams[row].ids) >= self.max_positions:
+                    elif len(streams[row].ids) >= job.max_new_tokens or len(job.prompt_ids) + len(streams[row].ids) >= self.max_positions:
                         active[row] = False
                         finish[row] = "length"
                 if not any(active):

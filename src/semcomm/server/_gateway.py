@@ -15,17 +15,17 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, OverloadedError, TenantError, UpstreamError
 from ..security import TenantSalter
 from ._backends import Completion, GenRequest, ModelBackend, StreamItem
-from ._batching import Delta, Started
+from ._batching import Started
 from ._config import ServerConfig
 from ._metrics import Metrics
 
-__all__ = ["Gateway", "Served", "DashboardStats", "ModelNotFound"]
+__all__ = ["DashboardStats", "Gateway", "ModelNotFound", "Served"]
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +256,12 @@ class Gateway:
         fp, fp_len = _fingerprint(digest, req.messages, req.prompt)
 
         # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
-        sem_ok = (self.semantic is not None and self.semantic.up and not isolate
+        sem_ok = (self.semantic is not None and self.semantic.usable() and not isolate
                   and (req.temperature == 0 or not self.config.semantic.only_greedy))
         if sem_ok and not no_cache:
             self.stats.lookup("semantic")
             hit = await self.semantic.lookup(req, digest)
+            self._semantic_health()
             if hit is not None:
                 return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len)
             self.metrics.misses.labels("semantic").inc()
@@ -290,6 +291,13 @@ class Gateway:
                       items=self._finish(req, backend, first, items, endpoint, t0, store, digest,
                                          fp, fp_len),
                       first=first)
+
+    def _semantic_health(self) -> None:
+        sem = self.semantic
+        self.metrics.semantic_up.set(1 if sem.up else 0)
+        if sem.rejections_delta:
+            self.metrics.verifier_rejections.inc(sem.rejections_delta)
+            sem.rejections_delta = 0
 
     def _semantic_hit(self, req: GenRequest, hit: Any, endpoint: str, t0: float, fp: str,
                       fp_len: int) -> Served:
@@ -438,5 +446,3 @@ class Gateway:
             "wiring": dict(self.notes),
         }
 
-
-_ = field  # dataclass helper kept for subclasses

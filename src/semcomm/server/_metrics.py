@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["Metrics", "LAYERS"]
+__all__ = ["LAYERS", "Metrics"]
 
 LAYERS = ("semantic", "kv", "snapshot", "c2c")
 """Reuse layers, cheapest first: semantic answers, KV prefixes, KV snapshots handed between

@@ -14,16 +14,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
-    "ChatMessage",
     "ChatCompletionRequest",
+    "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
-    "chat_response",
     "chat_chunk",
-    "completion_response",
+    "chat_response",
     "completion_chunk",
-    "usage_dict",
+    "completion_response",
     "error_body",
+    "usage_dict",
 ]
 
 

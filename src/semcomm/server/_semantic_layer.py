@@ -17,7 +17,10 @@ from typing import Any
 
 from ._backends import Completion, GenRequest
 
-__all__ = ["SemanticLayer", "SemanticHit"]
+__all__ = ["SCOPE_NAME", "SemanticHit", "SemanticLayer"]
+
+SCOPE_NAME = "default"
+"""Scope name of every entry the gateway writes; the tenant rides in the Scope's tenant field."""
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ def _split(req: GenRequest) -> tuple[str, list[dict[str, str]] | None]:
 class SemanticLayer:
     """Adapts a ``SemanticCache`` to the gateway: async calls, health, tags for invalidation."""
 
+    RETRY_DOWN_S = 5.0
+
     def __init__(self, cache: Any, *, threshold: float | None = None,
                  ttl_s: float | None = None, backend: str = "memory") -> None:
         self.cache = cache
@@ -52,6 +57,10 @@ class SemanticLayer:
         self.backend = backend
         self.up = True
         self.detail = f"{backend} semantic cache"
+        self._down_at = 0.0
+        self._errors = 0
+        self._guarded = 0
+        self.rejections_delta = 0  # candidates vetoed since the gateway last read this
         self._scope_cls = None
         try:
             from ..semantic import Scope
@@ -60,15 +69,47 @@ class SemanticLayer:
         except ImportError:  # pragma: no cover - depends on the semantic package version
             pass
 
-    def _scope(self, req: GenRequest, tenant_digest: str) -> Any:
-        name = f"model={req.model};max_tokens={req.max_tokens};stop={'|'.join(req.stop)}"
+    def _scope(self, req: GenRequest) -> Any:
         if self._scope_cls is not None:
-            return self._scope_cls(name=name, tenant=req.tenant)
-        return f"{tenant_digest}/{name}"
+            return self._scope_cls(name=SCOPE_NAME, tenant=req.tenant)
+        return SCOPE_NAME
+
+    @staticmethod
+    def _model(req: GenRequest) -> str:
+        """Model identity plus the settings that change an answer."""
+        return f"{req.model}#max_tokens={req.max_tokens}#stop={'|'.join(req.stop)}"
+
+    @staticmethod
+    def _tags(req: GenRequest) -> list[str]:
+        return [f"model:{req.model}"]
+
+    def usable(self) -> bool:
+        """Up, or down long enough ago that one request may probe it again."""
+        return self.up or time.monotonic() - self._down_at > self.RETRY_DOWN_S
+
+    def _check_counters(self) -> None:
+        """The cache turns backend errors into misses; surface them (health, metric, log)."""
+        try:
+            st = self.cache.stats()
+        except Exception as exc:
+            self._down(exc)
+            return
+        errors = int(getattr(st, "errors", 0) or 0)
+        guarded = int(getattr(st, "guarded", 0) or 0)
+        self.rejections_delta += max(0, guarded - self._guarded)
+        self._guarded = guarded
+        if errors > self._errors:
+            self._errors = errors
+            self._down(RuntimeError(f"{errors} backend errors (lookups degraded to misses)"))
+        elif not self.up:
+            log.warning("semantic cache backend recovered")
+            self.up = True
+            self.detail = f"{self.backend} semantic cache (recovered)"
 
     def _down(self, exc: Exception) -> None:
         if self.up:
             log.error("semantic cache backend is down (%s); serving without it", exc)
+        self._down_at = time.monotonic()
         self.up = False
         self.detail = f"down: {exc.__class__.__name__}: {exc}"
 
@@ -76,7 +117,8 @@ class SemanticLayer:
         query, context = _split(req)
         if not query.strip():
             return None
-        kw: dict[str, Any] = {"scope": self._scope(req, tenant_digest), "context": context}
+        kw: dict[str, Any] = {"scope": self._scope(req), "context": context,
+                              "model": self._model(req), "tags": self._tags(req)}
         if self.threshold is not None:
             kw["threshold"] = self.threshold
         try:
@@ -84,6 +126,7 @@ class SemanticLayer:
         except Exception as exc:
             self._down(exc)
             return None
+        self._check_counters()
         if hit is None:
             return None
         meta = getattr(hit, "metadata", None) or {}
@@ -99,15 +142,14 @@ class SemanticLayer:
         query, context = _split(req)
         if not query.strip():
             return
-        kw: dict[str, Any] = {"scope": self._scope(req, tenant_digest), "context": context,
-                              "tags": [f"model:{req.model}"]}
+        kw: dict[str, Any] = {"scope": self._scope(req), "context": context,
+                              "model": self._model(req), "tags": self._tags(req),
+                              "metadata": {"prompt_tokens": comp.prompt_tokens,
+                                           "completion_tokens": comp.completion_tokens}}
         if self.ttl_s is not None:
             kw["ttl"] = self.ttl_s
-        try:
-            await asyncio.to_thread(self.cache.store, query, comp.text, **kw)
-        except TypeError:
-            kw.pop("tags", None)
-            await asyncio.to_thread(self.cache.store, query, comp.text, **kw)
+        await asyncio.to_thread(self.cache.store, query, comp.text, **kw)
+        self._check_counters()
 
     def invalidate(self, *, tag: str | None = None, scope: str | None = None,
                    tenant: str | None = None) -> int:
@@ -115,11 +157,15 @@ class SemanticLayer:
         if tag:
             kw["tag"] = tag
         if scope:
-            kw["scope"] = self._scope_cls(name=scope, tenant=tenant) if self._scope_cls else scope
+            kw["scope"] = scope
+        if tenant:
+            kw["tenant"] = tenant
         return int(self.cache.invalidate(**kw) or 0)
 
     def stats(self) -> dict[str, Any]:
         st = self.cache.stats()
+        if hasattr(st, "as_dict"):
+            return dict(st.as_dict())
         if isinstance(st, dict):
             return st
         return {k: getattr(st, k) for k in dir(st)
@@ -130,5 +176,3 @@ class SemanticLayer:
         if close is not None:
             close()
 
-
-_ = time

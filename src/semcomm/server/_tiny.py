@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TINY_MODEL_ID", "build_tiny_model", "build_byte_tokenizer"]
+__all__ = ["TINY_MODEL_ID", "build_byte_tokenizer", "build_tiny_model"]
 
 TINY_MODEL_ID = "semcomm-tiny"
 

@@ -20,7 +20,7 @@ from ._config import ModelConfig, ServerConfig
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
-__all__ = ["wire", "load_hf", "build_kv_store", "build_semantic"]
+__all__ = ["build_kv_store", "build_semantic", "load_hf", "wire"]
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +127,23 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
         kw["path"] = str(path)
     elif sc.backend == "redis":
         kw["store"] = _redis_semantic_store(sc.redis_url)
+    if sc.threshold is not None:
+        kw["threshold"] = sc.threshold
     try:
-        cache = SemanticCache(salter=gateway.salter, **kw)
-    except TypeError:
-        cache = SemanticCache(**kw)
-    return SemanticLayer(cache, threshold=sc.threshold, ttl_s=sc.ttl_s, backend=sc.backend), \
-        f"{sc.backend} semantic cache"
+        cache = SemanticCache(salter=gateway.salter, context_turns=sc.context_turns, **kw)
+    except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
+        log.error("semantic cache (%s) could not start: %s", sc.backend, exc)
+        return None, f"{sc.backend} semantic cache could not start: {exc}"
+    return SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend), f"{sc.backend} semantic cache"
 
 
 def _redis_semantic_store(url: str | None) -> Any:
     from .. import semantic
 
-    for name in ("RedisEntryStore", "RedisStore"):
-        cls = getattr(semantic, name, None)
-        if cls is not None:
-            return cls(url)
-    raise ConfigError("semantic.backend = 'redis': semcomm.semantic has no Redis store")
+    cls = getattr(semantic, "RedisEntryStore", None)
+    if cls is None:
+        raise ConfigError("semantic.backend = 'redis': semcomm.semantic has no Redis store")
+    return cls(url)
 
 
 def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
@@ -163,8 +164,8 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
     if runner is None:
         runner = DirectRunner(model, tok, model_id=model_id)
         gateway.notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
-    worker = BatchingWorker(runner, max_batch=config.server.max_batch,
-                            max_queue=config.server.max_queue, name=name)
+    worker = BatchingWorker(runner, max_batch=cfg.max_batch or config.server.max_batch,
+                            max_queue=cfg.max_queue or config.server.max_queue, name=name)
     return LocalBackend(name, worker, kv_reuse=kv_reuse)
 
 

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible API against a live server: official client, tenants, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .test_server_support import ADMIN_KEY, TENANTS, LiveServer, live_server, server_config
+
+ACME, BETA = TENANTS["acme"], TENANTS["beta"]
+CHAT = [{"role": "system", "content": "You are the support desk of Nimbus Cloud."},
+        {"role": "user", "content": "How do I reset my account password?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(server_config(tmp_path_factory.mktemp("srv"))) as srv:
+        yield srv
+
+
+def _client(server: LiveServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def test_models_listed(server: LiveServer) -> None:
+    ids = [m.id for m in _client(server, ACME).models.list()]
+    assert {"tiny", "tiny-q1", "chain"} <= set(ids)
+
+
+def test_openai_sync_chat_and_stream_agree(server: LiveServer) -> None:
+    client = _client(server, ACME)
+    msgs = [{"role": "user", "content": "sync vs stream check: tell me about order 4411"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=msgs, max_tokens=6, extra_headers={"Cache-Control": "no-store"})
+    resp = raw.parse()
+    assert raw.headers["x-semcomm-hits"] == "none"
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens > 10 and resp.usage.completion_tokens <= 6
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"Cache-Control": "no-store"})
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                parts.append(ch.delta.content)
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == resp.choices[0].message.content  # greedy: same text
+    assert usage is not None and usage.completion_tokens == resp.usage.completion_tokens
+    assert finish == resp.choices[0].finish_reason
+
+
+def test_openai_async_concurrent(server: LiveServer) -> None:
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=BETA, max_retries=0)
+        outs = await asyncio.gather(*[
+            client.chat.completions.create(
+                model="tiny", max_tokens=4,
+                messages=[{"role": "user", "content": f"async request number {i}"}])
+            for i in range(6)])
+        await client.close()
+        return [o.choices[0].message.content or "" for o in outs]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 6 and all(isinstance(o, str) for o in outs)
+
+
+def test_legacy_completions(server: LiveServer) -> None:
+    client = _client(server, ACME)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5)
+    assert out.choices[0].text is not None and out.usage.prompt_tokens == len(b"Once upon a time")
+    parts = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=5, stream=True) if c.choices]
+    assert "".join(parts) == out.choices[0].text
+
+
+def test_semantic_hits_stay_inside_a_tenant(server: LiveServer) -> None:
+    """Same tenant: a paraphrase hits the semantic cache. Other tenant: never."""
+    a, b = _client(server, ACME), _client(server, BETA)
+    first = a.chat.completions.with_raw_response.create(model="tiny", messages=CHAT, max_tokens=8)
+    assert first.headers["x-semcomm-hits"] == "none"
+    para = [CHAT[0], {"role": "user", "content": "How can I reset the password of my account?"}]
+    again = a.chat.completions.with_raw_response.create(model="tiny", messages=para, max_tokens=8)
+    assert again.headers["x-semcomm-hits"] == "semantic"
+    hit = again.parse()
+    assert hit.choices[0].message.content == first.parse().choices[0].message.content
+    assert hit.model_extra["semcomm"]["semantic"]["similarity"] > 0.8
+    other = b.chat.completions.with_raw_response.create(model="tiny", messages=CHAT, max_tokens=8)
+    assert other.headers["x-semcomm-hits"] == "none"
+    other_para = b.chat.completions.with_raw_response.create(model="tiny", messages=para,
+                                                              max_tokens=8)
+    # beta's own first request is now cached for beta only: its paraphrase hits, for beta
+    assert other_para.headers["x-semcomm-hits"] == "semantic"
+    # a different context (system prompt) is a different partition: no hit
+    ctx = [{"role": "system", "content": "You are a pirate."}, CHAT[1]]
+    diff = a.chat.completions.with_raw_response.create(model="tiny", messages=ctx, max_tokens=8)
+    assert diff.headers["x-semcomm-hits"] == "none"
+
+
+def test_streaming_semantic_hit_streams_the_answer(server: LiveServer) -> None:
+    client = _client(server, ACME)
+    msgs = [{"role": "user", "content": "What are the opening hours of the Lyon office?"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8)
+    with client.chat.completions.with_streaming_response.create(
+            model="tiny", messages=msgs, max_tokens=8, stream=True) as resp:
+        assert resp.headers["x-semcomm-hits"] == "semantic"
+        text = "".join(c.choices[0].delta.content or "" for c in resp.parse() if c.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_auth_required_when_tenants_configured(server: LiveServer) -> None:
+    body = {"model": "tiny", "messages": CHAT}
+    with httpx.Client(base_url=server.url) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        assert c.get("/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "wrong").chat.completions.create(model="tiny", messages=CHAT)
+
+
+def test_tenant_cannot_pick_its_salt(server: LiveServer) -> None:
+    with server.client(ACME) as c:
+        r = c.post("/v1/chat/completions",
+                   json={"model": "tiny", "messages": CHAT, "cache_salt": "beta"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"messages": CHAT}, 400, "model"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"model": "tiny", "messages": CHAT, "temperature": 3}, 400, "temperature"),
+    ({"model": "tiny", "messages": CHAT, "n": 2}, 400, "n"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "nope", "messages": CHAT}, 404, "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, None),
+])
+def test_malformed_requests_get_openai_errors(server: LiveServer, body: dict, status: int,
+                                              param: str | None) -> None:
+    with server.client(ACME) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert r.headers["x-semcomm-hits"] == "none"
+
+
+def test_invalid_json_body(server: LiveServer) -> None:
+    with server.client(ACME) as c:
+        r = c.post("/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_bounded_queue_answers_429_with_retry_after(server: LiveServer) -> None:
+    """tiny-q1 runs one request and queues one; the rest are refused, none fail."""
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {ACME}"}) as c:
+            return await asyncio.gather(*[
+                c.post("/v1/chat/completions", headers={"Cache-Control": "no-store"},
+                       json={"model": "tiny-q1", "max_tokens": 64,
+                             "messages": [{"role": "user", "content": f"queue test {i}"}]})
+                for i in range(8)])
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 2 and 429 in codes
+    refused = [r for r in asyncio.run(main()) if r.status_code == 429]
+    assert refused and all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+    assert refused[0].json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_pipeline_reports_its_handoffs(server: LiveServer) -> None:
+    client = _client(server, ACME)
+    out = client.chat.completions.create(model="chain", messages=CHAT, max_tokens=5,
+                                         extra_headers={"Cache-Control": "no-store"})
+    meta = out.model_extra["semcomm"]
+    assert [s["role"] for s in meta["stages"]] == ["router", "specialist"]
+    assert sum(meta["handoffs"].values()) == 1
+    mode = next(iter(meta["handoffs"]))
+    assert mode in ("kv", "text")
+    # the specialist's prompt holds the router's prompt and output: it is longer
+    assert meta["stages"][1]["prompt_tokens"] > meta["stages"][0]["prompt_tokens"]
+    assert out.usage.prompt_tokens == sum(s["prompt_tokens"] for s in meta["stages"])
+
+
+def test_metrics_and_health(server: LiveServer) -> None:
+    client = _client(server, ACME)
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)  # semantic hit
+    with httpx.Client(base_url=server.url) as c:
+        text = c.get("/metrics").text
+        health = c.get("/health").json()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert names and all(n.startswith("semcomm_") for n in names)
+    for family in ("semcomm_requests_total", "semcomm_cache_hits_total",
+                   "semcomm_tokens_saved_total", "semcomm_ttft_seconds_bucket",
+                   "semcomm_request_latency_seconds_bucket", "semcomm_semantic_similarity_bucket",
+                   "semcomm_backend_up", "semcomm_semantic_backend_up",
+                   "semcomm_gateway_overhead_seconds_bucket", "semcomm_store_bytes"):
+        assert family in names, family
+    hits = [line for line in text.splitlines()
+            if line.startswith('semcomm_cache_hits_total{layer="semantic"}')]
+    assert hits and float(hits[0].split()[-1]) >= 1
+    assert health["models"]["tiny"]["up"] and health["semantic"]["up"]
+
+
+def test_admin_endpoints(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/admin/stats").status_code == 401
+        assert c.get("/admin/stats", headers={"Authorization": f"Bearer {ACME}"}).status_code == 401
+        adm = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        stats = c.get("/admin/stats", headers=adm).json()
+        assert "semantic" in stats["stores"] and "kv-memory" in stats["stores"]
+        assert c.post("/admin/invalidate", json={}, headers=adm).status_code == 400
+    client = _client(server, BETA)
+    msgs = [{"role": "user", "content": "Where is my parcel 7781?"}]
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+    hit = client.chat.completions.with_raw_response.create(model="tiny", messages=msgs,
+                                                            max_tokens=4)
+    assert hit.headers["x-semcomm-hits"] == "semantic"
+    with httpx.Client(base_url=server.url) as c:
+        r = c.post("/admin/invalidate", json={"scope": "default", "tenant": "beta"},
+                   headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200 and r.json()["invalidated"] >= 1
+    after = client.chat.completions.with_raw_response.create(model="tiny", messages=msgs,
+                                                              max_tokens=4)
+    assert after.headers["x-semcomm-hits"] == "none"
+
+
+def test_anonymous_default_server(tmp_path: Path) -> None:
+    """No tenants configured: any key (or none) is served, in the public namespace."""
+    with live_server(server_config(tmp_path, tenants=False, semantic=False)) as srv:
+        out = _client(srv, "anything").chat.completions.create(model="tiny", messages=CHAT,
+                                                                max_tokens=3)
+        assert out.choices[0].message.content is not None
+        with httpx.Client(base_url=srv.url) as c:
+            assert c.get("/v1/models").status_code == 200
+            assert c.get("/health").json()["semantic"]["enabled"] is False
