@@ -23,12 +23,12 @@ from ._trace import (
 )
 
 __all__ = [
+    "MOONCAKE_BLOCK_SIZE",
+    "POLICIES",
     "ApproximateIndex",
     "CostModel",
     "DecisionState",
     "IndexEvent",
-    "MOONCAKE_BLOCK_SIZE",
-    "POLICIES",
     "Policy",
     "PreciseIndex",
     "PreciseIndexStats",

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
-    "PrefixIndex",
     "ApproximateIndex",
-    "PreciseIndex",
     "IndexEvent",
+    "PreciseIndex",
     "PreciseIndexStats",
+    "PrefixIndex",
 ]
 
 
@@ -71,7 +71,7 @@ def _consecutive_match(
     if extra:
         xget = extra.get
 
-        def get(k: Hashable, _d: Any = None) -> Any:  # noqa: F811 - union of both maps
+        def get(k: Hashable, _d: Any = None) -> Any:
             a, b = holders.get(k), xget(k)
             if a and b:
                 return set(a) | set(b)

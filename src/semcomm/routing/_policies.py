@@ -33,9 +33,9 @@ from ..errors import ConfigError
 from ._cost import CostModel
 
 __all__ = [
-    "RouteView",
-    "Policy",
     "POLICIES",
+    "Policy",
+    "RouteView",
     "make_policy",
     "policy_names",
     "predicted_ttft",
@@ -78,7 +78,7 @@ def predicted_ttft(view: RouteView, *, recompute_weight: float = 0.0) -> np.ndar
     slow = 1.0 + cost.prefill_slowdown_per_decode * view.inflight
     full = cost.prefill_s(n, 0)
     own = np.full(view.num_replicas, full)
-    for r, _ in view.match.items():
+    for r in view.match:
         c = view.cached_tokens(r)
         own[r] = cost.prefill_s(n - c, c)
     return view.backlog_s + own * slow * (1.0 + recompute_weight)

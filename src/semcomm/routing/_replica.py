@@ -24,7 +24,7 @@ from ._cost import CostModel
 from ._index import ApproximateIndex, PreciseIndex, PrefixIndex
 from ._policies import Policy, RouteView, make_policy, predicted_ttft
 
-__all__ = ["ReplicaRouter", "RouteDecision", "DecisionState"]
+__all__ = ["DecisionState", "ReplicaRouter", "RouteDecision"]
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ._index import IndexEvent, PreciseIndex
 from ._replica import ReplicaRouter, RouteDecision
 from ._trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
-__all__ = ["SimConfig", "SimResult", "simulate", "capacity_at_slo"]
+__all__ = ["SimConfig", "SimResult", "capacity_at_slo", "simulate"]
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import numpy as np
 from ..errors import InvalidInputError
 
 __all__ = [
-    "TraceRequest",
     "MOONCAKE_BLOCK_SIZE",
+    "TraceRequest",
     "load_trace",
     "parse_trace_lines",
-    "write_trace",
     "shared_prefix_workload",
+    "write_trace",
 ]
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -113,7 +113,7 @@ def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
             fh.write(
                 json.dumps(
                     {
-                        "timestamp": int(round(r.arrival_s * 1000)),
+                        "timestamp": round(r.arrival_s * 1000),
                         "input_length": r.input_length,
                         "output_length": r.output_length,
                         "hash_ids": list(r.hash_ids),

@@ -1,0 +1,58 @@
+"""Tables and charts for simulation results (rich tables, matplotlib PNGs with the Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from ._sim import SimResult
+
+__all__ = ["plot_ttft_cdf", "sim_table"]
+
+
+def sim_table(results: Sequence[SimResult], title: str = "replica routing simulation") -> Table:
+    """One row per result: hit rate, TTFT quantiles, queueing, imbalance, decision time."""
+    t = Table(title=title)
+    for col in (
+        "policy", "replicas", "rate x", "requests", "hit rate", "TTFT p50 s", "TTFT p90 s",
+        "TTFT p99 s", "queue p99 s", "load imb.", "decision p99 us",
+    ):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        t.add_row(
+            r.policy, str(r.replicas), f"{r.rate_scale:g}", str(r.requests), f"{r.hit_rate:.3f}",
+            f"{r.ttft_p50_s:.3f}", f"{r.ttft_p90_s:.3f}", f"{r.ttft_p99_s:.3f}",
+            f"{r.queue_p99_s:.3f}", f"{r.load_imbalance:.2f}", f"{r.decision_p99_us:.0f}",
+        )
+    return t
+
+
+def plot_ttft_cdf(results: Sequence[SimResult], path: str | Path, title: str = "TTFT CDF") -> Path:
+    """TTFT cumulative distribution per policy (log x axis) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in results:
+        v = np.sort(np.asarray(r.ttft_s, dtype=np.float64))
+        v = v[np.isfinite(v)]
+        if not len(v):
+            continue
+        ax.plot(np.maximum(v, 1e-3), np.arange(1, len(v) + 1) / len(v),
+                label=f"{r.policy} (hit {r.hit_rate:.2f}, p99 {r.ttft_p99_s:.2f}s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
