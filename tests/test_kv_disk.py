@@ -1,0 +1,270 @@
+"""DiskStore: reopen, corruption, crash safety, several writing processes, budgets."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from semcomm.errors import ConfigError
+from semcomm.kv import DiskStore, StoreEvent
+
+from ._kvchunks import chain, singles
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chunk_files(path: Path) -> list[Path]:
+    return sorted(path.glob("??/*.sckv"))
+
+
+def tmp_files(path: Path) -> list[Path]:
+    return sorted(path.glob("??/.*.tmp"))
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in chunk_files(path))
+
+
+def start_together(procs: list[subprocess.Popen[bytes]], go: Path) -> None:
+    """Wait until every worker is ready, then release them at once."""
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.strip() == b"ready", (line, p.stderr.read() if p.stderr else b"")
+    go.touch()
+
+
+def worker(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "tests._kv_worker", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture
+def kvdir(tmp_path: Path) -> Path:
+    return tmp_path / "kv"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Child processes of a test; any still running at the end are killed."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def test_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        DiskStore(f)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskStore(tmp_path / "a", capacity_bytes=-5)
+
+
+def test_files_are_sharded_and_named_by_key(kvdir: Path) -> None:
+    store = DiskStore(kvdir)
+    c = chain(3)
+    for k, v in c:
+        store.put(k, v)
+    for k, v in c:
+        p = kvdir / k.hex()[:2] / f"{k.hex()}.sckv"
+        assert p.read_bytes() == v
+    assert not tmp_files(kvdir)
+
+
+def test_reopen_rebuilds_the_index_and_serves_hits(kvdir: Path) -> None:
+    c = chain(4)
+    store = DiskStore(kvdir)
+    for k, v in c:
+        store.put(k, v)
+    store.close()
+    again = DiskStore(kvdir)
+    st = again.stats()
+    assert st.entries == 4 and st.bytes == sum(len(v) for _, v in c)
+    assert again.lookup([k for k, _ in c]).num_chunks == 4
+    assert all(again.get(k) == v for k, v in c)
+    assert again.stats().hits == 4
+
+
+def test_reopen_orders_lru_by_mtime(kvdir: Path) -> None:
+    items = singles(4, seed=5)
+    size = max(len(v) for _, v in items)
+    store = DiskStore(kvdir)
+    for k, v in items[:3]:
+        store.put(k, v)
+    now = time.time()
+    for age, (k, _) in zip((10, 30, 20), items[:3]):  # oldest: item 1, then 2, then 0
+        p = kvdir / k.hex()[:2] / f"{k.hex()}.sckv"
+        os.utime(p, (now - age, now - age))
+    again = DiskStore(kvdir, capacity_bytes=3 * size)
+    assert again.eviction_order() == [items[1][0], items[2][0], items[0][0]]
+    again.put(*items[3])
+    assert not again.contains(items[1][0]) and again.contains(items[2][0])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "swap", "garbage", "empty"])
+def test_corrupt_files_are_rejected_counted_and_removed(kvdir: Path, damage: str) -> None:
+    (k0, v0), (k1, v1) = chain(2)
+    store = DiskStore(kvdir)
+    store.put(k0, v0)
+    store.put(k1, v1)
+    evicts: list[StoreEvent] = []
+    store.subscribe(lambda e: evicts.append(e) if e.kind == "evict" else None)
+    p0 = kvdir / k0.hex()[:2] / f"{k0.hex()}.sckv"
+    p1 = kvdir / k1.hex()[:2] / f"{k1.hex()}.sckv"
+    if damage == "truncate":
+        p0.write_bytes(v0[: len(v0) // 2])
+    elif damage == "bitflip":
+        b = bytearray(v0)
+        b[len(b) - 40] ^= 0x04  # inside the tensor payload
+        p0.write_bytes(bytes(b))
+    elif damage == "swap":
+        p0.write_bytes(v1)  # a valid chunk, but of another key
+    elif damage == "garbage":
+        p0.write_bytes(os.urandom(len(v0)))
+    else:
+        p0.write_bytes(b"")
+    assert store.contains(k0)  # presence is cheap; the bytes are checked on read
+    assert store.get(k0) is None
+    assert not p0.exists() and p1.exists()
+    st = store.stats()
+    assert st.corrupt == 1 and st.misses == 1 and st.entries == 1
+    assert [(e.key, e.reason) for e in evicts] == [(k0, "corrupt")]
+    assert store.get(k1) == v1
+
+
+def test_open_drops_files_with_bad_headers(kvdir: Path) -> None:
+    (k0, v0), (k1, v1), (k2, v2) = chain(3)
+    store = DiskStore(kvdir)
+    for k, v in ((k0, v0), (k1, v1), (k2, v2)):
+        store.put(k, v)
+    store.close()
+    (kvdir / k0.hex()[:2] / f"{k0.hex()}.sckv").write_bytes(v0[:-7])  # size mismatch
+    (kvdir / k1.hex()[:2] / f"{k1.hex()}.sckv").write_bytes(v2)  # names another key
+    again = DiskStore(kvdir)
+    st = again.stats()
+    assert st.entries == 1 and st.corrupt == 2
+    assert [p.name for p in chunk_files(kvdir)] == [f"{k2.hex()}.sckv"]
+    assert again.get(k2) == v2
+
+
+def test_budget_exact_lru_under_random_workload(kvdir: Path) -> None:
+    rnd = random.Random(11)
+    items = singles(6, seed=1, payload=32) + singles(6, seed=2, payload=400)
+    cap = 4000
+    store = DiskStore(kvdir, capacity_bytes=cap, fsync=False)
+    model: OrderedDict[bytes, int] = OrderedDict()
+    for _ in range(250):
+        key, value = rnd.choice(items)
+        if rnd.random() < 0.55:
+            store.put(key, value)
+            model.pop(key, None)
+            while model and sum(model.values()) + len(value) > cap:
+                model.popitem(last=False)
+            model[key] = len(value)
+        else:
+            got = store.get(key)
+            assert (got == value) if key in model else got is None
+            if key in model:
+                model.move_to_end(key)
+        assert disk_bytes(kvdir) <= cap
+        assert store.eviction_order() == list(model)
+    assert store.stats().evictions > 10
+
+
+def test_prefix_outlives_extension_on_disk(kvdir: Path) -> None:
+    c = chain(3)
+    o = singles(2, seed=8)
+    size = max(len(v) for _, v in c + o)
+    store = DiskStore(kvdir, capacity_bytes=4 * size)
+    for k, v in c:
+        store.put(k, v)
+    store.put(*o[0])
+    store.put(*o[1])  # must evict: the tail of the chain (2), not its oldest chunk (0)
+    assert store.lookup([k for k, _ in c]).num_chunks == 2
+    assert store.contains(o[0][0])
+
+
+def test_stale_tmp_files_are_removed_on_open(kvdir: Path) -> None:
+    (k0, v0), = chain(1)
+    store = DiskStore(kvdir)
+    store.put(k0, v0)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, check=True)
+    dead_pid = int(dead.stdout)
+    shard = kvdir / k0.hex()[:2]
+    stale = shard / f".{k0.hex()}.{dead_pid}.abcd1234.tmp"
+    stale.write_bytes(v0[:10])
+    live = shard / f".{k0.hex()}.{os.getpid()}.beef0000.tmp"  # a write of ours in progress
+    live.write_bytes(v0[:10])
+    DiskStore(kvdir)
+    assert not stale.exists() and live.exists()
+
+
+def test_two_processes_write_concurrently(kvdir: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    DiskStore(kvdir).close()
+    n = 40
+    go = kvdir.parent / "go"
+    procs.extend(worker("disk", str(kvdir), str(seed), str(n), str(10 << 30), str(go))
+                 for seed in (1, 2))
+    start_together(procs, go)
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    store = DiskStore(kvdir)
+    expected = chain(n, seed=1, payload=256) + chain(n, seed=2, payload=256)
+    assert store.stats().entries == 2 * n and store.stats().corrupt == 0
+    assert all(store.get(k) == v for k, v in expected)
+    assert store.stats().corrupt == 0 and not tmp_files(kvdir)
+
+
+def test_two_processes_share_one_budget(kvdir: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    size = len(chain(1, payload=256)[0][1]) + 2
+    cap = 25 * size
+    DiskStore(kvdir, capacity_bytes=cap).close()
+    go = kvdir.parent / "go"
+    procs.extend(worker("disk", str(kvdir), str(seed), "60", str(cap), str(go)) for seed in (3, 4))
+    start_together(procs, go)
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    store = DiskStore(kvdir, capacity_bytes=cap)  # opening sweeps under the lock
+    assert disk_bytes(kvdir) <= cap
+    assert store.stats().bytes == disk_bytes(kvdir)
+    valid = {k: v for k, v in chain(60, seed=3, payload=256) + chain(60, seed=4, payload=256)}
+    keys = list(store.scan())
+    assert keys and all(store.get(k) == valid[k] for k in keys)
+    assert store.stats().corrupt == 0
+
+
+def test_kill_9_mid_write_never_serves_a_partial_chunk(
+    kvdir: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    DiskStore(kvdir).close()
+    p = worker("big", str(kvdir))
+    procs.append(p)
+    deadline = time.monotonic() + 60
+    while not tmp_files(kvdir) or not chunk_files(kvdir):  # killed while writing chunk >= 1
+        assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
+        assert time.monotonic() < deadline, "writer never got going"
+        time.sleep(0.002)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    store = DiskStore(kvdir)
+    assert not tmp_files(kvdir)  # the dead writer's partial file is gone
+    keys = list(store.scan())
+    assert keys and store.stats().entries == len(keys)
+    assert all(store.get(k) is not None for k in keys)
+    assert store.stats().corrupt == 0

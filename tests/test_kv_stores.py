@@ -1,0 +1,169 @@
+"""One conformance suite run against every store: memory, disk, Redis and tiered."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from semcomm.errors import InvalidInputError
+from semcomm.kv import (
+    ChunkStore,
+    DiskStore,
+    Fetched,
+    MemoryStore,
+    PrefixMatch,
+    RedisStore,
+    StoreEvent,
+    StoreStats,
+    TieredStore,
+)
+
+from ._kvchunks import chain
+
+KINDS = ["memory", "disk", "redis", "tiered"]
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChunkStore]:
+    kind = request.param
+    if kind == "memory":
+        s: ChunkStore = MemoryStore()
+    elif kind == "disk":
+        s = DiskStore(tmp_path / "kv")
+    elif kind == "redis":
+        s = RedisStore(request.getfixturevalue("redis_url"))
+    else:
+        s = TieredStore([MemoryStore(), DiskStore(tmp_path / "kv"),
+                         RedisStore(request.getfixturevalue("redis_url"))])
+    yield s
+    s.close()  # type: ignore[attr-defined]
+
+
+def expected_tier(store: ChunkStore) -> str:
+    return "memory" if isinstance(store, TieredStore) else store.name
+
+
+def test_is_a_chunk_store(store: ChunkStore) -> None:
+    assert isinstance(store, ChunkStore)
+    assert store.name in {"memory", "disk", "redis", "tiered"}
+
+
+def test_put_get_contains_delete_scan(store: ChunkStore) -> None:
+    c = chain(3)
+    (k0, v0), (k1, v1), (k2, _) = c
+    assert store.get(k0) is None and not store.contains(k0)
+    store.put(k0, v0)
+    store.put(k1, v1)
+    assert store.get(k0) == v0 and store.get(k1) == v1
+    assert isinstance(store.get(k0), bytes)
+    assert store.contains(k0) and not store.contains(k2)
+    assert sorted(store.scan()) == sorted([k0, k1])
+    assert store.delete(k0) is True
+    assert store.delete(k0) is False
+    assert store.get(k0) is None and not store.contains(k0)
+    assert list(store.scan()) == [k1]
+
+
+def test_stats_count_hits_misses_and_bytes(store: ChunkStore) -> None:
+    (k0, v0), (k1, v1) = chain(2)
+    store.put(k0, v0)
+    store.put(k1, v1)
+    store.get(k0)
+    store.get(k0)
+    store.get(chain(1, seed=99)[0][0])
+    st = store.stats()
+    assert isinstance(st, StoreStats)
+    assert (st.hits, st.misses, st.corrupt) == (2, 1, 0)
+    assert st.entries == 2 and st.bytes == len(v0) + len(v1)
+    if isinstance(store, TieredStore):
+        assert [t.name for t in st.tiers] == ["memory", "disk", "redis"]
+        assert all(t.entries == 2 for t in st.tiers)
+
+
+def test_lookup_longest_consecutive_prefix(store: ChunkStore) -> None:
+    c = chain(6)
+    keys = [k for k, _ in c]
+    for i in (0, 1, 2, 4, 5):  # a gap at 3
+        store.put(*c[i])
+    m = store.lookup(keys)
+    assert isinstance(m, PrefixMatch)
+    assert m.num_chunks == 3 and m.tiers == (expected_tier(store),) * 3
+    assert store.lookup(keys[1:]).num_chunks == 2
+    assert store.lookup(keys[3:]).num_chunks == 0
+    assert store.lookup([]) == PrefixMatch(0, ())
+
+
+def test_fetch_names_the_tier(store: ChunkStore) -> None:
+    (k0, v0), (k1, _) = chain(2)
+    store.put(k0, v0)
+    got = store.fetch(k0)
+    assert got == Fetched(v0, expected_tier(store))
+    assert store.fetch(k1) is None
+
+
+def test_invalid_values_are_refused_and_nothing_is_lost(store: ChunkStore) -> None:
+    (k0, v0), (k1, v1) = chain(2)
+    store.put(k0, v0)
+    bad = [v1, v0[:-1], v0 + b"\0", b"", b"SCKV" + bytes(40)]
+    flipped = bytearray(v0)
+    flipped[-20] ^= 0x10
+    bad.append(bytes(flipped))
+    for value in bad:
+        with pytest.raises(InvalidInputError, match=k0.hex()[:16]):
+            store.put(k0, value)
+    with pytest.raises(InvalidInputError):
+        store.put(k1, v0)  # the header says it is chunk 0
+    with pytest.raises(TypeError):
+        store.put(k1, "text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.get(k0.hex())  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.contains(k0[:31])
+    assert store.get(k0) == v0 and not store.contains(k1)
+    assert sorted(store.scan()) == [k0]
+
+
+def test_events_store_and_evict_with_increasing_seq(store: ChunkStore) -> None:
+    (k0, v0), (k1, v1) = chain(2)
+    events: list[StoreEvent] = []
+    store.subscribe(events.append)
+    store.put(k0, v0)
+    store.put(k1, v1)
+    store.delete(k0)
+    stores = [e for e in events if e.kind == "store"]
+    evicts = [e for e in events if e.kind == "evict"]
+    assert {e.key for e in stores} == {k0, k1}
+    assert [e.key for e in evicts if e.tier == expected_tier(store)] == [k0]
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and seqs[0] >= 1
+    first = [e for e in stores if e.key == k0][0]
+    assert first.tier == expected_tier(store)
+
+
+async def test_async_twins(store: ChunkStore) -> None:
+    c = chain(4)
+    keys = [k for k, _ in c]
+    for k, v in c[:3]:
+        await store.aput(k, v)
+    assert await store.aget(keys[1]) == c[1][1]
+    assert await store.aget(keys[3]) is None
+    assert await store.acontains(keys[0]) and not await store.acontains(keys[3])
+    m = await store.alookup(keys)
+    assert m.num_chunks == 3 and len(m.tiers) == 3
+    got = await store.afetch(keys[2])
+    assert got is not None and got.value == c[2][1] and got.tier == expected_tier(store)
+    assert await store.afetch(keys[3]) is None
+    assert await store.adelete(keys[0]) is True
+    assert await store.adelete(keys[0]) is False
+    assert store.lookup(keys).num_chunks == 0
+    with pytest.raises(InvalidInputError):
+        await store.aput(keys[3], c[2][1])
+
+
+def test_defaults_work(tmp_path: Path) -> None:
+    assert MemoryStore().stats().capacity_bytes == 1 << 30
+    d = DiskStore(tmp_path / "default")
+    assert d.stats().capacity_bytes == 10 << 30 and d.stats().entries == 0
+    d.close()
