@@ -1,0 +1,72 @@
+"""Tiny config-built models of every engine-supported family (2 layers, hidden 64, vocab 256).
+
+Deterministic: ``tiny_model(name)`` seeds torch before building, so two processes get
+identical weights (and therefore the same model fingerprint and chunk keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers as T
+
+VOCAB = 256
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "llama": (T.LlamaConfig, dict(num_key_value_heads=2)),
+    "qwen2": (T.Qwen2Config, dict(num_key_value_heads=2)),
+    "qwen3": (T.Qwen3Config, dict(num_key_value_heads=2, head_dim=16)),
+    "mistral": (T.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    "phi3": (T.Phi3Config, dict(num_key_value_heads=2)),
+    "gemma": (T.GemmaConfig, dict(num_key_value_heads=2, head_dim=16)),
+    "gpt2": (T.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "gpt_neox": (T.GPTNeoXConfig, dict()),
+    "opt": (T.OPTConfig, dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "falcon": (T.FalconConfig, dict(alibi=False)),
+    "falcon_alibi": (T.FalconConfig, dict(alibi=True)),
+    "olmo2": (T.Olmo2Config, dict(num_key_value_heads=2)),
+    "granite": (T.GraniteConfig, dict(num_key_value_heads=2)),
+    "stablelm": (T.StableLmConfig, dict(num_key_value_heads=2)),
+}
+
+
+def tiny_config(name: str, **overrides: Any) -> Any:
+    cls, kw = FAMILIES[name]
+    return cls(**{**_COMMON, **kw, **overrides})
+
+
+def tiny_model(name: str = "qwen2", seed: int = 0, **overrides: Any) -> Any:
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(tiny_config(name, **overrides))
+    return model.eval()
+
+
+def prompt_ids(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def reference_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The model's own greedy output without any cache (what the engine must match)."""
+    x = torch.tensor([ids])
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=False,
+        pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
