@@ -243,7 +243,29 @@ def test_admin_endpoints(server: LiveServer) -> None:
     assert r.status_code == 200 and r.json()["invalidated"] >= 1
     after = client.chat.completions.with_raw_response.create(model="tiny", messages=msgs,
                                                               max_tokens=4)
-    assert after.headers["x-semcomm-hits"] == "none"
+    assert "semantic" not in after.headers["x-semcomm-hits"]  # KV prefix hits may remain
+
+
+def test_kv_prefix_hits_stay_inside_a_tenant(server: LiveServer) -> None:
+    """The engine's KV prefix cache: hits for the same tenant, zero for another one."""
+    long_ctx = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(40))
+    msgs = [{"role": "system", "content": long_ctx},
+            {"role": "user", "content": "Summarise the order log."}]
+    no_sem = {"Cache-Control": "no-cache, no-store"}  # bypass the semantic layer
+    a, b = _client(server, ACME), _client(server, BETA)
+    cold = a.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4,
+                                                       extra_headers=no_sem)
+    assert cold.headers["x-semcomm-hits"] == "none"
+    warm = a.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4,
+                                                       extra_headers=no_sem)
+    hits = warm.headers["x-semcomm-hits"]
+    assert hits.startswith("kv:") and int(hits[3:]) >= 256
+    body = warm.parse()
+    assert body.usage.prompt_tokens_details.cached_tokens == int(hits[3:])
+    assert body.choices[0].message.content == cold.parse().choices[0].message.content
+    other = b.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4,
+                                                        extra_headers=no_sem)
+    assert other.headers["x-semcomm-hits"] == "none"
 
 
 def test_anonymous_default_server(tmp_path: Path) -> None:
