@@ -138,7 +138,7 @@ def test_events_store_and_evict_with_increasing_seq(store: ChunkStore) -> None:
     assert [e.key for e in evicts if e.tier == expected_tier(store)] == [k0]
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and seqs[0] >= 1
-    first = [e for e in stores if e.key == k0][0]
+    first = next(e for e in stores if e.key == k0)
     assert first.tier == expected_tier(store)
 
 
