@@ -11,6 +11,15 @@ import torch
 from semcomm.errors import ConfigError, CorruptEntryError, NamespaceMismatchError, UnsupportedModelError
 from semcomm.fusion import Fuser, FuserConfig, ModelSpec, layer_mapping, load_fuser, model_spec, save_fuser
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 
 def spec(layers: int, heads: int, dim: int, fp: str = "") -> ModelSpec:
     return ModelSpec("toy", layers, heads, dim, 100, fp)
