@@ -59,6 +59,7 @@ class TrainConfig:
     reduce: str = "mean"  # alignment reduction (see _align)
     device: str = "cpu"
     max_prompt_tokens: int = 512
+    threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
     fuser: dict[str, Any] = field(default_factory=dict)  # FuserConfig overrides
 
 
@@ -234,6 +235,8 @@ class FusionTrainer:
         self.out = Path(out) if out is not None else None
         self.meta = dict(meta or {})
         self.device = torch.device(config.device)
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         for side in (sharer, receiver):
