@@ -13,6 +13,16 @@ See ``docs/reference.md``.
 
 from __future__ import annotations
 
+from ._assets import (
+    assets_dir,
+    load_model,
+    load_receiver,
+    load_sharer,
+    model_card_eval,
+    receiver_path,
+    router_labels,
+    sharer_path,
+)
 from .world import (
     LETTERS,
     ROUTER_PROMPT,
@@ -34,6 +44,14 @@ from .world import (
 )
 
 __all__ = [
+    "assets_dir",
+    "load_model",
+    "load_receiver",
+    "load_sharer",
+    "model_card_eval",
+    "receiver_path",
+    "router_labels",
+    "sharer_path",
     "LETTERS",
     "ROUTER_PROMPT",
     "SYSTEM_PROMPT",

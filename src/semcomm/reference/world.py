@@ -421,6 +421,19 @@ class World:
             )
         return out
 
+    def texts(self) -> list[str]:
+        """Every distinct string the world renders (for tokenizer building and round-trip tests)."""
+        out: list[str] = [s.text for s in self.sentences()]
+        out += [s.text for s in self.sentences(heldout=True)]
+        out += [q.text for q in self.qa_pairs()]
+        out += [format_mc(m.question, m.options, m.letter) for m in self._mc]
+        for n in self.near_misses():
+            out += [format_qa(n.anchor, n.anchor_answer), format_qa(n.negative, n.negative_answer)]
+        out += [c.render() for c in self.conversations()]
+        for a in self.agent_chains():
+            out += [f"{a.router_prompt} {a.route}.", f"{a.specialist_prompt} {a.answer}"]
+        return list(dict.fromkeys(out))
+
     # -- export ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Everything the world renders, as plain JSON-able data."""
@@ -506,7 +519,7 @@ def _replace_number(fact: Fact, value: int) -> Fact:
 def build_world(
     seed: int = 0,
     *,
-    people: int = 120,
+    people: int = 100,
     cities: int = 20,
     companies: int = 24,
     products: int = 40,
