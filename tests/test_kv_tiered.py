@@ -108,7 +108,7 @@ def test_bad_input(tmp_path: Path) -> None:
         TieredStore([object()])  # type: ignore[list-item]
     mem, disk = MemoryStore(), DiskStore(tmp_path / "kv")
     store = TieredStore([mem, disk])
-    (k0, v0), (k1, _) = chain(2)
+    (_, v0), (k1, _) = chain(2)
     with pytest.raises(InvalidInputError):
         store.put(k1, v0)
     assert not mem.contains(k1) and not disk.contains(k1)

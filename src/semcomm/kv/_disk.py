@@ -21,11 +21,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ConfigError, CorruptEntryError, NamespaceMismatchError
-from ._format import ChunkHeader, decode_chunk, header_from_prefix, prefix_length
+from ..errors import ConfigError, CorruptEntryError
+from ._format import ChunkHeader, header_from_prefix, prefix_length
 from ._keys import ChunkKey
 from ._lru import ChainLru
-from ._store import KEY_SIZE, StoreBase, StoreStats, check_key, parent_of, validate_chunk
+from ._store import (
+    KEY_SIZE,
+    StoreBase,
+    StoreStats,
+    check_key,
+    check_stored,
+    parent_of,
+    validate_chunk,
+)
 
 __all__ = ["DEFAULT_DISK_CAPACITY", "DiskStore"]
 
@@ -324,8 +332,8 @@ class DiskStore(StoreBase):
                 self._errors += 1
             return None
         try:
-            chunk = decode_chunk(data, expect_key=key, verify=True)
-        except (CorruptEntryError, NamespaceMismatchError) as exc:
+            parent = check_stored(key, data)
+        except CorruptEntryError as exc:
             self._drop_corrupt(key, str(path), str(exc), ino=ino)
             with self._lock:
                 self._misses += 1
@@ -336,7 +344,7 @@ class DiskStore(StoreBase):
             if key in self._lru:
                 self._lru.touch(key)
             else:  # written by another process
-                self._lru.add(key, len(data), parent_of(chunk.header))
+                self._lru.add(key, len(data), parent)
                 added = True
         if added:
             self._emit("store", key, "found")
@@ -344,8 +352,7 @@ class DiskStore(StoreBase):
 
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
-        value, header = validate_chunk(key, value)
-        parent = parent_of(header)
+        value, parent = validate_chunk(key, value)
         size = len(value)
         if size > self.capacity_bytes:
             with self._lock:

@@ -17,6 +17,7 @@ bfloat16 has no numpy dtype; it travels as ``"bfloat16"`` over ``<u2`` storage b
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,10 +32,12 @@ __all__ = [
     "FORMAT_VERSION",
     "Chunk",
     "ChunkHeader",
+    "ChunkInfo",
     "TensorSpec",
     "decode_chunk",
     "encode_chunk",
     "read_header",
+    "verify_chunk",
 ]
 
 FORMAT_VERSION = 1
@@ -150,13 +153,15 @@ def encode_chunk(
     blobs: list[bytes | memoryview] = []
     offset = 0
     for name, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
+        # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d)
+        arr = np.require(np.asarray(arr), requirements="C")
         dt = "bfloat16" if name in bf16_names else arr.dtype.newbyteorder("<").str
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         if dt not in _DTYPES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {arr.dtype}")
-        mv = memoryview(arr).cast("B")
+        # a flat uint8 view: memoryview.cast refuses shapes with a zero (empty tensors)
+        mv = arr.reshape(-1).view(np.uint8).data
         specs.append(TensorSpec(name, dt, tuple(arr.shape), offset, mv.nbytes))
         blobs.append(mv)
         offset += mv.nbytes
@@ -266,9 +271,88 @@ def decode_chunk(
         dt = _np_dtype(t.dtype) if t.dtype in _DTYPES else None
         if dt is None or t.offset < 0 or t.offset + t.nbytes > header.payload_len:
             raise CorruptEntryError(f"bad tensor spec {t.name!r} in chunk {header.key[:16]}")
-        count = int(np.prod(t.shape)) if t.shape else 1
+        count = math.prod(t.shape)
         if count * dt.itemsize != t.nbytes:
             raise CorruptEntryError(f"tensor {t.name!r} shape/size mismatch")
         start = body + t.offset
         arrays[t.name] = np.frombuffer(mv[start : start + t.nbytes], dtype=dt).reshape(t.shape)
     return Chunk(header=header, arrays=arrays, nbytes=len(mv))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """What a store needs to know about a verified chunk (see :func:`verify_chunk`)."""
+
+    key: bytes  # the chunk's own key, from its header
+    parent: bytes | None  # its parent key (None for a chain's first chunk)
+    namespace: bytes  # its namespace digest
+    nbytes: int  # encoded size
+
+
+def _hex_field(d: Mapping[str, Any], name: str, *, optional: bool = False) -> bytes | None:
+    v = d.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise CorruptEntryError(f"chunk header field {name!r} is missing or not a string")
+    try:
+        return bytes.fromhex(v)
+    except ValueError:
+        raise CorruptEntryError(f"chunk header field {name!r} is not hex") from None
+
+
+def verify_chunk(
+    data: bytes | bytearray | memoryview, *, expect_key: bytes | None = None
+) -> ChunkInfo:
+    """Check a chunk completely (framing, header, tensor table, checksum, key) without decoding.
+
+    The stores' read and write path: as strict as :func:`decode_chunk` about what it accepts,
+    but it builds no arrays (a 24-layer chunk has 48 tensors), so it costs about one checksum.
+    Raises ``CorruptEntryError``.
+    """
+    mv = memoryview(data)
+    total = len(mv)
+    if total < _PREFIX.size + _CHECKSUM_LEN:
+        raise CorruptEntryError(f"chunk too short ({total} bytes)")
+    body = prefix_length(mv)
+    if body + _CHECKSUM_LEN > total:
+        raise CorruptEntryError(f"bad chunk header length {body - _PREFIX.size}")
+    end = total - _CHECKSUM_LEN
+    if xxhash.xxh3_128_digest(mv[:end]) != bytes(mv[end:]):
+        raise CorruptEntryError("chunk failed its checksum")
+    try:
+        d = json.loads(bytes(mv[_PREFIX.size : body]))
+    except ValueError as exc:
+        raise CorruptEntryError(f"unreadable chunk header: {exc}") from None
+    if not isinstance(d, dict):
+        raise CorruptEntryError("chunk header is not a JSON object")
+    if d.get("format_version") != FORMAT_VERSION:
+        raise CorruptEntryError(f"unsupported chunk format version {d.get('format_version')!r}")
+    payload_len = d.get("payload_len")
+    if not isinstance(payload_len, int) or body + payload_len + _CHECKSUM_LEN != total:
+        raise CorruptEntryError(f"chunk size mismatch: header says {payload_len!r} payload bytes, "
+                                f"have {end - body}")
+    tensors = d.get("tensors")
+    if not isinstance(tensors, list):
+        raise CorruptEntryError("chunk header has no tensor table")
+    for t in tensors:
+        try:
+            _, dt, shape, off, nb = t
+            count = math.prod(int(x) for x in shape)
+            ok = (dt in _DTYPES and isinstance(off, int) and isinstance(nb, int) and off >= 0
+                  and off + nb <= payload_len and count * _np_dtype(dt).itemsize == nb
+                  and min(shape, default=0) >= 0)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptEntryError(f"bad tensor spec {t!r}"[:200])
+    key = _hex_field(d, "key")
+    assert key is not None
+    if expect_key is not None and key != bytes(expect_key):
+        raise CorruptEntryError(
+            f"chunk stored under key {bytes(expect_key).hex()[:16]} says it is {key.hex()[:16]}"
+        )
+    ns = _hex_field(d, "namespace")
+    assert ns is not None
+    return ChunkInfo(key=key, parent=_hex_field(d, "parent", optional=True), namespace=ns,
+                     nbytes=total)

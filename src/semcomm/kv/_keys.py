@@ -21,10 +21,10 @@ from typing import NewType
 import numpy as np
 
 __all__ = [
-    "ChunkKey",
-    "NamespaceDigest",
-    "Namespace",
     "LAYOUT_VERSION",
+    "ChunkKey",
+    "Namespace",
+    "NamespaceDigest",
     "chunk_key",
     "chunk_keys",
     "chunk_spans",

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from ._keys import ChunkKey
 from ._lru import ChainLru
-from ._store import PrefixMatch, StoreBase, StoreStats, check_key, parent_of, validate_chunk
+from ._store import PrefixMatch, StoreBase, StoreStats, check_key, validate_chunk
 
 __all__ = ["DEFAULT_MEMORY_CAPACITY", "MemoryStore"]
 
@@ -60,8 +60,8 @@ class MemoryStore(StoreBase):
 
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
-        value, header = validate_chunk(key, value)
-        self._insert(key, value, parent_of(header), reason="put")
+        value, parent = validate_chunk(key, value)
+        self._insert(key, value, parent, reason="put")
 
     def _insert(self, key: ChunkKey, value: bytes, parent: ChunkKey | None, reason: str) -> bool:
         """Store an already validated value; returns False if it could not fit."""

@@ -26,10 +26,8 @@ from ..errors import (
     BackendDownWarning,
     ConfigError,
     CorruptEntryError,
-    NamespaceMismatchError,
     require,
 )
-from ._format import decode_chunk
 from ._keys import ChunkKey
 from ._store import (
     KEY_SIZE,
@@ -38,7 +36,7 @@ from ._store import (
     StoreBase,
     StoreStats,
     check_key,
-    parent_of,
+    check_stored,
     validate_chunk,
 )
 
@@ -311,8 +309,8 @@ class RedisStore(StoreBase):
             return None
         data = bytes(raw)
         try:
-            decode_chunk(data, expect_key=key, verify=True)
-        except (CorruptEntryError, NamespaceMismatchError) as exc:
+            check_stored(key, data)
+        except CorruptEntryError as exc:
             logger.warning("RedisStore: dropping corrupt value %s: %s", self._rkey(key), exc)
             self._run(lambda: self._del_script(keys=[self._rkey(key)],
                                                args=[key.hex(), self.prefix]), 0)
@@ -326,8 +324,7 @@ class RedisStore(StoreBase):
         return data
 
     def _put_args(self, key: ChunkKey, value: bytes) -> tuple[list[str], list[Any]]:
-        value, header = validate_chunk(key, value)
-        parent = parent_of(header)
+        value, parent = validate_chunk(key, value)
         return [self._rkey(key)], [value, self._ttl_ms, key.hex(),
                                    "" if parent is None else parent.hex(), self._cap, self.prefix]
 
@@ -488,8 +485,8 @@ class RedisStore(StoreBase):
             raw = await self._arun(lambda: client.get(self._rkey(key)), None)
         if raw is not None:
             try:
-                decode_chunk(raw, expect_key=key, verify=True)
-            except (CorruptEntryError, NamespaceMismatchError):
+                check_stored(key, raw)
+            except CorruptEntryError:
                 # rare path: reuse the synchronous drop-and-count logic in a thread
                 return await asyncio.to_thread(self._after_get, key, raw)
         with self._state_lock:

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from ..errors import CorruptEntryError, InvalidInputError, NamespaceMismatchError
-from ._format import ChunkHeader, decode_chunk
+from ..errors import CorruptEntryError, InvalidInputError
+from ._format import ChunkHeader, verify_chunk
 from ._keys import ChunkKey
 
 __all__ = [
@@ -38,6 +38,8 @@ __all__ = [
     "StoreEvent",
     "StoreStats",
     "check_key",
+    "check_stored",
+    "parent_of",
     "validate_chunk",
 ]
 
@@ -144,22 +146,32 @@ def check_key(key: object) -> ChunkKey:
     return ChunkKey(key)
 
 
-def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkHeader]:
+def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkKey | None]:
     """Check that ``value`` is a complete, intact chunk whose header names ``key``.
 
-    Returns the value as ``bytes`` and its header; raises :class:`InvalidInputError` otherwise.
+    Returns the value as ``bytes`` and its parent key; raises :class:`InvalidInputError`
+    (a ``ValueError``) naming the key and the defect otherwise.
     """
     if isinstance(value, (bytearray, memoryview)):
         value = bytes(value)
     if not isinstance(value, bytes):
         raise TypeError(f"chunk value must be bytes from encode_chunk, got {type(value).__name__}")
     try:
-        chunk = decode_chunk(value, expect_key=key, verify=True)
-    except (CorruptEntryError, NamespaceMismatchError) as exc:
+        info = verify_chunk(value, expect_key=key)
+    except CorruptEntryError as exc:
         raise InvalidInputError(
             f"value for chunk key {key.hex()[:16]} is not a valid semcomm chunk: {exc}"
         ) from None
-    return value, chunk.header
+    return value, _parent(info.parent)
+
+
+def check_stored(key: ChunkKey, data: bytes) -> ChunkKey | None:
+    """Verify bytes read back from a store; returns the parent key or raises CorruptEntryError."""
+    return _parent(verify_chunk(data, expect_key=key).parent)
+
+
+def _parent(raw: bytes | None) -> ChunkKey | None:
+    return ChunkKey(raw) if raw is not None and len(raw) == KEY_SIZE else None
 
 
 def parent_of(header: ChunkHeader) -> ChunkKey | None:
@@ -170,7 +182,7 @@ def parent_of(header: ChunkHeader) -> ChunkKey | None:
         raw = bytes.fromhex(header.parent)
     except ValueError:
         return None
-    return ChunkKey(raw) if len(raw) == KEY_SIZE else None
+    return _parent(raw)
 
 
 class StoreBase(ABC):
