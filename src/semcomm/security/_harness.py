@@ -6,18 +6,19 @@ semantic cache off so that only the KV timing channel is measured) and plays two
 * the **victim** sends a prompt built from a template the attacker knows (PromptPeek's
   "input extraction given a known template"): ``"Intake form <id>. Diagnosis: <secret>. <long
   known text>"``, the secret being one of ``K`` candidate words of equal length;
-* the **attacker** first calibrates hit and miss latency on prompts of its own (each sent twice:
-  a miss, then a hit), sets its threshold at their geometric mean, then sends one probe per
-  candidate (in random order, ``max_tokens=1``, so latency is the time to first token). A probe
-  faster than the threshold is a cache hit: the victim's prompt. The attacker guesses uniformly
-  among the hits; with no hit, uniformly among the candidates it could not measure (throttled
-  with 429) or, failing that, among all. ``success`` is the attacker's expected accuracy given
-  what it observed (1/K when it observed nothing), averaged over trials.
+* the **attacker** calibrates hit and miss latency on prompts of its own (each sent twice: a
+  miss, then a hit), then sends one probe per candidate (random order, ``max_tokens=1``, so the
+  latency is the time to first token). A probe is a cache hit, i.e. the victim's prompt, when it
+  is faster than ``hit_ratio`` x the median of the trial's probes (self-calibrating under machine
+  load; the calibrated threshold when fewer than three probes got through). The attacker guesses
+  the fastest probe if it is a hit; with no hit, uniformly among the candidates it could not
+  measure (throttled with 429) or, failing that, among all. ``success`` is the attacker's expected
+  accuracy given what it observed (1/K when it observed nothing), averaged over trials.
 
-Two server configurations:
+Two configurations, served by one ``semcomm serve`` process (one startup; see ``server_toml``):
 
 * **defenses off**: the attacker's API key belongs to the victim's tenant, i.e. one shared cache
-  without salts (what a server without ``cache_salt`` does), and no probe detection;
+  without salts (what a server without ``cache_salt`` does), and no probe detection for it;
 * **defenses on**: separate tenants (server-derived salts isolate their KV namespaces) and the
   probe detector (429 + Retry-After for bursts of near-identical prompts).
 
@@ -80,12 +81,13 @@ class ProbeHarnessConfig:
 
     candidates: tuple[str, ...] = CANDIDATES  # K candidate secrets (equal length)
     trials: int = 10  # victim prompts to attack, per configuration
-    suffix_chars: int = 900  # known text after the secret (bytes = tokens for the byte model)
+    suffix_chars: int = 1400  # known text after the secret (bytes = tokens for the byte model)
     calibration_pairs: int = 3  # attacker's own miss/hit pairs for the threshold
-    hidden_size: int = 128  # config-built target model: big enough that prefill shows
-    layers: int = 4
+    hidden_size: int = 96  # config-built target model: big enough that prefill shows
+    layers: int = 3
     chunk_size: int = 32  # KV chunk size of the target model
-    workload_requests: int = 12  # benign requests per tenant for the throughput figure
+    hit_ratio: float = 0.5  # a probe faster than this x the trial's median latency is a hit
+    workload_requests: int = 12  # benign requests per user for the throughput figure
     seed: int = 0
     startup_timeout_s: float = 90.0
     request_timeout_s: float = 30.0
@@ -142,9 +144,24 @@ def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def server_toml(*, mode: str, port: int, model_dir: Path, state_dir: Path, secret: str,
+def server_toml(*, port: int, model_dir: Path, state_dir: Path, secret: str,
                 chunk_size: int) -> str:
-    """The ``semcomm serve`` configuration of one harness mode."""
+    """The ``semcomm serve`` configuration of the harness: both configurations in one server.
+
+    * defenses off: the attacker's ``attacker-shared-key`` belongs to the victim's tenant (one
+      cache namespace, no salt between them, as on a server without ``cache_salt``) and that
+      tenant is exempt from probe detection; the benign pair ``bench-s1``/``bench-s2`` likewise
+      share one exempt tenant;
+    * defenses on: ``attacker-key`` and ``bench-a``/``bench-b`` are tenants of their own
+      (server-derived salts) under probe detection.
+    """
+    tenants = {
+        "victim": ("victim-key", ["attacker-shared-key"]),
+        "bench-shared": ("bench-s1-key", ["bench-s2-key"]),
+        "attacker": ("attacker-key", []),
+        "bench-a": ("bench-a-key", []),
+        "bench-b": ("bench-b-key", []),
+    }
     lines = [
         "[server]",
         'host = "127.0.0.1"',
@@ -166,18 +183,19 @@ def server_toml(*, mode: str, port: int, model_dir: Path, state_dir: Path, secre
         "enabled = false",
         "",
     ]
-    if mode == "defenses_off":
-        # one tenant holding every key: a shared cache without salts
-        lines += ["[tenants.shared]", 'api_key = "victim-key"',
-                  'api_keys = ["attacker-key", "bench-a-key", "bench-b-key"]', "",
-                  "[security]", "probe_detection = false", ""]
-    elif mode == "defenses_on":
-        for t in ("victim", "attacker", "bench-a", "bench-b"):
-            lines += [f"[tenants.{t}]", f'api_key = "{t}-key"', ""]
-        lines += ["[security]", "probe_detection = true", ""]
-    else:
-        raise ValueError(f"unknown harness mode {mode!r}")
+    for name, (key, extra) in tenants.items():
+        lines += [f"[tenants.{name}]", f"api_key = {_toml_str(key)}",
+                  "api_keys = [" + ", ".join(_toml_str(k) for k in extra) + "]", ""]
+    lines += ["[security]", "probe_detection = true", "", "[security.probe]",
+              'exempt_tenants = ["victim", "bench-shared"]', ""]
     return "\n".join(lines)
+
+
+# (attacker key, victim key, benign pair) of each configuration
+_KEYS = {
+    "defenses_off": ("attacker-shared-key", "victim-key", ("bench-s1-key", "bench-s2-key")),
+    "defenses_on": ("attacker-key", "victim-key", ("bench-a-key", "bench-b-key")),
+}
 
 
 class ServeProcess:
@@ -190,17 +208,22 @@ class ServeProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float) -> float:
-        """Start and wait until ``/health`` answers; returns the seconds it took."""
-        import httpx
-
-        t0 = time.perf_counter()
+    def launch(self) -> None:
+        """Start the process (returns at once; :meth:`wait_ready` waits for ``/health``)."""
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, "-c", "from semcomm.cli import main; main()", "serve",
-               "--config", str(self.config_path), "--port", str(self.port)]
+               "--config", str(self.config_path), "--port", str(self.port),
+               "--log-level", "warning"]
+        self._t0 = time.perf_counter()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Wait until ``/health`` answers 200; returns the seconds since :meth:`launch`."""
+        import httpx
+
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -209,11 +232,10 @@ class ServeProcess:
             try:
                 r = httpx.get(self.base_url + "/health", timeout=1.0)
                 if r.status_code == 200:
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - self._t0
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self.stop()
         raise BackendUnavailableError(f"semcomm serve did not become ready in {timeout_s:.0f}s: "
                                       f"{self.log_tail()}")
 
@@ -235,17 +257,21 @@ class ServeProcess:
             self._log.close()
 
 
+MODES = ("defenses_off", "defenses_on")
+
+
 @contextmanager
-def _serve(mode: str, work: Path, model_dir: Path, cfg: ProbeHarnessConfig) -> Iterator[tuple[ServeProcess, float]]:
+def _server(work: Path, model_dir: Path, cfg: ProbeHarnessConfig) -> Iterator[tuple[ServeProcess, float]]:
     port = _free_port()
-    state = work / f"state-{mode}"
+    state = work / "state"
     state.mkdir(parents=True, exist_ok=True)
-    conf = work / f"{mode}.toml"
-    conf.write_text(server_toml(mode=mode, port=port, model_dir=model_dir, state_dir=state,
+    conf = work / "serve.toml"
+    conf.write_text(server_toml(port=port, model_dir=model_dir, state_dir=state,
                                 secret=secrets.token_hex(32), chunk_size=cfg.chunk_size))
-    proc = ServeProcess(conf, port, log_path=work / f"{mode}.log")
-    started = proc.start(cfg.startup_timeout_s)
+    proc = ServeProcess(conf, port, log_path=work / "serve.log")
     try:
+        proc.launch()
+        started = proc.wait_ready(cfg.startup_timeout_s)
         yield proc, started
     finally:
         proc.stop()
@@ -325,9 +351,12 @@ def run_attack(victim: _Client, attacker: _Client, cfg: ProbeHarnessConfig,
                 continue
             measured[cand] = dt
             (right if cand == secret else wrong).append(dt)
-        hit_set = [c for c, dt in measured.items() if dt < threshold]
-        unmeasured = [c for c in cfg.candidates if c not in measured]
-        pool = hit_set or unmeasured or list(cfg.candidates)
+        cutoff = _cutoff(measured, threshold, cfg)
+        fastest = min(measured, key=measured.__getitem__) if measured else None
+        if fastest is not None and measured[fastest] < cutoff:
+            pool = [fastest]  # the hit
+        else:  # no hit seen: the secret is among the unmeasured, or anywhere
+            pool = [c for c in cfg.candidates if c not in measured] or list(cfg.candidates)
         per_trial.append(1.0 / len(pool) if secret in pool else 0.0)
         if progress is not None:
             progress("attack", trial + 1, cfg.trials)
@@ -340,37 +369,55 @@ def run_attack(victim: _Client, attacker: _Client, cfg: ProbeHarnessConfig,
     )
 
 
-def _workload(a: _Client, b: _Client, cfg: ProbeHarnessConfig, rng: random.Random) -> tuple[float, float]:
-    """Two benign tenants sharing a system prompt, distinct questions; returns (rps, seconds)."""
+def _cutoff(measured: dict[str, float], calibrated: float, cfg: ProbeHarnessConfig) -> float:
+    """Latency below which a probe counts as a hit. With three or more probes measured in the
+    trial, ``hit_ratio`` x their median (self-calibrating: machine load shifts every probe of a
+    trial alike, and the wrong candidates are all misses); with fewer, the calibrated threshold."""
+    if len(measured) >= 3:
+        return cfg.hit_ratio * statistics.median(measured.values())
+    return calibrated
+
+
+def _workloads(proc: ServeProcess, cfg: ProbeHarnessConfig, rng: random.Random) -> dict[str, tuple[float, float]]:
+    """Benign traffic in both configurations: two users sharing a system prompt with distinct
+    questions (``max_tokens=4``). The configurations alternate every round so that drifting
+    machine load hits both alike. Returns ``{mode: (requests per second, seconds)}``."""
     system = "You are the clinic's scheduling assistant. " + _filler(600) + " Question: "
-    n = 0
-    t0 = time.perf_counter()
-    for i in range(cfg.workload_requests):
-        for who, c in (("a", a), ("b", b)):
-            q = (f"{who}{i}: could you move my appointment number {rng.getrandbits(40)} to the "
-                 f"{rng.choice(['first', 'second', 'third'])} free slot after {rng.randint(1, 28)} "
-                 f"{rng.choice(['May', 'June', 'July'])} please?")
-            if c.ask(system + q, max_tokens=4) is None:
-                raise SemcommError("a benign workload request was throttled; thresholds too strict")
-            n += 1
-    dt = time.perf_counter() - t0
-    return n / dt, dt
-
-
-def _run_mode(mode: str, work: Path, model_dir: Path, cfg: ProbeHarnessConfig,
-              progress: Progress | None) -> ModeReport:
-    rng = random.Random(f"{cfg.seed}/{mode}")
-    with _serve(mode, work, model_dir, cfg) as (proc, started):
-        clients = {t: _Client(proc.base_url, f"{t}-key", cfg.request_timeout_s)
-                   for t in ("victim", "attacker", "bench-a", "bench-b")}
-        try:
-            outcome = run_attack(clients["victim"], clients["attacker"], cfg, rng, progress)
-            rps, secs = _workload(clients["bench-a"], clients["bench-b"], cfg, rng)
-        finally:
-            for c in clients.values():
+    clients = {m: [_Client(proc.base_url, k, cfg.request_timeout_s) for k in _KEYS[m][2]]
+               for m in MODES}
+    spent = dict.fromkeys(MODES, 0.0)
+    n = dict.fromkeys(MODES, 0)
+    try:
+        for i in range(cfg.workload_requests):
+            for mode in MODES:
+                for who, c in enumerate(clients[mode]):
+                    q = (f"{who}{i}: could you move my appointment number {rng.getrandbits(40)} "
+                         f"to the {rng.choice(['first', 'second', 'third'])} free slot after "
+                         f"{rng.randint(1, 28)} {rng.choice(['May', 'June', 'July'])} please?")
+                    dt = c.ask(system + q, max_tokens=4)
+                    if dt is None:
+                        raise SemcommError("a benign request was throttled: probe detection "
+                                           "thresholds too strict for ordinary traffic")
+                    spent[mode] += dt
+                    n[mode] += 1
+    finally:
+        for cs in clients.values():
+            for c in cs:
                 c.close()
-    return ModeReport(mode=mode, attack=outcome, throughput_rps=rps, workload_s=secs,
-                      server_start_s=started)
+    return {m: (n[m] / spent[m] if spent[m] else math.nan, spent[m]) for m in MODES}
+
+
+def _attack_mode(mode: str, proc: ServeProcess, cfg: ProbeHarnessConfig,
+                 progress: Progress | None) -> AttackOutcome:
+    rng = random.Random(f"{cfg.seed}/{mode}")
+    attacker_key, victim_key, _ = _KEYS[mode]
+    victim = _Client(proc.base_url, victim_key, cfg.request_timeout_s)
+    attacker = _Client(proc.base_url, attacker_key, cfg.request_timeout_s)
+    try:
+        return run_attack(victim, attacker, cfg, rng, progress)
+    finally:
+        victim.close()
+        attacker.close()
 
 
 def run_probe_harness(cfg: ProbeHarnessConfig | None = None, *, workdir: Path | None = None,
@@ -383,8 +430,13 @@ def run_probe_harness(cfg: ProbeHarnessConfig | None = None, *, workdir: Path | 
     try:
         model_dir = build_target_model(work / "model", hidden_size=cfg.hidden_size,
                                        layers=cfg.layers, seed=cfg.seed)
-        off = _run_mode("defenses_off", work, model_dir, cfg, progress)
-        on = _run_mode("defenses_on", work, model_dir, cfg, progress)
+        with _server(work, model_dir, cfg) as (proc, started):
+            # off first: its victim prompts live in the victim's namespace, out of the
+            # separate attacker tenant's reach; every trial uses a fresh form id anyway
+            attacks = {m: _attack_mode(m, proc, cfg, progress) for m in MODES}
+            tput = _workloads(proc, cfg, random.Random(f"{cfg.seed}/workload"))
+        off, on = (ModeReport(mode=m, attack=attacks[m], throughput_rps=tput[m][0],
+                              workload_s=tput[m][1], server_start_s=started) for m in MODES)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)

@@ -51,6 +51,7 @@ class ProbeConfig:
     action: Literal["throttle", "isolate"] = "throttle"  # what a flag does
     max_history: int = 256  # prompts remembered per tenant
     max_tenants: int = 10_000  # tenants tracked at once (LRU)
+    exempt_tenants: tuple[str, ...] = ()  # trusted tenants never checked (e.g. internal batch jobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,8 @@ class ProbeDetector:
     ) -> ProbeVerdict:
         """Record one request of ``tenant`` and decide whether to serve it."""
         c = self.config
+        if tenant in c.exempt_tenants:
+            return ProbeVerdict(True, False, 0.0, 0.0, "")
         now = self._clock()
         sk = self._sketch(tokens, max_tokens, now)
         with self._lock:
