@@ -151,6 +151,8 @@ class Gateway:
         from ._wiring import wire
 
         await asyncio.to_thread(wire, self)
+        if self.semantic is not None:
+            await asyncio.to_thread(self.semantic.warm)
         self._started = True
         for name, b in self.backends.items():
             self.metrics.backend_up.labels(name).set(1 if b.status().up else 0)

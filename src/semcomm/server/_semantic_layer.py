@@ -83,6 +83,15 @@ class SemanticLayer:
     def _tags(req: GenRequest) -> list[str]:
         return [f"model:{req.model}"]
 
+    def warm(self) -> None:
+        """Load the embedder and the index now, so the first request does not pay for it."""
+        try:
+            kw: dict[str, Any] = {"scope": self._scope_cls(name="__warmup__", tenant=None)
+                                  if self._scope_cls else "__warmup__"}
+            self.cache.lookup("warm up", **kw)
+        except Exception as exc:
+            self._down(exc)
+
     def usable(self) -> bool:
         """Up, or down long enough ago that one request may probe it again."""
         return self.up or time.monotonic() - self._down_at > self.RETRY_DOWN_S
