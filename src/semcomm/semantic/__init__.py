@@ -1,1 +1,76 @@
-"""semcomm.semantic"""
+"""semcomm.semantic: a semantic answer cache with near-miss safety and a bounded error rate.
+
+>>> from semcomm import SemanticCache
+>>> cache = SemanticCache()                       # memory, all-MiniLM-L6-v2, default policy
+>>> cache.store("How do I reset my password?", "Settings > Security > Reset.")
+>>> cache.lookup("How can I reset my password?")  # -> Hit(answer=..., similarity=0.9...)
+
+See docs/semantic.md.
+"""
+
+from ._cache import EVICTION_POLICIES, CacheStats, Hit, SemanticCache, open_store
+from ._context import Scope, context_window
+from ._embed import (
+    CallableEmbedder,
+    Embedder,
+    SentenceTransformerEmbedder,
+    as_embedder,
+    default_embedder,
+)
+from ._entry import ENTRY_FORMAT_VERSION, Entry
+from ._guard import GuardResult, LexicalGuard
+from ._index import AutoIndex, FlatIndex, HNSWIndex, make_index
+from ._policy import (
+    DEFAULT_THRESHOLD,
+    POLICIES,
+    CalibrationResult,
+    Candidate,
+    Decision,
+    ErrorBoundedPolicy,
+    HitPolicy,
+    ThresholdPolicy,
+    Verifier,
+    calibrate_threshold,
+    make_policy,
+)
+from ._redis import RedisEntryStore
+from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
+
+__all__ = [
+    "SemanticCache",
+    "Hit",
+    "CacheStats",
+    "Scope",
+    "context_window",
+    "EVICTION_POLICIES",
+    "open_store",
+    "Embedder",
+    "CallableEmbedder",
+    "SentenceTransformerEmbedder",
+    "as_embedder",
+    "default_embedder",
+    "Entry",
+    "ENTRY_FORMAT_VERSION",
+    "LexicalGuard",
+    "GuardResult",
+    "FlatIndex",
+    "HNSWIndex",
+    "AutoIndex",
+    "make_index",
+    "DEFAULT_THRESHOLD",
+    "POLICIES",
+    "HitPolicy",
+    "ThresholdPolicy",
+    "ErrorBoundedPolicy",
+    "Candidate",
+    "Decision",
+    "Verifier",
+    "CalibrationResult",
+    "calibrate_threshold",
+    "make_policy",
+    "EntryStore",
+    "MemoryEntryStore",
+    "SQLiteEntryStore",
+    "RedisEntryStore",
+    "Sync",
+]

@@ -1,0 +1,151 @@
+"""LangChain adapter: :class:`SemcommCache`, a ``langchain_core.caches.BaseCache``.
+
+Use it with ``langchain_core.globals.set_llm_cache(SemcommCache())`` or pass ``cache=`` to a
+model. Nothing is monkey-patched.
+
+- The ``llm_string`` (model + parameters) is part of the key, in the partition, not a
+  post-filter: two models or two temperatures never share entries.
+- Chat prompts arrive as ``dumps(messages)``; they are parsed (JSON, allow-listed message
+  classes only) so that the last human message is the semantic query and the system prompt
+  plus the last ``context_turns`` other messages are the exact-match context.
+- Generations are stored as LangChain's JSON serialisation and revived with
+  ``langchain_core.load.loads`` restricted to generation and message classes (no pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ..errors import require
+from ..semantic import Scope, SemanticCache
+
+require("langchain_core", "langchain")
+
+from langchain_core.caches import RETURN_VAL_TYPE, BaseCache  # noqa: E402
+from langchain_core.load import dumps, loads  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    AIMessageChunk,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.outputs import (  # noqa: E402
+    ChatGeneration,
+    ChatGenerationChunk,
+    Generation,
+    GenerationChunk,
+)
+
+__all__ = ["SemcommCache", "parse_prompt"]
+
+_ALLOWED = [Generation, GenerationChunk, ChatGeneration, ChatGenerationChunk, AIMessage,
+            AIMessageChunk, HumanMessage, SystemMessage, ToolMessage, ChatMessage,
+            FunctionMessage]
+
+_ROLE = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
+         "function": "function", "chat": "user"}
+
+
+def parse_prompt(prompt: str) -> tuple[str, list[dict[str, str]]]:
+    """Split a LangChain cache prompt into (query, context messages).
+
+    A plain-text prompt is the query itself. A ``dumps(messages)`` prompt yields the last human
+    message as the query and the messages before it as context.
+    """
+    s = prompt.lstrip()
+    if not s.startswith("[{"):
+        return prompt, []
+    try:
+        data = json.loads(prompt)
+    except ValueError:
+        return prompt, []
+    if not isinstance(data, list) or not all(isinstance(m, dict) and "lc" in m for m in data):
+        return prompt, []
+    msgs: list[dict[str, str]] = []
+    for m in data:
+        kw = m.get("kwargs", {})
+        cls = (m.get("id") or ["", "Message"])[-1]
+        role = _ROLE.get(str(kw.get("type", "")), None) or (
+            "user" if cls.startswith("Human") else "assistant" if cls.startswith("AI")
+            else "system" if cls.startswith("System") else "user")
+        content = kw.get("content", "")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") if isinstance(p, dict) else str(p)
+                               for p in content)
+        msgs.append({"role": role, "content": str(content)})
+    for i in range(len(msgs) - 1, -1, -1):
+        if msgs[i]["role"] == "user" and msgs[i]["content"].strip():
+            return msgs[i]["content"], msgs[:i]
+    return prompt, []
+
+
+class SemcommCache(BaseCache):
+    """A semantic LangChain cache backed by :class:`semcomm.SemanticCache`.
+
+    ``SemcommCache()`` works in memory with the default embedder and hit policy. Pass
+    ``cache=`` to share an existing :class:`SemanticCache`, or the cache's own arguments
+    (``path=``, ``store=``, ``threshold=``, ``ttl=`` ...). ``scope``/``tenant`` place the
+    entries; ``clear()`` drops only this adapter's scope.
+    """
+
+    def __init__(self, cache: SemanticCache | None = None, *, scope: str = "langchain",
+                 tenant: str | None = None, ttl: float | None = None,
+                 threshold: float | None = None, **cache_kwargs: Any) -> None:
+        if cache is not None and cache_kwargs:
+            raise TypeError("pass either cache= or SemanticCache arguments, not both")
+        self.cache = cache if cache is not None else SemanticCache(**cache_kwargs)
+        self.scope = Scope(scope, tenant)
+        self.ttl = ttl
+        self.threshold = threshold
+
+    @staticmethod
+    def _model(llm_string: str) -> str:
+        return "langchain:" + hashlib.sha256(llm_string.encode("utf-8")).hexdigest()[:32]
+
+    @staticmethod
+    def _decode(answer: str) -> list[Generation]:
+        gens = loads(answer, allowed_objects=_ALLOWED)
+        return list(gens)
+
+    def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
+        query, ctx = parse_prompt(prompt)
+        if not query.strip():
+            return None
+        hit = self.cache.lookup(query, scope=self.scope, context=ctx,
+                                model=self._model(llm_string), threshold=self.threshold)
+        return None if hit is None else self._decode(hit.answer)
+
+    def update(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
+        query, ctx = parse_prompt(prompt)
+        if not query.strip():
+            return
+        self.cache.store(query, dumps(list(return_val)), scope=self.scope, context=ctx,
+                         model=self._model(llm_string), ttl=self.ttl)
+
+    def clear(self, **kwargs: Any) -> None:
+        self.cache.invalidate(scope=self.scope)
+
+    async def alookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
+        query, ctx = parse_prompt(prompt)
+        if not query.strip():
+            return None
+        hit = await self.cache.alookup(query, scope=self.scope, context=ctx,
+                                       model=self._model(llm_string), threshold=self.threshold)
+        return None if hit is None else self._decode(hit.answer)
+
+    async def aupdate(self, prompt: str, llm_string: str, return_val: RETURN_VAL_TYPE) -> None:
+        query, ctx = parse_prompt(prompt)
+        if not query.strip():
+            return
+        await self.cache.astore(query, dumps(list(return_val)), scope=self.scope, context=ctx,
+                                model=self._model(llm_string), ttl=self.ttl)
+
+    async def aclear(self, **kwargs: Any) -> None:
+        await self.cache.ainvalidate(scope=self.scope)
+
+

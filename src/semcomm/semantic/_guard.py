@@ -1,0 +1,205 @@
+"""The lexical near-miss guard.
+
+Embeddings put "Can I get my money back?" and "Can I NOT get my money back?" at cosine 0.95.
+No threshold separates such pairs, so a cheap lexical check vetoes a hit when the query and
+the candidate differ in any of:
+
+- **negation**: one side negates (not, n't, never, no longer, without, ...) and the other not;
+- **numbers**: the sets of numbers (digits or number words, ordinals) differ;
+- **dates**: month names, weekdays or relative days (today, tomorrow, ...) differ;
+- **named entities**: a capitalised word (not sentence-initial) or an acronym on one side does
+  not occur on the other side at all (case-insensitively);
+- **antonyms**: one side uses one word of a known opposite pair (positive/negative, before/after,
+  similar/different, ...) and the other side uses the opposite word.
+
+The guard is deterministic, has no model, and costs a few microseconds. It is the difference
+between a cache that is usually right and one that is right on the cases users test first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["GuardResult", "LexicalGuard", "TextFeatures", "text_features"]
+
+_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d+(?:[.,]\d+)*")
+
+_NEGATIONS = frozenset(
+    "not no never none nobody nothing neither nor without cannot cant can't won't wont dont "
+    "don't doesn't doesnt didn't didnt isn't isnt aren't arent wasn't wasnt weren't werent "
+    "shouldn't shouldnt wouldn't wouldnt couldn't couldnt hasn't hasnt haven't havent hadn't "
+    "mustn't neednt needn't nowhere unable".split()
+)
+
+_NUMBER_WORDS = {
+    w: i for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+        "fifteen sixteen seventeen eighteen nineteen twenty".split()
+    )
+}
+_NUMBER_WORDS.update({"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70,
+                      "eighty": 80, "ninety": 90, "hundred": 100, "thousand": 1000,
+                      "million": 10**6, "billion": 10**9, "half": 0.5, "double": 2,
+                      "twice": 2, "single": 1, "dozen": 12})
+_ORDINALS = {w: i + 1 for i, w in enumerate(
+    "first second third fourth fifth sixth seventh eighth ninth tenth".split())}
+
+_MONTHS = frozenset("january february march april may june july august september october "
+                    "november december jan feb mar apr jun jul aug sep sept oct nov dec".split())
+_DAYS = frozenset("monday tuesday wednesday thursday friday saturday sunday today tomorrow "
+                  "yesterday tonight weekend".split())
+# "may", "march" are often verbs: counted as dates only when capitalised mid-sentence.
+_AMBIGUOUS_MONTHS = frozenset({"may", "march", "jan", "mar", "dec", "sep"})
+
+_ANTONYMS: tuple[tuple[frozenset[str], frozenset[str]], ...] = tuple(
+    (frozenset(a.split()), frozenset(b.split()))
+    for a, b in [
+        ("positive", "negative"),
+        ("advantage advantages pros benefit benefits", "disadvantage disadvantages cons drawbacks"),
+        ("best", "worst"),
+        ("increase increases increasing", "decrease decreases decreasing reduce reduces"),
+        ("before", "after"),
+        ("similar same similarities similarity", "different differ differs difference differences"),
+        ("buy buying", "sell selling"),
+        ("male men man boy boys", "female women woman girl girls"),
+        ("good", "bad"),
+        ("cheap cheapest cheaper", "expensive costly"),
+        ("first", "last"),
+        ("love", "hate"),
+        ("start starting begin", "stop stopping end quit"),
+        ("win winning", "lose losing"),
+        ("more most", "less least fewer"),
+        ("gain", "lose"),
+        ("high higher highest", "low lower lowest"),
+        ("import", "export"),
+        ("rich", "poor"),
+        ("easy easiest", "hard hardest difficult"),
+        ("legal", "illegal"),
+        ("true", "false"),
+        ("north northern", "south southern"),
+        ("east eastern", "west western"),
+        ("fast faster fastest", "slow slower slowest"),
+        ("open", "close closed"),
+        ("add", "remove delete"),
+        ("upload", "download"),
+        ("input", "output"),
+        ("min minimum", "max maximum"),
+        ("past", "future"),
+        ("young", "old"),
+        ("long longer", "short shorter"),
+        ("online", "offline"),
+        ("accept", "reject"),
+        ("married", "single divorced"),
+    ]
+)
+
+_STOP_CAPS = frozenset(
+    "i i'm i've i'd i'll what how why when where which who whom whose is are was were do does did "
+    "can could should would will shall may might must the a an if in on at to for of and or "
+    "my your our their his her its it this that these those there here hi hello please "
+    "tell explain give quora".split()
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TextFeatures:
+    """Lexical facts about one text that the guard compares."""
+
+    words: frozenset[str]  # lower-cased tokens
+    negated: bool  # odd number of negation cues
+    numbers: frozenset[str]  # normalised numbers ("2", "2.5", "ord:1")
+    dates: frozenset[str]  # month/day names
+    entities: frozenset[str]  # lower-cased capitalised words / acronyms, not sentence-initial
+
+
+@lru_cache(maxsize=65536)
+def text_features(text: str) -> TextFeatures:
+    """Extract :class:`TextFeatures` (cached: the same text is analysed once)."""
+    raw = _WORD.findall(text)
+    words: set[str] = set()
+    numbers: set[str] = set()
+    dates: set[str] = set()
+    entities: set[str] = set()
+    neg = 0
+    sentence_start = True
+    for tok in raw:
+        low = tok.lower().replace("’", "'")
+        words.add(low)
+        if low.endswith("'s"):
+            words.add(low[:-2])
+        if low in _NEGATIONS or low.endswith("n't"):
+            neg += 1
+        if tok[0].isdigit():
+            numbers.add(tok.replace(",", ""))
+        elif low in _NUMBER_WORDS:
+            numbers.add(str(_NUMBER_WORDS[low]))
+        elif low in _ORDINALS:
+            numbers.add(f"ord:{_ORDINALS[low]}")
+        elif re.fullmatch(r"\d+(st|nd|rd|th)", low):
+            numbers.add(f"ord:{low[:-2]}")
+        if low in _DAYS or (low in _MONTHS and (low not in _AMBIGUOUS_MONTHS
+                                                or (tok[0].isupper() and not sentence_start))):
+            dates.add(low[:3])
+        is_cap = tok[0].isupper() and (not sentence_start or (len(tok) > 1 and tok.isupper()))
+        if is_cap and low not in _STOP_CAPS and low not in _MONTHS and low not in _DAYS:
+            entities.add(low[:-2] if low.endswith("'s") else low)
+        sentence_start = False
+    # sentence boundaries inside the text reset "sentence-initial"
+    for m in re.finditer(r"[.?!]\s+([A-Z][A-Za-z'\-]*)", text):
+        w = m.group(1).lower()
+        if not m.group(1).isupper():
+            entities.discard(w)
+    return TextFeatures(
+        words=frozenset(words),
+        negated=bool(neg % 2),
+        numbers=frozenset(numbers),
+        dates=frozenset(dates),
+        entities=frozenset(entities),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GuardResult:
+    """Outcome of :meth:`LexicalGuard.check`: ``ok`` or the first ``reason`` that vetoed."""
+
+    ok: bool
+    reason: str = ""  # "negation" | "number" | "date" | "entity" | "antonym" | ""
+
+
+_OK = GuardResult(True)
+
+
+class LexicalGuard:
+    """Veto near-miss hits (see the module docstring). Each check can be switched off."""
+
+    def __init__(self, *, negation: bool = True, numbers: bool = True, dates: bool = True,
+                 entities: bool = True, antonyms: bool = True) -> None:
+        self.negation = negation
+        self.numbers = numbers
+        self.dates = dates
+        self.entities = entities
+        self.antonyms = antonyms
+
+    def check(self, query: str, candidate: str) -> GuardResult:
+        a = text_features(query)
+        b = text_features(candidate)
+        if self.negation and a.negated != b.negated:
+            return GuardResult(False, "negation")
+        if self.numbers and a.numbers != b.numbers:
+            return GuardResult(False, "number")
+        if self.dates and a.dates != b.dates:
+            return GuardResult(False, "date")
+        if self.entities and ((a.entities - b.words) or (b.entities - a.words)):
+            return GuardResult(False, "entity")
+        if self.antonyms:
+            for left, right in _ANTONYMS:
+                al, ar = bool(a.words & left), bool(a.words & right)
+                bl, br = bool(b.words & left), bool(b.words & right)
+                if (al and not ar and br and not bl) or (ar and not al and bl and not br):
+                    return GuardResult(False, "antonym")
+        return _OK
+
+    def __call__(self, query: str, candidate: str) -> bool:
+        return self.check(query, candidate).ok

@@ -1,0 +1,216 @@
+"""Vector indexes over unit vectors, searched by cosine similarity (inner product).
+
+- :class:`FlatIndex`: exact, numpy, contiguous ``(n, dim)`` float32 matrix. Removal swaps the
+  last row into the hole, so the matrix never holds a deleted vector.
+- :class:`HNSWIndex`: usearch HNSW (inner-product metric); removal deletes the node from the
+  graph. Used above ``hnsw_min`` vectors (see ``benchmarks/bench_semantic_speed.py`` for the
+  cross-over measurement).
+- :class:`AutoIndex`: starts flat and migrates to HNSW once it grows past ``hnsw_min``.
+
+Labels are ints chosen by the caller (the cache maps them to entry ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["VectorIndex", "FlatIndex", "HNSWIndex", "AutoIndex", "make_index"]
+
+
+class VectorIndex(Protocol):
+    dim: int
+
+    def add(self, labels: Sequence[int], vectors: np.ndarray) -> None: ...
+    def remove(self, labels: Sequence[int]) -> int: ...
+    def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, label: int) -> bool: ...
+    def nbytes(self) -> int: ...
+
+
+class FlatIndex:
+    """Exact inner-product search. Invariant: ``_vecs[:n]`` holds exactly the live vectors and
+    ``_labels[i]`` labels row ``i``; ``_pos`` is the inverse map."""
+
+    def __init__(self, dim: int, *, capacity: int = 64) -> None:
+        self.dim = dim
+        self._vecs = np.zeros((capacity, dim), dtype=np.float32)
+        self._labels = np.zeros(capacity, dtype=np.int64)
+        self._pos: dict[int, int] = {}
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, label: int) -> bool:
+        return label in self._pos
+
+    def nbytes(self) -> int:
+        return int(self._n * (self.dim * 4 + 8))
+
+    def _grow(self, need: int) -> None:
+        cap = self._vecs.shape[0]
+        if need <= cap:
+            return
+        new = max(need, cap * 2)
+        v = np.zeros((new, self.dim), dtype=np.float32)
+        v[: self._n] = self._vecs[: self._n]
+        lab = np.zeros(new, dtype=np.int64)
+        lab[: self._n] = self._labels[: self._n]
+        self._vecs, self._labels = v, lab
+
+    def add(self, labels: Sequence[int], vectors: np.ndarray) -> None:
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        self._grow(self._n + len(labels))
+        for lab, vec in zip(labels, vectors, strict=True):
+            lab = int(lab)
+            pos = self._pos.get(lab)
+            if pos is None:
+                pos = self._n
+                self._n += 1
+                self._pos[lab] = pos
+                self._labels[pos] = lab
+            self._vecs[pos] = vec
+
+    def remove(self, labels: Sequence[int]) -> int:
+        removed = 0
+        for lab in labels:
+            pos = self._pos.pop(int(lab), None)
+            if pos is None:
+                continue
+            last = self._n - 1
+            if pos != last:
+                self._vecs[pos] = self._vecs[last]
+                moved = int(self._labels[last])
+                self._labels[pos] = moved
+                self._pos[moved] = pos
+            self._vecs[last] = 0.0
+            self._n -= 1
+            removed += 1
+        # shrink when mostly empty so deleted capacity is returned
+        if self._vecs.shape[0] > 256 and self._n < self._vecs.shape[0] // 4:
+            cap = max(64, self._n * 2)
+            self._vecs = self._vecs[:cap].copy()
+            self._labels = self._labels[:cap].copy()
+        return removed
+
+    def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(labels, similarities)`` of the ``k`` nearest, best first."""
+        if self._n == 0 or k <= 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        sims = self._vecs[: self._n] @ np.asarray(vector, dtype=np.float32).reshape(self.dim)
+        k = min(k, self._n)
+        if k < self._n:
+            idx = np.argpartition(-sims, k - 1)[:k]
+        else:
+            idx = np.arange(self._n)
+        idx = idx[np.argsort(-sims[idx], kind="stable")]
+        return self._labels[idx].copy(), sims[idx].astype(np.float32)
+
+    def vectors(self) -> np.ndarray:
+        """Live vectors (a view; for tests and migration)."""
+        return self._vecs[: self._n]
+
+    def labels(self) -> np.ndarray:
+        return self._labels[: self._n]
+
+
+class HNSWIndex:
+    """usearch HNSW graph, inner-product metric, float32 storage."""
+
+    def __init__(self, dim: int, *, connectivity: int = 16, expansion_add: int = 128,
+                 expansion_search: int = 64, dtype: str = "f32") -> None:
+        from usearch.index import Index
+
+        self.dim = dim
+        self._index = Index(ndim=dim, metric="ip", dtype=dtype, connectivity=connectivity,
+                            expansion_add=expansion_add, expansion_search=expansion_search)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, label: int) -> bool:
+        return bool(self._index.contains(int(label)))
+
+    def nbytes(self) -> int:
+        return int(self._index.memory_usage)
+
+    def add(self, labels: Sequence[int], vectors: np.ndarray) -> None:
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        labs = np.asarray(labels, dtype=np.uint64)
+        present = [i for i, lab in enumerate(labs) if self._index.contains(int(lab))]
+        if present:
+            self._index.remove(labs[present])
+        self._index.add(labs, vectors, threads=1)
+
+    def remove(self, labels: Sequence[int]) -> int:
+        labs = [int(x) for x in labels if self._index.contains(int(x))]
+        if not labs:
+            return 0
+        self._index.remove(np.asarray(labs, dtype=np.uint64))
+        return len(labs)
+
+    def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._index) == 0 or k <= 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        m = self._index.search(np.asarray(vector, dtype=np.float32).reshape(self.dim),
+                               min(k, len(self._index)), threads=1)
+        keys = np.asarray(m.keys, dtype=np.int64)
+        sims = (1.0 - np.asarray(m.distances, dtype=np.float32))  # usearch "ip" distance = 1 - ip
+        return keys, sims
+
+    def vectors_of(self, labels: Sequence[int]) -> np.ndarray:
+        return np.asarray(self._index.get(np.asarray(labels, dtype=np.uint64)), dtype=np.float32)
+
+
+class AutoIndex:
+    """Flat until ``hnsw_min`` vectors, then HNSW (migrated once, in place)."""
+
+    def __init__(self, dim: int, *, hnsw_min: int = 20_000) -> None:
+        self.dim = dim
+        self.hnsw_min = hnsw_min
+        self._impl: FlatIndex | HNSWIndex = FlatIndex(dim)
+
+    @property
+    def kind(self) -> str:
+        return "flat" if isinstance(self._impl, FlatIndex) else "hnsw"
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def __contains__(self, label: int) -> bool:
+        return label in self._impl
+
+    def nbytes(self) -> int:
+        return self._impl.nbytes()
+
+    def add(self, labels: Sequence[int], vectors: np.ndarray) -> None:
+        self._impl.add(labels, vectors)
+        if isinstance(self._impl, FlatIndex) and len(self._impl) >= self.hnsw_min:
+            flat = self._impl
+            h = HNSWIndex(self.dim)
+            h._index.add(flat.labels().astype(np.uint64), flat.vectors(), threads=0)
+            self._impl = h
+
+    def remove(self, labels: Sequence[int]) -> int:
+        return self._impl.remove(labels)
+
+    def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._impl.search(vector, k)
+
+
+_KINDS = {"flat": FlatIndex, "hnsw": HNSWIndex, "auto": AutoIndex}
+
+
+def make_index(kind: str, dim: int) -> VectorIndex:
+    """Build an index by name: ``"flat"``, ``"hnsw"`` or ``"auto"``."""
+    from ..errors import ConfigError
+
+    try:
+        cls = _KINDS[kind]
+    except KeyError:
+        raise ConfigError(f"unknown index kind {kind!r}; choose one of {sorted(_KINDS)}") from None
+    return cls(dim)  # type: ignore[no-any-return]

@@ -1,0 +1,376 @@
+"""Hit policies: given the ranked candidates for a query, decide whether to answer from cache.
+
+One unit everywhere: **cosine similarity** in [-1, 1] between unit embeddings (a threshold
+of 0.9 means "cos >= 0.9"). Candidates reach a policy already filtered: same partition (scope,
+tenant, model, context window), readable by the caller's tags, unexpired, and passed by the
+lexical near-miss guard (:mod:`._guard`).
+
+Policies (registry :data:`POLICIES`, chosen by name or passed as objects):
+
+- ``"threshold"`` :class:`ThresholdPolicy`: hit when ``similarity >= threshold``; the threshold
+  can be overridden per call; an optional verifier must also agree.
+- ``"calibrated"``: a :class:`ThresholdPolicy` whose threshold comes from labelled pairs at a
+  target precision (:func:`calibrate_threshold`, ``semcomm cache calibrate``).
+- ``"error_bounded"`` :class:`ErrorBoundedPolicy`: the user sets ``max_error``; thresholds are
+  learned online from verifier calls (vCache-style), see the class docstring.
+
+A verifier is any ``f(query, cached_query) -> bool`` ("would the model answer both the same?"):
+a cross-encoder, a rule, or the model itself.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import ConfigError, InvalidInputError
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "HitPolicy",
+    "ThresholdPolicy",
+    "ErrorBoundedPolicy",
+    "CalibrationResult",
+    "calibrate_threshold",
+    "POLICIES",
+    "make_policy",
+    "Verifier",
+    "DEFAULT_THRESHOLD",
+]
+
+Verifier = Callable[[str, str], bool]
+"""``verifier(query, cached_query) -> bool``: True when the cached answer is right for query."""
+
+DEFAULT_THRESHOLD = 0.86
+"""Default cosine threshold (with the lexical guard on). Tuned on the validation split so the
+held-out test split meets hit precision >= 95 %; see docs/semantic.md and BENCHMARKS.md."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One stored entry offered to a policy (best first)."""
+
+    entry_id: str
+    query: str  # the stored entry's query text
+    similarity: float  # cosine similarity to the lookup query
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's verdict: the candidate to serve, or None for a miss."""
+
+    candidate: Candidate | None
+    verified: bool = False  # a verifier confirmed this hit
+    verifications: int = 0  # verifier calls spent on this lookup
+    reason: str = ""  # "threshold" | "verified" | "exploit" | "below" | "rejected" | "budget"
+
+
+class HitPolicy(Protocol):
+    name: str
+
+    def decide(self, query: str, candidates: Sequence[Candidate], *,
+               threshold: float | None = None) -> Decision: ...
+
+    def forget(self, entry_ids: Sequence[str]) -> None: ...
+
+
+def _check_threshold(t: float) -> float:
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not -1.0 <= float(t) <= 1.0:
+        raise ConfigError(f"threshold must be a cosine similarity in [-1, 1], got {t!r}")
+    return float(t)
+
+
+class ThresholdPolicy:
+    """Hit when the best candidate's cosine similarity is at least ``threshold``.
+
+    With a ``verifier``, candidates above the threshold are offered best first (at most
+    ``max_verify``) and the first one the verifier accepts is served.
+    """
+
+    name = "threshold"
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, verifier: Verifier | None = None,
+                 max_verify: int = 2) -> None:
+        self.threshold = _check_threshold(threshold)
+        self.verifier = verifier
+        self.max_verify = max_verify
+
+    def decide(self, query: str, candidates: Sequence[Candidate], *,
+               threshold: float | None = None) -> Decision:
+        t = self.threshold if threshold is None else _check_threshold(threshold)
+        above = [c for c in candidates if c.similarity >= t]
+        if not above:
+            return Decision(None, reason="below")
+        if self.verifier is None:
+            return Decision(above[0], reason="threshold")
+        spent = 0
+        for c in above[: self.max_verify]:
+            spent += 1
+            if self.verifier(query, c.query):
+                return Decision(c, verified=True, verifications=spent, reason="verified")
+        return Decision(None, verifications=spent, reason="rejected")
+
+    def forget(self, entry_ids: Sequence[str]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"ThresholdPolicy(threshold={self.threshold}, verifier={self.verifier!r})"
+
+
+def _wilson_upper(wrong: int, n: int, z: float) -> float:
+    """One-sided Wilson upper bound on a binomial proportion."""
+    if n == 0:
+        return 1.0
+    p = wrong / n
+    denom = 1 + z * z / n
+    centre = p + z * z / (2 * n)
+    rad = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + rad) / denom)
+
+
+@dataclass(slots=True)
+class _Obs:
+    sims: list[float] = field(default_factory=list)
+    wrong: list[bool] = field(default_factory=list)
+
+
+class ErrorBoundedPolicy:
+    """Serve a hit only where the learned error rate of hits is at most ``max_error``.
+
+    How it works (after vCache, simplified to a form whose bound is easy to state):
+
+    - Every verifier call records an observation ``(similarity, correct)``, globally and on the
+      entry it was about.
+    - The **global threshold** is the lowest similarity ``t`` such that the one-sided Wilson
+      upper bound (confidence ``1 - alpha``) on the error rate of observations with
+      ``similarity >= t`` is at most ``max_error``, with at least ``min_obs`` of them. Before
+      enough evidence exists it is 1.0: nothing is served unverified.
+    - Each **entry's threshold** is the global one, raised above the highest similarity at which
+      that entry was ever found wrong.
+    - **Exploit**: best candidate at or above its entry threshold -> hit without verification
+      (except a random ``explore_rate`` share, verified to keep the estimate honest).
+    - **Explore**: between ``floor`` and the entry threshold, call the verifier (the model) if
+      the budget allows; a confirmed candidate is served as a verified hit.
+    - **Budget**: verifier calls are limited to ``budget`` x lookups (+ ``burst``).
+
+    The bound holds for the share of wrong answers among unverified hits (and so for the share
+    of wrong answers among all lookups, which vCache bounds), provided verification is right.
+    """
+
+    name = "error_bounded"
+
+    def __init__(self, max_error: float = 0.02, *, verifier: Verifier | None = None,
+                 budget: float = 1.0, burst: int = 50, floor: float = 0.5,
+                 explore_rate: float = 0.02, alpha: float = 0.05, min_obs: int = 30,
+                 seed: int | None = 0) -> None:
+        if not 0.0 < max_error < 1.0:
+            raise ConfigError(f"max_error must be in (0, 1), got {max_error!r}")
+        if budget < 0:
+            raise ConfigError(f"budget must be >= 0, got {budget!r}")
+        self.max_error = max_error
+        self.verifier = verifier
+        self.budget = budget
+        self.burst = burst
+        self.floor = _check_threshold(floor)
+        self.explore_rate = explore_rate
+        self._z = float(_norm_ppf(1 - alpha))
+        self.min_obs = min_obs
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._global = _Obs()
+        self._entry_neg: dict[str, float] = {}
+        self._lookups = 0
+        self.verifications = 0
+        self._threshold = 1.0
+        self._dirty = False
+
+    @property
+    def threshold(self) -> float:
+        """The current global threshold (1.0 until enough evidence)."""
+        with self._lock:
+            return self._refresh()
+
+    def entry_threshold(self, entry_id: str) -> float:
+        with self._lock:
+            t = self._refresh()
+            neg = self._entry_neg.get(entry_id)
+            return t if neg is None else max(t, math.nextafter(neg, 2.0))
+
+    def observe(self, entry_id: str, similarity: float, correct: bool) -> None:
+        """Record one verified outcome (also usable with outcomes learned elsewhere)."""
+        with self._lock:
+            self._global.sims.append(float(similarity))
+            self._global.wrong.append(not correct)
+            if not correct:
+                self._entry_neg[entry_id] = max(self._entry_neg.get(entry_id, -2.0), similarity)
+            self._dirty = True
+
+    def _refresh(self) -> float:
+        if not self._dirty:
+            return self._threshold
+        self._dirty = False
+        sims = np.asarray(self._global.sims, dtype=np.float64)
+        wrong = np.asarray(self._global.wrong, dtype=np.int64)
+        order = np.argsort(-sims, kind="stable")
+        s, w = sims[order], np.cumsum(wrong[order]).astype(np.float64)
+        n = np.arange(1, len(s) + 1, dtype=np.float64)
+        last_of_equal = np.r_[s[1:] != s[:-1], True]  # evaluate at the last of equal sims
+        z2 = self._z * self._z
+        p = w / n
+        upper = (p + z2 / (2 * n) + self._z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (
+            1 + z2 / n)
+        ok = last_of_equal & (n >= self.min_obs) & (upper <= self.max_error)
+        best = float(s[ok].min()) if ok.any() else 1.0
+        self._threshold = best
+        return best
+
+    def _may_verify(self) -> bool:
+        return self.verifications < self.budget * self._lookups + self.burst
+
+    def decide(self, query: str, candidates: Sequence[Candidate], *,
+               threshold: float | None = None) -> Decision:
+        if self.verifier is None:
+            raise ConfigError("error_bounded policy needs a verifier (verifier=f(query, cached))")
+        with self._lock:
+            self._lookups += 1
+        if not candidates or candidates[0].similarity < self.floor:
+            return Decision(None, reason="below")
+        c = candidates[0]
+        t = self.entry_threshold(c.entry_id)
+        if threshold is not None:
+            t = max(t, _check_threshold(threshold))
+        exploit = c.similarity >= t
+        if exploit and not (self.explore_rate and self._rng.random() < self.explore_rate):
+            return Decision(c, reason="exploit")
+        with self._lock:
+            allowed = self._may_verify()
+            if allowed:
+                self.verifications += 1
+        if not allowed:
+            return Decision(None, reason="budget")
+        ok = bool(self.verifier(query, c.query))
+        self.observe(c.entry_id, c.similarity, ok)
+        if ok:
+            return Decision(c, verified=True, verifications=1, reason="verified")
+        return Decision(None, verifications=1, reason="rejected")
+
+    def forget(self, entry_ids: Sequence[str]) -> None:
+        with self._lock:
+            for i in entry_ids:
+                self._entry_neg.pop(i, None)
+
+
+def _norm_ppf(p: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation; |error| < 1e-9)."""
+    a = [-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
+         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00]
+    b = [-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
+         6.680131188771972e01, -1.328068155288572e01]
+    c = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
+         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00]
+    d = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00,
+         3.754408661907416e00]
+    if not 0 < p < 1:
+        raise ValueError(p)
+    lo = 0.02425
+    if p < lo:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / (
+            (((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - lo:
+        return -_norm_ppf(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / (
+        ((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+@dataclass(slots=True)
+class CalibrationResult:
+    """Outcome of :func:`calibrate_threshold`."""
+
+    threshold: float  # lowest cosine threshold meeting the target precision
+    precision: float  # measured at that threshold
+    recall: float
+    target_precision: float
+    n_pairs: int
+    curve: list[tuple[float, float, float]]  # (threshold, precision, recall), descending t
+    reached: bool  # False: no threshold met the target; threshold is the best-precision one
+
+
+def calibrate_threshold(similarities: Sequence[float], labels: Sequence[int | bool], *,
+                        target_precision: float = 0.99, vetoed: Sequence[bool] | None = None,
+                        min_support: int = 20) -> CalibrationResult:
+    """Lowest threshold whose precision on labelled pairs reaches ``target_precision``.
+
+    ``vetoed[i]`` marks pairs the lexical guard rejects (never a hit, whatever the threshold).
+    ``min_support`` predicted positives are needed before a precision counts.
+    """
+    if not 0.0 < target_precision <= 1.0:
+        raise ConfigError(f"target precision must be in (0, 1], got {target_precision!r}")
+    sims = np.asarray(similarities, dtype=np.float64)
+    y = np.asarray(labels, dtype=bool)
+    if sims.shape != y.shape or sims.ndim != 1 or len(sims) == 0:
+        raise InvalidInputError("calibration needs equally long, non-empty similarity and "
+                                "label lists")
+    if not y.any():
+        raise InvalidInputError("calibration pairs contain no positive (duplicate) label")
+    v = np.zeros_like(y) if vetoed is None else np.asarray(vetoed, dtype=bool)
+    eligible = ~v
+    order = np.argsort(-sims, kind="stable")
+    s, yy, el = sims[order], y[order], eligible[order]
+    tp = np.cumsum(yy & el)
+    pp = np.cumsum(el)
+    total_pos = int(y.sum())
+    curve: list[tuple[float, float, float]] = []
+    best: tuple[float, float, float] | None = None
+    best_prec: tuple[float, float, float] | None = None
+    for i in range(len(s)):
+        if i + 1 < len(s) and s[i + 1] == s[i]:
+            continue
+        if pp[i] == 0:
+            continue
+        prec = float(tp[i] / pp[i])
+        rec = float(tp[i] / total_pos)
+        curve.append((float(s[i]), prec, rec))
+        if pp[i] >= min_support:
+            if prec >= target_precision:
+                best = (float(s[i]), prec, rec)
+            if best_prec is None or prec > best_prec[1]:
+                best_prec = (float(s[i]), prec, rec)
+    reached = best is not None
+    pick = best or best_prec or curve[0]
+    return CalibrationResult(threshold=pick[0], precision=pick[1], recall=pick[2],
+                             target_precision=target_precision, n_pairs=len(s), curve=curve,
+                             reached=reached)
+
+
+POLICIES: dict[str, Callable[..., Any]] = {
+    "threshold": ThresholdPolicy,
+    "calibrated": ThresholdPolicy,  # build with a threshold from calibrate_threshold()
+    "error_bounded": ErrorBoundedPolicy,
+}
+
+
+def make_policy(spec: Any = None, **kwargs: Any) -> HitPolicy:
+    """A policy from ``None`` (the default), a registry name, or a policy object."""
+    if spec is None:
+        return ThresholdPolicy(**kwargs)
+    if isinstance(spec, str):
+        try:
+            factory = POLICIES[spec]
+        except KeyError:
+            raise ConfigError(f"unknown hit policy {spec!r}; choose one of {sorted(POLICIES)}") \
+                from None
+        return factory(**kwargs)  # type: ignore[no-any-return]
+    if hasattr(spec, "decide"):
+        return spec  # type: ignore[no-any-return]
+    raise ConfigError(f"policy must be a name from {sorted(POLICIES)} or a policy object, "
+                      f"got {type(spec).__name__}")
