@@ -27,10 +27,11 @@ from ._keys import ChunkKey
 from ._lru import ChainLru
 from ._store import (
     KEY_SIZE,
+    ChunkSealer,
     StoreBase,
     StoreStats,
     check_key,
-    check_stored,
+    open_stored,
     parent_of,
     validate_chunk,
 )
@@ -100,6 +101,7 @@ class DiskStore(StoreBase):
         *,
         name: str = "disk",
         fsync: bool = True,
+        sealer: ChunkSealer | None = None,
     ):
         super().__init__()
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -119,6 +121,7 @@ class DiskStore(StoreBase):
         self.path = root
         self.capacity_bytes = capacity_bytes
         self._fsync = fsync
+        self.sealer = sealer
         self._lock = threading.RLock()
         self._lru = ChainLru()
         self._hits = self._misses = self._puts = self._rejected = 0
@@ -332,7 +335,7 @@ class DiskStore(StoreBase):
                 self._errors += 1
             return None
         try:
-            parent = check_stored(key, data)
+            value, parent = open_stored(key, data, self.sealer)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, str(path), str(exc), ino=ino)
             with self._lock:
@@ -348,22 +351,22 @@ class DiskStore(StoreBase):
                 added = True
         if added:
             self._emit("store", key, "found")
-        return data
+        return value
 
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
         value, parent = validate_chunk(key, value)
+        if self.sealer is not None:
+            value = self.sealer.seal(value)
         size = len(value)
         if size > self.capacity_bytes:
             with self._lock:
                 self._rejected += 1
             return
         with self._lock:
-            if key in self._lru:  # replacing: its bytes are freed first
-                self._lru.remove(key)
-                existed = True
-            else:
-                existed = False
+            old = self._lru.remove(key)  # replacing: its bytes are freed first
+            existed = old is not None
+            pins = old.pins if old is not None else 0
             evicted: list[ChunkKey] = []
             refresh = time.monotonic() - self._last_refresh > _REFRESH_S
             if refresh or self._lru.bytes + size > self.capacity_bytes:
@@ -386,6 +389,8 @@ class DiskStore(StoreBase):
             return
         with self._lock:
             self._lru.add(key, size, parent)
+            for _ in range(pins):
+                self._lru.pin(key)
             self._puts += 1
         if not existed:
             self._emit("store", key, "put")

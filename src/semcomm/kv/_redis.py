@@ -31,12 +31,13 @@ from ..errors import (
 from ._keys import ChunkKey
 from ._store import (
     KEY_SIZE,
+    ChunkSealer,
     Fetched,
     PrefixMatch,
     StoreBase,
     StoreStats,
     check_key,
-    check_stored,
+    open_stored,
     validate_chunk,
 )
 
@@ -167,6 +168,7 @@ class RedisStore(StoreBase):
         name: str = "redis",
         timeout_s: float = 0.5,
         retry_interval_s: float = 0.5,
+        sealer: ChunkSealer | None = None,
     ):
         super().__init__()
         self._redis = require("redis", "redis")
@@ -191,6 +193,7 @@ class RedisStore(StoreBase):
         self.capacity_bytes = capacity_bytes
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
+        self.sealer = sealer
         self._ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
         self._cap = -1 if capacity_bytes is None else capacity_bytes
 
@@ -309,7 +312,7 @@ class RedisStore(StoreBase):
             return None
         data = bytes(raw)
         try:
-            check_stored(key, data)
+            value, _ = open_stored(key, data, self.sealer)
         except CorruptEntryError as exc:
             logger.warning("RedisStore: dropping corrupt value %s: %s", self._rkey(key), exc)
             self._run(lambda: self._del_script(keys=[self._rkey(key)],
@@ -321,10 +324,12 @@ class RedisStore(StoreBase):
             return None
         with self._state_lock:
             self._hits += 1
-        return data
+        return value
 
     def _put_args(self, key: ChunkKey, value: bytes) -> tuple[list[str], list[Any]]:
         value, parent = validate_chunk(key, value)
+        if self.sealer is not None:
+            value = self.sealer.seal(value)
         return [self._rkey(key)], [value, self._ttl_ms, key.hex(),
                                    "" if parent is None else parent.hex(), self._cap, self.prefix]
 
@@ -483,18 +488,18 @@ class RedisStore(StoreBase):
                                                       args=[key.hex(), self.prefix]), None)
         else:
             raw = await self._arun(lambda: client.get(self._rkey(key)), None)
-        if raw is not None:
-            try:
-                check_stored(key, raw)
-            except CorruptEntryError:
-                # rare path: reuse the synchronous drop-and-count logic in a thread
-                return await asyncio.to_thread(self._after_get, key, raw)
-        with self._state_lock:
-            if raw is None:
+        if raw is None:
+            with self._state_lock:
                 self._misses += 1
-            else:
-                self._hits += 1
-        return None if raw is None else bytes(raw)
+            return None
+        try:
+            value, _ = open_stored(key, bytes(raw), self.sealer)
+        except CorruptEntryError:
+            # rare path: reuse the synchronous drop-and-count logic in a thread
+            return await asyncio.to_thread(self._after_get, key, raw)
+        with self._state_lock:
+            self._hits += 1
+        return value
 
     async def aput(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)

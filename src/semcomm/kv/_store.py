@@ -30,6 +30,7 @@ from ._keys import ChunkKey
 
 __all__ = [
     "KEY_SIZE",
+    "ChunkSealer",
     "ChunkStore",
     "EventKind",
     "Fetched",
@@ -39,6 +40,7 @@ __all__ = [
     "StoreStats",
     "check_key",
     "check_stored",
+    "open_stored",
     "parent_of",
     "validate_chunk",
 ]
@@ -168,6 +170,37 @@ def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkKey | None
 def check_stored(key: ChunkKey, data: bytes) -> ChunkKey | None:
     """Verify bytes read back from a store; returns the parent key or raises CorruptEntryError."""
     return _parent(verify_chunk(data, expect_key=key).parent)
+
+
+class ChunkSealer(Protocol):
+    """Seals chunks at rest (``semcomm.security.ChunkSealer`` is the implementation).
+
+    ``seal`` turns ``encode_chunk`` bytes into a sealed chunk (still an SCKV container with a
+    readable header, so indexes can be rebuilt without the key); ``open`` authenticates and
+    returns the original bytes, raising ``CorruptEntryError`` for anything forged or swapped.
+    """
+
+    def seal(self, chunk: bytes) -> bytes: ...
+
+    def open(self, stored: bytes) -> bytes: ...
+
+
+def open_stored(
+    key: ChunkKey, stored: bytes, sealer: ChunkSealer | None
+) -> tuple[bytes, ChunkKey | None]:
+    """Verify stored bytes (and unseal them); returns (chunk bytes, parent key).
+
+    Raises ``CorruptEntryError`` for anything that must not be served.
+    """
+    parent = check_stored(key, stored)
+    if sealer is None:
+        return stored, parent
+    try:
+        return sealer.open(stored), parent
+    except CorruptEntryError:
+        raise
+    except ValueError as exc:  # a sealer that reports failures as ValueError
+        raise CorruptEntryError(f"chunk {key.hex()[:16]} failed to unseal: {exc}") from None
 
 
 def _parent(raw: bytes | None) -> ChunkKey | None:
