@@ -11,8 +11,19 @@ from typer.testing import CliRunner
 
 from semcomm.cli import app
 from semcomm.fusion import FusionPipeline, ModelSide
-from semcomm.fusion._eval import EvalSettings, MCItem, evaluate, oracle_enrichment, parse_letter, plot_results
-from semcomm.fusion._reference import fact_is_heldout, reference_examples, reference_items, write_examples
+from semcomm.fusion._eval import (
+    EvalSettings,
+    evaluate,
+    oracle_enrichment,
+    parse_letter,
+    plot_results,
+)
+from semcomm.fusion._reference import (
+    fact_is_heldout,
+    reference_examples,
+    reference_items,
+    write_examples,
+)
 from semcomm.fusion._toy import toy_pair
 from semcomm.reference import build_world
 
@@ -28,7 +39,15 @@ def _one_thread():
 
 @pytest.mark.parametrize(
     ("text", "letter"),
-    [(" c.", "c"), ("B", "b"), (" (d) west", "d"), ("\n[a]", "a"), (" cat", None), ("", None), (" e.", None)],
+    [
+        (" c.", "c"),
+        ("B", "b"),
+        (" (d) west", "d"),
+        ("\n[a]", "a"),
+        (" cat", None),
+        ("", None),
+        (" e.", None),
+    ],
 )
 def test_parse_letter(text: str, letter: str | None) -> None:
     assert parse_letter(text) == letter
@@ -71,7 +90,7 @@ def test_evaluate_reports_every_method(toy_sides, world, mode: str, tmp_path: Pa
     items = reference_items(world, limit=4)
     res = evaluate(pipe, items, EvalSettings(answer_mode=mode, background_tokens=3))
     assert set(res) == {"receiver", "sharer", "t2t", "c2c"}
-    for m, v in res.items():
+    for v in res.values():
         assert 0.0 <= v["accuracy"] <= 1.0 and v["latency_s"] > 0 and v["n"] == 4
         assert {"accuracy_seen", "accuracy_unseen"} <= set(v)
     assert res["t2t"]["tokens_generated"] > 0  # the sharer wrote background
@@ -93,25 +112,84 @@ def test_oracle_enrichment_runs(toy_sides, world) -> None:
 def test_cli_train_then_eval_on_a_saved_pair(tmp_path: Path, world) -> None:
     p = toy_pair("cross", seed=3)
     s_dir, r_dir = tmp_path / "sharer", tmp_path / "receiver"
-    for model, tok, d in ((p.sharer, p.sharer_tokenizer, s_dir), (p.receiver, p.receiver_tokenizer, r_dir)):
+    for model, tok, d in (
+        (p.sharer, p.sharer_tokenizer, s_dir),
+        (p.receiver, p.receiver_tokenizer, r_dir),
+    ):
         model.save_pretrained(d)
         tok.save_pretrained(d)
     data = write_examples(reference_examples(world)[:16], tmp_path / "train.jsonl")
     out = tmp_path / "fuser"
     runner = CliRunner()
-    res = runner.invoke(app, ["fusion", "train", "--sharer", str(s_dir), "--receiver", str(r_dir),
-                              "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "2",
-                              "--hidden", "8", "--blocks", "1", "--checkpoint-every", "2", "--threads", "1"])
+    res = runner.invoke(
+        app,
+        [
+            "fusion",
+            "train",
+            "--sharer",
+            str(s_dir),
+            "--receiver",
+            str(r_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--hidden",
+            "8",
+            "--blocks",
+            "1",
+            "--checkpoint-every",
+            "2",
+            "--threads",
+            "1",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert (out / "fuser.safetensors").exists() and json.loads((out / "fuser.json").read_text())["meta"]["steps"] == 3
+    assert (out / "fuser.safetensors").exists() and json.loads((out / "fuser.json").read_text())[
+        "meta"
+    ]["steps"] == 3
     js = tmp_path / "eval.json"
-    res = runner.invoke(app, ["fusion", "eval", "--sharer", str(s_dir), "--receiver", str(r_dir),
-                              "--fuser", str(out), "--limit", "2", "--json", str(js), "--no-oracle"])
+    res = runner.invoke(
+        app,
+        [
+            "fusion",
+            "eval",
+            "--sharer",
+            str(s_dir),
+            "--receiver",
+            str(r_dir),
+            "--fuser",
+            str(out),
+            "--limit",
+            "2",
+            "--json",
+            str(js),
+            "--no-oracle",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(js.read_text())
     for m in ("receiver", "sharer", "t2t", "c2c"):
         assert 0.0 <= doc[m]["accuracy"] <= 1.0 and doc[m]["latency_s"] > 0
     # a fuser for another pair is refused with a clear message (sharer and receiver swapped)
-    res = runner.invoke(app, ["fusion", "eval", "--sharer", str(r_dir), "--receiver", str(s_dir),
-                              "--fuser", str(out), "--limit", "2", "--no-oracle"])
+    res = runner.invoke(
+        app,
+        [
+            "fusion",
+            "eval",
+            "--sharer",
+            str(r_dir),
+            "--receiver",
+            str(s_dir),
+            "--fuser",
+            str(out),
+            "--limit",
+            "2",
+            "--no-oracle",
+        ],
+    )
     assert res.exit_code != 0 and "built for sharer" in str(res.exception)

@@ -8,8 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from semcomm.errors import ConfigError, CorruptEntryError, NamespaceMismatchError, UnsupportedModelError
-from semcomm.fusion import Fuser, FuserConfig, ModelSpec, layer_mapping, load_fuser, model_spec, save_fuser
+from semcomm.errors import (
+    ConfigError,
+    CorruptEntryError,
+    NamespaceMismatchError,
+    UnsupportedModelError,
+)
+from semcomm.fusion import (
+    Fuser,
+    FuserConfig,
+    ModelSpec,
+    estimate_parameters,
+    layer_mapping,
+    load_fuser,
+    model_spec,
+    save_fuser,
+)
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -18,7 +33,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
 
 
 def spec(layers: int, heads: int, dim: int, fp: str = "") -> ModelSpec:
@@ -66,11 +80,19 @@ def test_layer_mapping_errors(mapping, message) -> None:
     ],
 )
 def test_fuser_shapes_and_parameter_count(sharer: ModelSpec, receiver: ModelSpec) -> None:
-    cfg = FuserConfig(sharer=sharer, receiver=receiver, hidden_dim=16, num_blocks=1, intermediate_mult=2)
+    cfg = FuserConfig(
+        sharer=sharer, receiver=receiver, hidden_dim=16, num_blocks=1, intermediate_mult=2
+    )
     fuser = Fuser(cfg).eval()
     b, n = 2, 5
-    s_layers = [(torch.randn(b, sharer.num_kv_heads, n, sharer.head_dim),) * 2 for _ in range(sharer.num_layers)]
-    r_layers = [(torch.randn(b, receiver.num_kv_heads, n, receiver.head_dim),) * 2 for _ in range(receiver.num_layers)]
+    s_layers = [
+        (torch.randn(b, sharer.num_kv_heads, n, sharer.head_dim),) * 2
+        for _ in range(sharer.num_layers)
+    ]
+    r_layers = [
+        (torch.randn(b, receiver.num_kv_heads, n, receiver.head_dim),) * 2
+        for _ in range(receiver.num_layers)
+    ]
     fuser.set_gate_mode("open")
     out = fuser.fuse(s_layers, r_layers)
     assert len(out) == receiver.num_layers
@@ -79,20 +101,47 @@ def test_fuser_shapes_and_parameter_count(sharer: ModelSpec, receiver: ModelSpec
     # exact parameter count: per branch in(Ds*Hs + Dt*Ht -> h, +bias) + blocks + norm + out + weight head + gate
     h, inner = 16, 32
     d_in, d_out = sharer.kv_dim + receiver.kv_dim, receiver.kv_dim
-    per_branch = (d_in * h + h) + (h + h * inner + inner * h) + h + (h * d_out + d_out) + (h * receiver.num_kv_heads + receiver.num_kv_heads) + 1
-    assert fuser.num_parameters() == 2 * receiver.num_layers * per_branch
+    per_branch = (
+        (d_in * h + h)
+        + (h + h * inner + inner * h)
+        + h
+        + (h * d_out + d_out)
+        + (h * receiver.num_kv_heads + receiver.num_kv_heads)
+        + 1
+    )
+    assert (
+        fuser.num_parameters() == 2 * receiver.num_layers * per_branch == estimate_parameters(cfg)
+    )
+
+
+def test_estimate_for_real_pair_matches_the_paper_scale() -> None:
+    # Qwen3-0.6B (28 layers, 8x128) <- Qwen2.5-0.5B (24 layers, 2x64), the paper's fuser size
+    cfg = FuserConfig(
+        sharer=spec(24, 2, 64),
+        receiver=spec(28, 8, 128),
+        hidden_dim=1024,
+        num_blocks=2,
+        intermediate_mult=1.0,
+    )
+    n = estimate_parameters(cfg)
+    assert 3.0e8 < n < 5.5e8  # C2C reports 478 M for its layout (one more FFN per branch)
 
 
 def _layers(spec_: ModelSpec, n: int = 6, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shape = (1, spec_.num_kv_heads, n, spec_.head_dim)
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(spec_.num_layers)]
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(spec_.num_layers)
+    ]
 
 
 @pytest.fixture
 def pair_fuser() -> Fuser:
     torch.manual_seed(0)
-    cfg = FuserConfig(sharer=spec(3, 1, 16), receiver=spec(2, 2, 8), hidden_dim=16, num_blocks=1, zero_init=False)
+    cfg = FuserConfig(
+        sharer=spec(3, 1, 16), receiver=spec(2, 2, 8), hidden_dim=16, num_blocks=1, zero_init=False
+    )
     return Fuser(cfg).eval()
 
 
@@ -146,13 +195,17 @@ def test_gate_hard_at_inference_soft_in_training(pair_fuser: Fuser) -> None:
 def test_temperature_anneals_geometrically(pair_fuser: Fuser) -> None:
     c = pair_fuser.config
     assert pair_fuser.set_step(0) == pytest.approx(c.tau_start)
-    assert pair_fuser.set_step(c.anneal_steps // 2) == pytest.approx((c.tau_start * c.tau_end) ** 0.5, rel=1e-2)
+    assert pair_fuser.set_step(c.anneal_steps // 2) == pytest.approx(
+        (c.tau_start * c.tau_end) ** 0.5, rel=1e-2
+    )
     assert pair_fuser.set_step(10 * c.anneal_steps) == pytest.approx(c.tau_end)
 
 
 def test_save_load_round_trip(pair_fuser: Fuser, tmp_path: Path) -> None:
     save_fuser(pair_fuser, tmp_path, extra={"answer_mode": "loglik"})
-    loaded = load_fuser(tmp_path, sharer=pair_fuser.config.sharer, receiver=pair_fuser.config.receiver)
+    loaded = load_fuser(
+        tmp_path, sharer=pair_fuser.config.sharer, receiver=pair_fuser.config.receiver
+    )
     s, r = _layers(pair_fuser.config.sharer), _layers(pair_fuser.config.receiver, seed=1)
     for f in (pair_fuser, loaded):
         f.set_gate_mode("open")
@@ -168,7 +221,9 @@ def test_load_refuses_other_pair_and_bad_files(pair_fuser: Fuser, tmp_path: Path
     with pytest.raises(ConfigError, match="built for receiver"):
         load_fuser(tmp_path, sharer=cfg.sharer, receiver=spec(2, 4, 8))
     # same shapes, different models: fingerprints differ
-    fp_cfg = FuserConfig(sharer=spec(3, 1, 16, "aa"), receiver=spec(2, 2, 8, "bb"), hidden_dim=16, num_blocks=1)
+    fp_cfg = FuserConfig(
+        sharer=spec(3, 1, 16, "aa"), receiver=spec(2, 2, 8, "bb"), hidden_dim=16, num_blocks=1
+    )
     other = tmp_path / "other"
     save_fuser(Fuser(fp_cfg), other)
     with pytest.raises(NamespaceMismatchError, match="trained for another sharer"):
@@ -197,13 +252,27 @@ def test_load_refuses_other_pair_and_bad_files(pair_fuser: Fuser, tmp_path: Path
 def test_model_spec_reads_layout_and_refuses_sliding_window() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     s = model_spec(Qwen2ForCausalLM(cfg))
     assert (s.num_layers, s.num_kv_heads, s.head_dim) == (2, 2, 8) and len(s.fingerprint) == 32
     assert model_spec(Qwen2ForCausalLM(cfg)).fingerprint != s.fingerprint  # other weights
-    cfg_sw = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                         sliding_window=8, max_window_layers=0)
+    cfg_sw = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
     with pytest.raises(UnsupportedModelError, match="sliding"):
         model_spec(Qwen2ForCausalLM(cfg_sw))

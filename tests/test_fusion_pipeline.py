@@ -39,7 +39,9 @@ def sides(pair):
 def open_fuser(sides) -> Fuser:
     s, r = sides
     torch.manual_seed(0)
-    f = Fuser(FuserConfig(sharer=s.spec, receiver=r.spec, hidden_dim=16, num_blocks=1, zero_init=False))
+    f = Fuser(
+        FuserConfig(sharer=s.spec, receiver=r.spec, hidden_dim=16, num_blocks=1, zero_init=False)
+    )
     with torch.no_grad():
         for br in [*f.key_branches, *f.value_branches]:
             br.gate_logit.fill_(1.0)  # hard gate open
@@ -62,8 +64,11 @@ def test_first_generated_token_sees_the_fused_cache(sides, open_fuser: Fuser) ->
     from semcomm.fusion._kvio import layers_to_cache
 
     with torch.no_grad():
-        out = r.model(input_ids=torch.tensor([ids[-1:]]), position_ids=torch.tensor([[len(ids) - 1]]),
-                      cache=layers_to_cache([(k.clone(), v.clone()) for k, v in layers]))
+        out = r.model(
+            input_ids=torch.tensor([ids[-1:]]),
+            position_ids=torch.tensor([[len(ids) - 1]]),
+            cache=layers_to_cache([(k.clone(), v.clone()) for k, v in layers]),
+        )
         plain = r.model(input_ids=torch.tensor([ids]))
     assert not torch.allclose(out.logits[0, -1], plain.logits[0, -1], atol=1e-3)
     gen = pipe.generate(SHARED, max_new_tokens=1)
@@ -82,7 +87,7 @@ def test_closed_gate_generates_exactly_the_receiver_alone(sides, open_fuser: Fus
     with torch.no_grad():
         for _ in range(len(closed.token_ids)):
             seq.append(int(r.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    assert closed.token_ids == seq[len(ids):]
+    assert closed.token_ids == seq[len(ids) :]
     assert closed.stats["fused_tokens"] > 0  # fusion ran; the closed gate made it a no-op
 
 
@@ -98,7 +103,9 @@ def test_sharer_kv_comes_from_the_store_when_cached(sides, open_fuser: Fuser) ->
     e1, e2 = first.stats["sharer_engine_stats"], second.stats["sharer_engine_stats"]
     assert first.stats["sharer_source"] == "engine" and e1["hit_tokens"] == 0
     n = second.stats["sharer_prompt_tokens"]
-    assert e2["hit_tokens"] >= n - 4 and e2["recomputed_tokens"] <= 4  # cached context not recomputed
+    assert (
+        e2["hit_tokens"] >= n - 4 and e2["recomputed_tokens"] <= 4
+    )  # cached context not recomputed
     assert store.stats().entries > 0
     assert first.token_ids == second.token_ids == ref.token_ids  # lossless restore: same answer
 

@@ -26,6 +26,7 @@ FUSER = {"hidden_dim": 32, "num_blocks": 1, "dropout": 0.0}
 
 WORDS = ["fox", "dog", "café", "東京", "river", "tower", "red", "blue"]
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
@@ -33,7 +34,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
 
 
 def examples(n: int = 24) -> list[FusionExample]:
@@ -85,7 +85,11 @@ def test_checkpoint_and_resume(qwen_pair, tmp_path: Path) -> None:
     tr.train()
     state = json.loads((tmp_path / "train_state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
-    assert {p.name for p in tmp_path.iterdir()} >= {"fuser.safetensors", "fuser.json", "optimizer.safetensors"}
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "fuser.safetensors",
+        "fuser.json",
+        "optimizer.safetensors",
+    }
     saved = load_fuser(tmp_path).state_dict()
     cfg2 = TrainConfig(steps=6, batch_size=2, checkpoint_every=2, seed=3, fuser=FUSER)
     tr2 = FusionTrainer(s, r, examples(8), cfg2, out=tmp_path, resume=True)
@@ -116,7 +120,10 @@ def test_qwen2_to_qwen3_end_to_end(qwen_pair) -> None:
     s, r = sides(qwen_pair)
     assert (s.spec.model_type, r.spec.model_type) == ("qwen2", "qwen3")
     assert (s.spec.num_layers, s.spec.num_kv_heads, s.spec.head_dim) != (
-        r.spec.num_layers, r.spec.num_kv_heads, r.spec.head_dim)
+        r.spec.num_layers,
+        r.spec.num_kv_heads,
+        r.spec.head_dim,
+    )
     cfg = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=3, checkpoint_every=0, fuser=FUSER)
     tr = FusionTrainer(s, r, examples(), cfg)
     tr.train()

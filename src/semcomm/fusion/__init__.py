@@ -11,34 +11,35 @@ sharer alone, text-to-text and C2C. See ``docs/fusion.md``.
 from __future__ import annotations
 
 from ._align import Alignment, EncodedPrompt, PromptParts, align_offsets, encode_prompt
-from ._fuser import Fuser, FuserConfig
+from ._fuser import Fuser, FuserConfig, estimate_parameters
 from ._io import load_fuser, read_fuser_config, save_fuser
 from ._pipeline import FusionPipeline, Generation, ModelSide, greedy_decode
 from ._spec import LAYER_MAPPINGS, ModelSpec, layer_mapping, model_spec
 from ._train import FusionExample, FusionTrainer, TrainConfig, TrainResult, read_examples
 
 __all__ = [
+    "LAYER_MAPPINGS",
     "Alignment",
     "EncodedPrompt",
-    "PromptParts",
-    "align_offsets",
-    "encode_prompt",
     "Fuser",
     "FuserConfig",
-    "load_fuser",
-    "read_fuser_config",
-    "save_fuser",
+    "FusionExample",
     "FusionPipeline",
+    "FusionTrainer",
     "Generation",
     "ModelSide",
-    "greedy_decode",
-    "LAYER_MAPPINGS",
     "ModelSpec",
-    "layer_mapping",
-    "model_spec",
-    "FusionExample",
-    "FusionTrainer",
+    "PromptParts",
     "TrainConfig",
     "TrainResult",
+    "align_offsets",
+    "encode_prompt",
+    "estimate_parameters",
+    "greedy_decode",
+    "layer_mapping",
+    "load_fuser",
+    "model_spec",
     "read_examples",
+    "read_fuser_config",
+    "save_fuser",
 ]

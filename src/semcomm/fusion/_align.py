@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["PromptParts", "EncodedPrompt", "Alignment", "align_offsets", "encode_prompt"]
+__all__ = ["Alignment", "EncodedPrompt", "PromptParts", "align_offsets", "encode_prompt"]
 
 Reduce = Literal["mean", "last"]
 

@@ -24,16 +24,24 @@ import logging
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ._kvio import cache_to_layers, layers_to_cache, output_cache
 from ._pipeline import FusionPipeline, ModelSide, greedy_decode
 
-__all__ = ["MCItem", "EvalSettings", "evaluate", "oracle_enrichment", "parse_letter", "plot_results"]
+__all__ = [
+    "EvalSettings",
+    "MCItem",
+    "evaluate",
+    "oracle_enrichment",
+    "parse_letter",
+    "plot_results",
+]
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +132,19 @@ def score_options(
     cache = None
     if layers:
         past = layers[0][0].shape[2]
-        cache = layers_to_cache([(k.expand(n, -1, -1, -1).clone(), v.expand(n, -1, -1, -1).clone()) for k, v in layers])
+        cache = layers_to_cache(
+            [(k.expand(n, -1, -1, -1).clone(), v.expand(n, -1, -1, -1).clone()) for k, v in layers]
+        )
     full_mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=device), mask], dim=1)
     position_ids = torch.arange(start_pos, start_pos + t, device=device)[None].expand(n, -1)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=full_mask, position_ids=position_ids, cache=cache, use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
     logp = torch.log_softmax(out.logits.float(), dim=-1)
     scores = []
     f = len(feed_ids)
@@ -151,16 +167,26 @@ def _argmax(xs: list[float]) -> int:
     return max(range(len(xs)), key=xs.__getitem__)
 
 
-def _answer_alone(side: ModelSide, prompt: str, item: MCItem, st: EvalSettings) -> tuple[int | None, int]:
+def _answer_alone(
+    side: ModelSide, prompt: str, item: MCItem, st: EvalSettings
+) -> tuple[int | None, int]:
     """(chosen option index or None, tokens generated) for one model reading ``prompt``."""
     ids = list(side.tokenizer(prompt, add_special_tokens=side.add_special_tokens)["input_ids"])
     layers = _prefill(side, ids)
     if st.answer_mode == "loglik":
-        scores = score_options(side.model, layers, [ids[-1]], len(ids) - 1, _option_ids(side, item, st.option_format))
+        scores = score_options(
+            side.model, layers, [ids[-1]], len(ids) - 1, _option_ids(side, item, st.option_format)
+        )
         return _argmax(scores), 0
     gen = greedy_decode(
-        side.model, layers, [ids[-1]], start_pos=len(ids) - 1, max_new_tokens=st.max_new_tokens,
-        eos_ids=side.eos_ids(), stop=_stop_after_answer, decode=_decode_text(side),
+        side.model,
+        layers,
+        [ids[-1]],
+        start_pos=len(ids) - 1,
+        max_new_tokens=st.max_new_tokens,
+        eos_ids=side.eos_ids(),
+        stop=_stop_after_answer,
+        decode=_decode_text(side),
     )
     return _letter_index(side.tokenizer.decode(gen, skip_special_tokens=True), st.letters), len(gen)
 
@@ -173,8 +199,13 @@ def _letter_index(text: str, letters: str) -> int | None:
 def _background(side: ModelSide, prompt: str, max_new: int) -> tuple[str, int]:
     ids = list(side.tokenizer(prompt, add_special_tokens=side.add_special_tokens)["input_ids"])
     gen = greedy_decode(
-        side.model, _prefill(side, ids), [ids[-1]], start_pos=len(ids) - 1, max_new_tokens=max_new,
-        eos_ids=side.eos_ids(), stop=lambda t: "\n" in t or t.rstrip().endswith("."),
+        side.model,
+        _prefill(side, ids),
+        [ids[-1]],
+        start_pos=len(ids) - 1,
+        max_new_tokens=max_new,
+        eos_ids=side.eos_ids(),
+        stop=lambda t: "\n" in t or t.rstrip().endswith("."),
         decode=_decode_text(side),
     )
     return side.tokenizer.decode(gen, skip_special_tokens=True).strip(), len(gen)
@@ -186,7 +217,13 @@ def _c2c_answer(pipeline: FusionPipeline, item: MCItem, st: EvalSettings) -> tup
         fp = pipeline.encode(item.qa_prompt)
         layers, _ = pipeline.fused_layers(fp)
         r_ids = fp.receiver.input_ids
-        scores = score_options(recv.model, layers, [r_ids[-1]], len(r_ids) - 1, _option_ids(recv, item, st.option_format))
+        scores = score_options(
+            recv.model,
+            layers,
+            [r_ids[-1]],
+            len(r_ids) - 1,
+            _option_ids(recv, item, st.option_format),
+        )
         return _argmax(scores), 0
     gen = pipeline.generate(item.prompt, max_new_tokens=st.max_new_tokens, stop=_stop_after_answer)
     return _letter_index(gen.text, st.letters), len(gen.token_ids)
@@ -276,7 +313,11 @@ def oracle_enrichment(
     used = [it for it in items if it.context]
     for it in used:
         prompt = it.qa_prompt if st.answer_mode == "loglik" else it.prompt
-        ctx_ids = list(tok(it.context + st.t2t_joiner, add_special_tokens=receiver.add_special_tokens)["input_ids"])
+        ctx_ids = list(
+            tok(it.context + st.t2t_joiner, add_special_tokens=receiver.add_special_tokens)[
+                "input_ids"
+            ]
+        )
         q_ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
         bos = list(tok("", add_special_tokens=receiver.add_special_tokens)["input_ids"])
         q_alone = bos + q_ids
@@ -287,8 +328,10 @@ def oracle_enrichment(
         # enriched: drop the context's entries (keep BOS), same cache length as q_layers;
         # keys keep their original rotary positions, so the last token is fed at its own
         enriched = [
-            (torch.cat([k[:, :, : len(bos)], k[:, :, len(bos) + c :]], dim=2),
-             torch.cat([v[:, :, : len(bos)], v[:, :, len(bos) + c :]], dim=2))
+            (
+                torch.cat([k[:, :, : len(bos)], k[:, :, len(bos) + c :]], dim=2),
+                torch.cat([v[:, :, : len(bos)], v[:, :, len(bos) + c :]], dim=2),
+            )
             for k, v in full_layers
         ]
         runs = {
@@ -298,12 +341,24 @@ def oracle_enrichment(
         }
         for name, (layers, pos) in runs.items():
             if st.answer_mode == "loglik":
-                scores = score_options(receiver.model, layers, [q_ids[-1]], pos, _option_ids(receiver, it, st.option_format))
+                scores = score_options(
+                    receiver.model,
+                    layers,
+                    [q_ids[-1]],
+                    pos,
+                    _option_ids(receiver, it, st.option_format),
+                )
                 got: int | None = _argmax(scores)
             else:
                 gen = greedy_decode(
-                    receiver.model, layers, [q_ids[-1]], start_pos=pos, max_new_tokens=st.max_new_tokens,
-                    eos_ids=receiver.eos_ids(), stop=_stop_after_answer, decode=_decode_text(receiver),
+                    receiver.model,
+                    layers,
+                    [q_ids[-1]],
+                    start_pos=pos,
+                    max_new_tokens=st.max_new_tokens,
+                    eos_ids=receiver.eos_ids(),
+                    stop=_stop_after_answer,
+                    decode=_decode_text(receiver),
                 )
                 got = _letter_index(tok.decode(gen, skip_special_tokens=True), st.letters)
             res[name].append(got == it.answer_index)

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import ConfigError
 from ._spec import ModelSpec, layer_mapping
 
-__all__ = ["FuserConfig", "Fuser", "GateMode"]
+__all__ = ["Fuser", "FuserConfig", "GateMode", "estimate_parameters"]
 
 FORMAT_VERSION = 1
 
@@ -129,7 +129,7 @@ class _Branch(nn.Module):
     def __init__(self, cfg: FuserConfig):
         super().__init__()
         s, r = cfg.sharer, cfg.receiver
-        inner = max(1, int(round(cfg.hidden_dim * cfg.intermediate_mult)))
+        inner = max(1, round(cfg.hidden_dim * cfg.intermediate_mult))
         self.heads = r.num_kv_heads
         self.head_dim = r.head_dim
         self.proj_in = nn.Linear(s.kv_dim + r.kv_dim, cfg.hidden_dim)
@@ -288,6 +288,22 @@ class Fuser(nn.Module):
                     f"expected, the {role} given has {got.fingerprint} (same shapes, different "
                     "weights or tokenizer); train a fuser for this pair"
                 )
+
+
+def estimate_parameters(config: FuserConfig) -> int:
+    """Parameter count of a fuser built from ``config``, without allocating it.
+
+    Per branch (K or V) of one receiver layer, with ``h = hidden_dim``, ``i = inner width``,
+    ``a = sharer kv_dim + receiver kv_dim``, ``o = receiver kv_dim``, ``H = receiver kv heads``:
+    ``(a*h + h) + blocks*(h + 2*h*i) + h + (h*o + o) + (h*H + H) + 1``.
+    """
+    s, r = config.sharer, config.receiver
+    h = config.hidden_dim
+    inner = max(1, round(h * config.intermediate_mult))
+    a, o, heads = s.kv_dim + r.kv_dim, r.kv_dim, r.num_kv_heads
+    per_branch = (a * h + h) + config.num_blocks * (h + 2 * h * inner) + h + (h * o + o)
+    per_branch += h * heads + heads + 1
+    return 2 * len(config.layers) * per_branch
 
 
 def describe_size(fuser: Fuser, sharer_params: int, receiver_params: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from ..errors import ConfigError, CorruptEntryError
 from ._fuser import Fuser, FuserConfig
 from ._spec import ModelSpec
 
-__all__ = ["save_fuser", "load_fuser", "read_fuser_config", "WEIGHTS_NAME", "CONFIG_NAME"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_fuser", "read_fuser_config", "save_fuser"]
 
 WEIGHTS_NAME = "fuser.safetensors"
 CONFIG_NAME = "fuser.json"
@@ -38,10 +38,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     _atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
+def save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None
+) -> None:
     """safetensors file written atomically."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=meta
+    )
     os.replace(tmp, path)
 
 
@@ -78,7 +82,9 @@ def read_fuser_config(path: str | Path) -> tuple[FuserConfig, dict[str, Any]]:
     """The config and meta stored with a fuser (no weights loaded)."""
     cfg_path, _ = _resolve(path)
     if not cfg_path.exists():
-        raise ConfigError(f"no fuser config at {cfg_path} (expected {CONFIG_NAME} next to the weights)")
+        raise ConfigError(
+            f"no fuser config at {cfg_path} (expected {CONFIG_NAME} next to the weights)"
+        )
     try:
         doc = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

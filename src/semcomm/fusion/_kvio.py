@@ -16,12 +16,12 @@ from transformers import DynamicCache
 
 __all__ = [
     "KVLayers",
+    "align_layers",
     "cache_to_layers",
     "layers_to_cache",
-    "prefill_layers",
-    "align_layers",
-    "positions_from_mask",
     "output_cache",
+    "positions_from_mask",
+    "prefill_layers",
 ]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([B, H, N, D], [B, H, N, D])

@@ -30,7 +30,7 @@ from ._kvio import (
 )
 from ._spec import ModelSpec, model_spec
 
-__all__ = ["ModelSide", "FusionPipeline", "Generation", "FusedPrompt", "greedy_decode"]
+__all__ = ["FusedPrompt", "FusionPipeline", "Generation", "ModelSide", "greedy_decode"]
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,17 @@ class ModelSide:
         return PromptParts(self.prefix, shared, self.suffix)
 
     def encode(self, shared: str) -> EncodedPrompt:
-        return encode_prompt(self.tokenizer, self.parts(shared), add_special_tokens=self.add_special_tokens)
+        return encode_prompt(
+            self.tokenizer, self.parts(shared), add_special_tokens=self.add_special_tokens
+        )
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for src in (self.tokenizer, getattr(self.model, "generation_config", None), self.model.config):
+        for src in (
+            self.tokenizer,
+            getattr(self.model, "generation_config", None),
+            self.model.config,
+        ):
             eos = getattr(src, "eos_token_id", None)
             if isinstance(eos, int):
                 ids.add(eos)
@@ -124,7 +130,13 @@ def greedy_decode(
         for _ in range(max_new_tokens):
             n = ids.shape[1]
             position_ids = torch.arange(pos, pos + n, device=device)[None]
-            out = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache = output_cache(out)
             pos += n
             nxt = int(out.logits[0, -1].argmax())
@@ -205,7 +217,9 @@ class FusionPipeline:
         t0 = time.perf_counter()
         with torch.no_grad():
             out = self.receiver.model(
-                input_ids=torch.tensor([r_ids[:-1]], device=device), use_cache=True, logits_to_keep=1
+                input_ids=torch.tensor([r_ids[:-1]], device=device),
+                use_cache=True,
+                logits_to_keep=1,
             )
         r_layers = cache_to_layers(output_cache(out))
         stats: dict[str, Any] = {"receiver_prefill_ms": (time.perf_counter() - t0) * 1e3}

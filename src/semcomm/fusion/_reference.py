@@ -19,12 +19,12 @@ from ._train import FusionExample
 
 __all__ = [
     "ASSETS_DIR",
-    "shipped_fuser_path",
     "fact_is_heldout",
-    "reference_items",
-    "reference_examples",
-    "write_examples",
     "load_reference_sides",
+    "reference_examples",
+    "reference_items",
+    "shipped_fuser_path",
+    "write_examples",
 ]
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
@@ -134,3 +134,69 @@ def _assets_paths() -> tuple[Path, Path]:
     from ..reference import _assets
 
     return _assets.sharer_path(), _assets.receiver_path()
+
+
+def run_eval(
+    *,
+    sharer: str | Path | None = None,
+    receiver: str | Path | None = None,
+    fuser: str | Path | None = None,
+    limit: int | None = None,
+    answer_mode: str = "",
+    oracle: bool = True,
+    seed: int = 0,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Evaluate receiver, sharer, T2T and C2C on held-out reference questions.
+
+    Defaults: the shipped reference pair and the shipped fuser. Returns the JSON document
+    ``semcomm fusion eval --json`` writes: ``{"receiver", "sharer", "t2t", "c2c"}`` (each with
+    ``accuracy``, ``latency_s``...), plus ``"summary"``, ``"oracle"`` and ``"setup"``.
+    """
+    import time
+
+    from ..reference import build_world
+    from ._eval import EvalSettings, evaluate, oracle_enrichment
+    from ._io import load_fuser, read_fuser_config
+    from ._pipeline import FusionPipeline
+
+    if sharer is None or receiver is None:
+        s_ref, r_ref = _assets_paths()
+        sharer = sharer if sharer is not None else s_ref
+        receiver = receiver if receiver is not None else r_ref
+    s_side, r_side = load_side(sharer), load_side(receiver)
+    fpath = Path(fuser) if fuser is not None else shipped_fuser_path()
+    _, meta = read_fuser_config(fpath)
+    fz = load_fuser(fpath, sharer=s_side.spec, receiver=r_side.spec)
+    mode = answer_mode or str(meta.get("answer_mode", "loglik"))
+    pipe = FusionPipeline(s_side, r_side, fz)
+    items = reference_items(build_world(seed=seed), heldout=True, limit=limit or None)
+    settings = EvalSettings(answer_mode=mode)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = evaluate(pipe, items, settings, progress)
+    oracle_res = oracle_enrichment(r_side, items, settings) if oracle else None
+    summary = {
+        "c2c_minus_receiver_points": (results["c2c"]["accuracy"] - results["receiver"]["accuracy"])
+        * 100,
+        "c2c_minus_t2t_points": (results["c2c"]["accuracy"] - results["t2t"]["accuracy"]) * 100,
+        "t2t_over_c2c_latency": results["t2t"]["latency_s"]
+        / max(results["c2c"]["latency_s"], 1e-9),
+    }
+    doc: dict[str, Any] = dict(results)
+    doc["summary"] = summary
+    doc["oracle"] = oracle_res
+    doc["setup"] = {
+        "items": len(items),
+        "answer_mode": mode,
+        "sharer": str(sharer),
+        "receiver": str(receiver),
+        "fuser": str(fpath),
+        "fuser_params": fz.num_parameters(),
+        "sharer_params": sum(p.numel() for p in s_side.model.parameters()),
+        "receiver_params": sum(p.numel() for p in r_side.model.parameters()),
+        "fuser_layers": fz.config.layers,
+        "fuser_gates": fz.gates(),
+        "seconds": time.perf_counter() - t0,
+        "fuser_meta": meta,
+    }
+    return doc

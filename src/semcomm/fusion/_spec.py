@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["ModelSpec", "model_spec", "layer_mapping", "LAYER_MAPPINGS"]
+__all__ = ["LAYER_MAPPINGS", "ModelSpec", "layer_mapping", "model_spec"]
 
 # config keys that do not change what a model computes (paths, versions, bookkeeping)
 _VOLATILE_KEYS = frozenset(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ToyPair", "toy_pair", "toy_bpe_tokenizer", "wordpiece_tokenizer"]
+__all__ = ["ToyPair", "toy_bpe_tokenizer", "toy_pair", "wordpiece_tokenizer"]
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -80,14 +80,26 @@ def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
     bpe = toy_bpe_tokenizer()
     if kind == "qwen":
         s_cfg = Qwen2Config(
-            vocab_size=len(bpe), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-            eos_token_id=bpe.eos_token_id, pad_token_id=bpe.pad_token_id,
+            vocab_size=len(bpe),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            eos_token_id=bpe.eos_token_id,
+            pad_token_id=bpe.pad_token_id,
         )
         r_cfg = Qwen3Config(
-            vocab_size=len(bpe), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            max_position_embeddings=256, eos_token_id=bpe.eos_token_id,
+            vocab_size=len(bpe),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+            eos_token_id=bpe.eos_token_id,
             pad_token_id=bpe.pad_token_id,
         )
         sharer: torch.nn.Module = Qwen2ForCausalLM(s_cfg)
@@ -96,14 +108,25 @@ def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
     if kind == "cross":
         wp = wordpiece_tokenizer()
         s_cfg = LlamaConfig(
-            vocab_size=len(wp), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+            vocab_size=len(wp),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
             pad_token_id=wp.pad_token_id,
         )
         r_cfg = Qwen2Config(
-            vocab_size=len(bpe), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            eos_token_id=bpe.eos_token_id, pad_token_id=bpe.pad_token_id,
+            vocab_size=len(bpe),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            eos_token_id=bpe.eos_token_id,
+            pad_token_id=bpe.pad_token_id,
         )
         return ToyPair(LlamaForCausalLM(s_cfg).eval(), wp, Qwen2ForCausalLM(r_cfg).eval(), bpe)
     raise ValueError(f"unknown toy pair {kind!r}; use 'qwen' or 'cross'")

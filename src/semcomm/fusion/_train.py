@@ -18,21 +18,22 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from ..errors import ConfigError, InvalidInputError
+from ._align import align_offsets
 from ._fuser import Fuser, FuserConfig
 from ._io import atomic_write_json, load_fuser, save_fuser, save_tensors
 from ._kvio import align_layers, layers_to_cache, prefill_layers
 from ._pipeline import ModelSide
-from ._align import align_offsets
 
-__all__ = ["TrainConfig", "FusionExample", "FusionTrainer", "read_examples", "TrainResult"]
+__all__ = ["FusionExample", "FusionTrainer", "TrainConfig", "TrainResult", "read_examples"]
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,9 @@ class FusionTrainer:
         tensors: dict[str, torch.Tensor] = {}
         for pid, st in sd["state"].items():
             for name, val in st.items():
-                tensors[f"{pid}.{name}"] = val if isinstance(val, torch.Tensor) else torch.tensor(val)
+                tensors[f"{pid}.{name}"] = (
+                    val if isinstance(val, torch.Tensor) else torch.tensor(val)
+                )
         save_tensors(path, tensors)
 
     def _load_optimizer(self, path: Path) -> None:
@@ -327,7 +330,9 @@ class FusionTrainer:
         )
 
     def batch(self, rng: random.Random) -> _Batch:
-        items = [self.encoded[rng.randrange(len(self.encoded))] for _ in range(self.config.batch_size)]
+        items = [
+            self.encoded[rng.randrange(len(self.encoded))] for _ in range(self.config.batch_size)
+        ]
         return collate(items, self._r_pad, self._s_pad).to(self.device)
 
     def evaluate_loss(self, items: list[_Encoded] | None = None, *, fused: bool = True) -> float:
@@ -339,7 +344,9 @@ class FusionTrainer:
             for i in range(0, len(items), self.config.batch_size):
                 chunk = items[i : i + self.config.batch_size]
                 b = collate(chunk, self._r_pad, self._s_pad).to(self.device)
-                loss = fused_loss(self.fuser if fused else None, self.sharer.model, self.receiver.model, b)
+                loss = fused_loss(
+                    self.fuser if fused else None, self.sharer.model, self.receiver.model, b
+                )
                 total += float(loss) * len(chunk)
                 n += len(chunk)
         return total / max(n, 1)
