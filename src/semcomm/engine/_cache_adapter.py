@@ -101,11 +101,22 @@ def new_cache() -> DynamicCache:
 
 
 def cache_from_stacks(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicCache:
-    """Build a cache from ``[L, H, T, D]`` stacks (one view per layer, moved to ``device``)."""
+    """Build a cache from ``[L, H, T, D]`` stacks (one view per layer, moved to ``device``).
+
+    The layers take the views as they are (no ``torch.cat`` with an empty tensor, which is what
+    ``DynamicCache(ddp_cache_data=...)`` would do): restoring costs no copy beyond the move.
+    """
     nb = keys.device.type == "cpu" and device.type == "cuda" and keys.is_pinned()
     k = keys.to(device, non_blocking=nb)
     v = values.to(device, non_blocking=nb)
-    return DynamicCache(ddp_cache_data=[(k[i : i + 1], v[i : i + 1]) for i in range(k.shape[0])])
+    cache = DynamicCache()
+    for i in range(k.shape[0]):
+        layer = DynamicLayer()
+        ki, vi = k[i : i + 1], v[i : i + 1]
+        layer.lazy_initialization(ki, vi)
+        layer.keys, layer.values = ki, vi
+        cache.layers.append(layer)
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:
