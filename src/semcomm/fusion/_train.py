@@ -245,12 +245,14 @@ class FusionTrainer:
             side.model.to(self.device)
         self.step = 0
         self.losses: list[float] = []
+        self.train_seconds = 0.0  # wall time spent in train(), summed over resumes
         state_path = self.out / "train_state.json" if self.out is not None else None
         if resume and state_path is not None and state_path.exists():
             self.fuser = load_fuser(self.out, sharer=sharer.spec, receiver=receiver.spec)  # type: ignore[arg-type]
             state = json.loads(state_path.read_text(encoding="utf-8"))
             self.step = int(state["step"])
             self.losses = [float(x) for x in state.get("losses", [])]
+            self.train_seconds = float(state.get("train_seconds", 0.0))
             log.info("resuming fuser training at step %d from %s", self.step, self.out)
         else:
             if resume:
@@ -319,6 +321,7 @@ class FusionTrainer:
             {
                 "steps": self.step,
                 "last_loss": self.losses[-1] if self.losses else None,
+                "train_seconds": round(self.train_seconds, 1),
                 "train_config": asdict(self.config),
             }
         )
@@ -326,7 +329,12 @@ class FusionTrainer:
         self._save_optimizer(self.out / "optimizer.safetensors")
         atomic_write_json(
             self.out / "train_state.json",
-            {"step": self.step, "losses": self.losses, "config": asdict(self.config)},
+            {
+                "step": self.step,
+                "losses": self.losses,
+                "train_seconds": self.train_seconds,
+                "config": asdict(self.config),
+            },
         )
 
     def batch(self, rng: random.Random) -> _Batch:
@@ -375,11 +383,14 @@ class FusionTrainer:
             if progress is not None:
                 progress(self.step, c.steps, value)
             if c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                self.train_seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 self.checkpoint()
         self.fuser.set_step(self.step)
         self.fuser.eval()
+        self.train_seconds += time.perf_counter() - t0
         self.checkpoint()
-        seconds = time.perf_counter() - t0
+        seconds = self.train_seconds
         losses = self.losses
         return TrainResult(
             steps=self.step,
