@@ -28,23 +28,23 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import Progress  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
 
-from semcomm.engine import HFEngine  # noqa: E402
-from semcomm.fusion import FusionPipeline, load_fuser  # noqa: E402
-from semcomm.fusion._eval import EvalSettings, plot_results, score_options  # noqa: E402
-from semcomm.fusion._reference import (  # noqa: E402
+from semcomm.engine import HFEngine
+from semcomm.fusion import FusionPipeline, load_fuser
+from semcomm.fusion._eval import EvalSettings, plot_results, score_options
+from semcomm.fusion._reference import (
     _assets_paths,
     load_side,
     reference_items,
     run_eval,
     shipped_fuser_path,
 )
-from semcomm.kv import MemoryStore  # noqa: E402
-from semcomm.reference import build_world  # noqa: E402
+from semcomm.kv import MemoryStore
+from semcomm.reference import build_world
 
 console = Console()
 
