@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from typing import Any
 
 from ..errors import require
@@ -109,7 +110,9 @@ class SemcommCache(BaseCache):
 
     @staticmethod
     def _decode(answer: str) -> list[Generation]:
-        gens = loads(answer, allowed_objects=_ALLOWED)
+        with warnings.catch_warnings():  # `loads` is marked beta; its allow-list is what we need
+            warnings.simplefilter("ignore")
+            gens = loads(answer, allowed_objects=_ALLOWED)
         return list(gens)
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
