@@ -87,15 +87,16 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
         return None, f"semcomm.kv unavailable: {exc}"
     tiers = []
     missing = []
+    sealer = _chunk_sealer(config)
     for tier in kv.tiers:
         if tier == "memory" and hasattr(kvpkg, "MemoryStore"):
             tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes))
         elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
             path = Path(kv.disk_path) if kv.disk_path else config.state_dir() / "kv"
             path.mkdir(parents=True, exist_ok=True)
-            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes))
+            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer))
         elif tier == "redis" and hasattr(kvpkg, "RedisStore"):
-            tiers.append(kvpkg.RedisStore(url=kv.redis_url))
+            tiers.append(kvpkg.RedisStore(url=kv.redis_url, sealer=sealer))
         else:
             missing.append(tier)
     if not tiers:
@@ -108,6 +109,15 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
     if hasattr(kvpkg, "TieredStore"):
         return kvpkg.TieredStore(tiers), note
     return tiers[0], note + "; TieredStore unavailable, first tier only"
+
+
+def _chunk_sealer(config: ServerConfig) -> Any:
+    """AES-GCM sealing of KV chunks at rest (disk, Redis), unless ``security.seal_at_rest = false``."""
+    if not config.security.get("seal_at_rest", True):
+        return None
+    from ..security import ChunkSealer, TenantKeyring
+
+    return ChunkSealer(TenantKeyring(config.server.secret))
 
 
 def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
