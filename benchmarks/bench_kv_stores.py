@@ -29,7 +29,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -37,6 +39,7 @@ from rich.table import Table
 
 from semcomm.kv import (
     ChunkKey,
+    ChunkStore,
     DiskStore,
     MemoryStore,
     Namespace,
@@ -101,8 +104,7 @@ def seq_read_bandwidth(directory: Path, nbytes: int = 256 * MiB, repeat: int = 3
     path = directory / "seqread.bin"
     block = os.urandom(8 * MiB)
     with open(path, "wb") as f:
-        for _ in range(nbytes // len(block)):
-            f.write(block)
+        f.writelines(block for _ in range(nbytes // len(block)))
         f.flush()
         os.fsync(f.fileno())
 
@@ -149,21 +151,32 @@ def private_redis() -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def measure(store_name: str, make: Callable[[], object], items: list[tuple[ChunkKey, bytes]],
+def make_store(name: str, tokens: int, work: Path, redis_url: str | None) -> ChunkStore:
+    if name == "memory":
+        return MemoryStore(capacity_bytes=4 << 30)
+    if name == "disk":
+        return DiskStore(work / f"disk-{tokens}")
+    if name == "redis":
+        assert redis_url is not None
+        return RedisStore(redis_url, prefix=f"bench:{tokens}:")
+    return TieredStore([MemoryStore(capacity_bytes=4 << 30), DiskStore(work / f"tier-{tokens}")])
+
+
+def measure(make: Callable[[], ChunkStore], items: list[tuple[ChunkKey, bytes]],
             repeat: int, cold_disk: Path | None = None) -> dict[str, float]:
     store = make()
     nbytes = sum(len(v) for _, v in items)
 
     def put_all() -> None:
         for k, v in items:
-            store.put(k, v)  # type: ignore[attr-defined]
+            store.put(k, v)
 
     def get_all() -> None:
         for k, _ in items:
-            assert store.get(k) is not None  # type: ignore[attr-defined]
+            assert store.get(k) is not None
 
     def lookup() -> None:
-        store.lookup(keys)  # type: ignore[attr-defined]
+        store.lookup(keys)
 
     keys = [k for k, _ in items]
     put_s = best_of(put_all, repeat)
@@ -183,7 +196,9 @@ def measure(store_name: str, make: Callable[[], object], items: list[tuple[Chunk
         for _ in range(repeat):
             get_cold()
         out["get_cold_GBps"] = nbytes / min(timings) / 1e9
-    store.close()  # type: ignore[attr-defined]
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
     return out
 
 
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory for the disk store (default: a tmp dir)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=150)
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="semcomm-bench-kv-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     console.print({k: round(v, 2) for k, v in floors.items()})
 
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     redis_ctx = None
     redis_url = args.redis_url
     if redis_url is None and not args.no_redis:
@@ -224,17 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             n = max(4, args.mib * MiB // one)
             items = chunk_set(n, tokens, args.layers, args.heads, args.head_dim)
             console.print(f"tokens/chunk {tokens}: {n} chunks of {one / MiB:.2f} MiB")
-            makers: dict[str, Callable[[], object]] = {
-                "memory": lambda: MemoryStore(capacity_bytes=4 << 30),
-                "disk": lambda: DiskStore(work / f"disk-{tokens}"),
-                "tiered(memory+disk)": lambda: TieredStore(
-                    [MemoryStore(capacity_bytes=4 << 30), DiskStore(work / f"tier-{tokens}")]),
-            }
+            names = ["memory", "disk", "tiered(memory+disk)"]
             if redis_url is not None:
-                makers["redis"] = lambda: RedisStore(redis_url, prefix=f"bench:{tokens}:")
-            for name, make in makers.items():
+                names.append("redis")
+            for name in names:
+                make = partial(make_store, name, tokens, work, redis_url)
                 cold = work / f"disk-{tokens}" if name == "disk" else None
-                r = measure(name, make, items, args.repeat, cold_disk=cold)
+                r = measure(make, items, args.repeat, cold_disk=cold)
                 floor = floors["seq_read_warm_GBps"] if name == "disk" else floors["memcpy_GBps"]
                 r["get_vs_floor"] = floor / r["get_GBps"]  # >1: slower than the floor
                 if "get_cold_GBps" in r:
@@ -253,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right" if col != "store" else "left")
     for r in results:
         table.add_row(
-            str(r["store"]), str(r["tokens"]), f"{int(r['chunk_bytes']) / MiB:.2f}",  # type: ignore[call-overload]
+            str(r["store"]), str(r["tokens"]), f"{r['chunk_bytes'] / MiB:.2f}",
             f"{r['put_GBps']:.2f}", f"{r['get_GBps']:.2f}", f"{r['get_ms_per_chunk']:.3f}",
             f"{r['get_vs_floor']:.2f}x",
             f"{r['get_cold_GBps']:.2f}" if "get_cold_GBps" in r else "-",
