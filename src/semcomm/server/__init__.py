@@ -19,6 +19,7 @@ from ._backends import (
 )
 from ._batching import BatchingWorker, EngineRunner, Job
 from ._config import DEFAULT_TOML, ServerConfig, load_config
+from ._demo import demo_workload, run_demo, write_demo_chart, write_demo_report
 from ._gateway import Gateway
 from ._pipeline import PipelineBackend
 
@@ -38,5 +39,9 @@ __all__ = [
     "ServerConfig",
     "UpstreamBackend",
     "create_app",
+    "demo_workload",
     "load_config",
+    "run_demo",
+    "write_demo_chart",
+    "write_demo_report",
 ]

@@ -52,6 +52,7 @@ path = "auto"          # the reference receiver model when installed, else a con
 [kv]
 enabled = true
 tiers = ["memory", "disk"]
+chunk_size = 64        # chat prompts are short: small chunks let follow-up turns reuse more
 
 [semantic]
 enabled = true
