@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -197,9 +197,13 @@ class Fuser(nn.Module):
     def gates(self) -> dict[str, list[bool]]:
         """Hard gate state per receiver layer (what inference uses)."""
         return {
-            "key": [bool(b.gate_logit.item() > 0) for b in self.key_branches],
-            "value": [bool(b.gate_logit.item() > 0) for b in self.value_branches],
+            "key": [bool(b.gate_logit.item() > 0) for b in self._branches("key")],
+            "value": [bool(b.gate_logit.item() > 0) for b in self._branches("value")],
         }
+
+    def _branches(self, kind: str) -> list[_Branch]:
+        mods = self.key_branches if kind == "key" else self.value_branches
+        return [cast(_Branch, m) for m in mods]
 
     def _gate(self, branch: _Branch, like: torch.Tensor) -> torch.Tensor | None:
         """The gate for one branch; ``None`` means closed (skip the branch)."""
@@ -235,8 +239,8 @@ class Fuser(nn.Module):
         """
         out = []
         for branch, xs, xt in (
-            (self.key_branches[layer], sharer_kv[0], receiver_kv[0]),
-            (self.value_branches[layer], sharer_kv[1], receiver_kv[1]),
+            (self._branches("key")[layer], sharer_kv[0], receiver_kv[0]),
+            (self._branches("value")[layer], sharer_kv[1], receiver_kv[1]),
         ):
             gate = self._gate(branch, xt)
             if gate is None:

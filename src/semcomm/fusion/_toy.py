@@ -107,7 +107,7 @@ def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
         return ToyPair(sharer.eval(), bpe, receiver.eval(), bpe)
     if kind == "cross":
         wp = wordpiece_tokenizer()
-        s_cfg = LlamaConfig(
+        l_cfg = LlamaConfig(
             vocab_size=len(wp),
             hidden_size=32,
             intermediate_size=64,
@@ -117,7 +117,7 @@ def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
             max_position_embeddings=256,
             pad_token_id=wp.pad_token_id,
         )
-        r_cfg = Qwen2Config(
+        q_cfg = Qwen2Config(
             vocab_size=len(bpe),
             hidden_size=64,
             intermediate_size=128,
@@ -128,5 +128,5 @@ def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
             eos_token_id=bpe.eos_token_id,
             pad_token_id=bpe.pad_token_id,
         )
-        return ToyPair(LlamaForCausalLM(s_cfg).eval(), wp, Qwen2ForCausalLM(r_cfg).eval(), bpe)
+        return ToyPair(LlamaForCausalLM(l_cfg).eval(), wp, Qwen2ForCausalLM(q_cfg).eval(), bpe)
     raise ValueError(f"unknown toy pair {kind!r}; use 'qwen' or 'cross'")
