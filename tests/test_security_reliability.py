@@ -1,0 +1,237 @@
+"""Crash safety and degraded service: kill -9 mid-write, Redis restarts, overload and probing.
+
+Writers run in a child process (this module run as a script, see ``_worker``) that prints the
+index of every write *after* the store call returned (committed). The test kills it with SIGKILL
+mid-stream, reopens the store and checks: every committed entry is intact, nothing corrupt is
+served, and the store is usable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from semcomm.errors import BackendDownWarning
+from semcomm.kv import DiskStore, Namespace, RedisStore, chunk_keys, encode_chunk
+from semcomm.security import ChunkSealer, TenantKeyring
+
+SECRET = "reliability-test-secret-0123456789"
+NS = Namespace(model="crash", tokenizer="", dtype="float32", codec="none", tenant="t")
+
+
+def _chunk(i: int, payload: int) -> tuple[bytes, bytes]:
+    """Deterministic chunk number ``i`` (its own one-chunk chain)."""
+    key = chunk_keys(NS.digest, [i, i + 1, i + 2], 3)[0]
+    arr = np.random.default_rng(i).standard_normal(payload // 4, dtype=np.float32)
+    data = encode_chunk(namespace=NS.digest, key=key, parent=None, num_tokens=3, start=0,
+                        dtype="float32", codec="none", codec_params={}, arrays={"k.0": arr})
+    return key, data
+
+
+def _entry(i: int) -> Any:
+    from semcomm.semantic import Entry
+
+    vec = np.random.default_rng(i).standard_normal(32).astype(np.float32)
+    return Entry(id=f"{i:08x}", partition="p" * 32, query=f"question {i}", answer=f"answer {i}" * 50,
+                 vector=vec / np.linalg.norm(vec), tenant="t" * 64, created_at=float(i))
+
+
+def _entry_sealer() -> Any:
+    from semcomm.security import EntrySealer
+
+    return EntrySealer(TenantKeyring(SECRET))
+
+
+def _open_kv(kind: str, where: str) -> Any:
+    sealer = ChunkSealer(TenantKeyring(SECRET))
+    return DiskStore(where, sealer=sealer) if kind == "disk" else RedisStore(where, sealer=sealer)
+
+
+def _open_semantic(kind: str, where: str) -> Any:
+    from semcomm.semantic import RedisEntryStore, SQLiteEntryStore
+
+    return SQLiteEntryStore(where) if kind == "sqlite" else RedisEntryStore(where)
+
+
+def _worker(kind: str, where: str) -> None:
+    """Write until killed; print each committed index."""
+    if kind in ("disk", "redis"):
+        store = _open_kv(kind, where)
+        for i in range(1_000_000):
+            key, data = _chunk(i, 256 << 10)  # 256 KiB chunks: a kill lands mid-write
+            store.put(key, data)
+            print(i, flush=True)
+    else:
+        sem = _open_semantic(kind, where)
+        sealer = _entry_sealer()
+        for i in range(1_000_000):
+            sem.put(sealer.seal_entry(_entry(i)))
+            print(i, flush=True)
+
+
+@pytest.fixture
+def child() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def _run_and_kill(procs: list[subprocess.Popen[str]], kind: str, where: str, after: int) -> list[int]:
+    """Start a writer, SIGKILL it once ``after`` writes were committed; return committed indexes."""
+    p = subprocess.Popen([sys.executable, __file__, kind, where], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    procs.append(p)
+    committed: list[int] = []
+    assert p.stdout is not None
+    deadline = time.monotonic() + 120
+    while len(committed) < after:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError(f"writer died: {p.stderr.read() if p.stderr else ''}")
+        committed.append(int(line))
+        assert time.monotonic() < deadline
+    os.kill(p.pid, signal.SIGKILL)  # mid-write: the writer is busy with the next item
+    p.wait(timeout=30)
+    rest = p.stdout.read()  # lines already printed before the kill are committed too
+    committed += [int(x) for x in rest.split()]
+    return committed
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_kill_9_during_kv_writes(kind: str, tmp_path: Path, redis_url: str,
+                                 child: list[subprocess.Popen[str]]) -> None:
+    where = str(tmp_path / "kv") if kind == "disk" else redis_url
+    committed = _run_and_kill(child, kind, where, after=12)
+    store = _open_kv(kind, where)
+    for i in committed:  # committed entries intact (and still authenticated)
+        key, data = _chunk(i, 256 << 10)
+        assert store.get(key) == data, i
+    for key in list(store.scan()):  # nothing corrupt is served
+        assert store.get(key) is not None
+    assert store.stats().corrupt == 0
+    assert len(list(store.scan())) >= len(committed)
+    if kind == "disk":
+        assert not list((tmp_path / "kv").rglob("*.tmp"))  # the dead writer's partial file is gone
+    key, data = _chunk(10**6, 1024)  # and the store is writable again
+    store.put(key, data)
+    assert store.get(key) == data
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis-sem"])
+def test_kill_9_during_semantic_writes(kind: str, tmp_path: Path, redis_url: str,
+                                       child: list[subprocess.Popen[str]]) -> None:
+    where = str(tmp_path / "sem.sqlite3") if kind == "sqlite" else redis_url
+    committed = _run_and_kill(child, kind, where, after=40)
+    store = _open_semantic(kind, where)
+    sealer = _entry_sealer()
+    for i in committed:
+        e = store.get(f"{i:08x}")
+        assert e is not None, i
+        e = sealer.open_entry(e)  # authenticates: not torn, not tampered
+        assert e.answer == f"answer {i}" * 50 and e.query == f"question {i}"
+    everything = list(store.load_all())
+    assert len(everything) >= len(committed)
+    for e in everything:
+        sealer.open_entry(e)
+    assert store.corrupt == 0
+    store.close()
+
+
+def test_tampered_sealed_chunks_are_rejected_counted_and_removed(tmp_path: Path) -> None:
+    store = _open_kv("disk", str(tmp_path / "kv"))
+    items = [_chunk(i, 4096) for i in range(3)]
+    for k, v in items:
+        store.put(k, v)
+    files = {k: tmp_path / "kv" / k.hex()[:2] / f"{k.hex()}.sckv" for k, _ in items}
+    # 1. swap: file of chunk 1 copied over chunk 0 (a valid sealed chunk, wrong key)
+    files[items[0][0]].write_bytes(files[items[1][0]].read_bytes())
+    # 2. forge: a plain (unsealed) chunk written by someone without the secret
+    files[items[2][0]].write_bytes(items[2][1])
+    assert store.get(items[0][0]) is None and store.get(items[2][0]) is None
+    assert store.get(items[1][0]) == items[1][1]
+    assert store.stats().corrupt == 2
+    assert not files[items[0][0]].exists() and not files[items[2][0]].exists()
+
+
+# -- through the server ------------------------------------------------------------------------
+
+def _config(tmp: Path, **sections: Any) -> Any:
+    """The server tests' small config (tiny model, tenants acme/beta) with ``sections`` replaced."""
+    from semcomm.server import load_config
+
+    from .test_server_support import server_config
+
+    base = server_config(tmp, models={"tiny": {"path": "tiny"}}, pipelines={}, semantic=False)
+    return load_config(None, overrides={**base.model_dump(), **sections}, defaults=False,
+                       environ={})
+
+
+def _chat(c: httpx.Client, text: str, **extra: Any) -> httpx.Response:
+    return c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": text}],
+                                                 **extra})
+
+
+def test_server_refuses_client_salts_and_throttles_probing(tmp_path: Path) -> None:
+    from .test_server_support import TENANTS, live_server
+
+    with live_server(_config(tmp_path, security={"probe_detection": True})) as srv, \
+            srv.client(TENANTS["acme"]) as acme, srv.client(TENANTS["beta"]) as beta:
+        r = _chat(acme, "hello", cache_salt="victim-salt")
+        assert r.status_code == 400 and "derives cache salts on the server" in r.text
+        template = "Patient record 0042. Diagnosis: {}. " + "known template text " * 10
+        codes = [_chat(acme, template.format(c)).status_code
+                 for c in ("asthma", "anemia", "angina", "sepsis", "rabies")]
+        assert codes == [200, 200, 200, 429, 429]  # the 4th TTFT-only near-duplicate is refused
+        r = _chat(acme, template.format("otitis"))
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert _chat(beta, template.format("asthma")).status_code == 200  # others unaffected
+        assert _chat(acme, "an unrelated question about invoices", max_tokens=4).status_code == 429
+
+
+def test_redis_restart_mid_load_service_continues_and_recovers(tmp_path: Path, own_redis: Any) -> None:
+    from .test_server_support import TENANTS, live_server
+
+    cfg = _config(tmp_path, kv={"tiers": ["redis"], "redis_url": own_redis.url})
+    prompt = "A long shared system prompt for the Redis outage test, repeated. " * 5
+
+    def hits(r: httpx.Response) -> str:
+        assert r.status_code == 200, r.text
+        return r.headers["x-semcomm-hits"]
+
+    with live_server(cfg) as srv, srv.client(TENANTS["acme"]) as c:
+        hits(_chat(c, prompt))
+        assert hits(_chat(c, prompt)).startswith("kv:")  # Redis serves hits
+        own_redis.stop()
+        t0 = time.monotonic()
+        with pytest.warns(BackendDownWarning):  # loud, but not an error: the service continues
+            down = [hits(_chat(c, prompt + f" outage {i}")) for i in range(3)]
+            down.append(hits(_chat(c, prompt)))
+        assert down == ["none"] * 4  # ... with misses
+        assert time.monotonic() - t0 < 30
+        own_redis.start()  # back, empty
+        deadline = time.monotonic() + 20
+        recovered = False
+        while time.monotonic() < deadline and not recovered:
+            hits(_chat(c, prompt + " after"))
+            recovered = hits(_chat(c, prompt + " after")).startswith("kv:")
+            time.sleep(0.2)
+        assert recovered  # writes and hits resume once Redis is back
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
