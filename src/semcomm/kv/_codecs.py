@@ -54,6 +54,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_FP8_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,9 +262,10 @@ class Fp8Codec(KVCodec):
         self, arrays: Mapping[str, np.ndarray], *, num_tokens: int, dtype: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         def deq(name: str, dim: int) -> torch.Tensor:
-            q = torch.from_numpy(np.array(arrays[f"{name}.q"])).view(torch.float8_e4m3fn)
+            # A 256-entry lookup table is ~4x faster on CPU than torch's fp8 -> fp32 cast.
+            q = torch.from_numpy(np.take(_FP8_LUT, arrays[f"{name}.q"]))
             s = torch.from_numpy(np.array(arrays[f"{name}.scale"])).unsqueeze(dim)
-            return (q.float() * s).to(_DTYPES[dtype])
+            return q.mul_(s).to(_DTYPES[dtype])
 
         return deq("k", 2), deq("v", 3)
 
@@ -284,14 +286,23 @@ def _pack(q: torch.Tensor, bits: int) -> np.ndarray:
     return out.numpy()
 
 
-def _unpack(packed: np.ndarray, bits: int, count: int) -> torch.Tensor:
-    p = torch.from_numpy(np.array(packed, dtype=np.uint8))
-    if bits == 8:
-        return p[:count]
+def _unpack_table(bits: int) -> np.ndarray:
+    """``[256, 8 // bits]`` table: byte -> its packed values, low bits first."""
     per = 8 // bits
-    mask = (1 << bits) - 1
-    lanes = torch.stack([(p >> (bits * i)) & mask for i in range(per)], dim=1)
-    return lanes.reshape(-1)[:count]
+    b = np.arange(256, dtype=np.uint8)[:, None]
+    shifts = (np.arange(per, dtype=np.uint8) * bits)[None, :]
+    return ((b >> shifts) & ((1 << bits) - 1)).astype(np.uint8)
+
+
+_UNPACK = {2: _unpack_table(2), 4: _unpack_table(4)}
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: one table gather per byte (faster than shifting lanes)."""
+    if bits == 8:
+        return torch.from_numpy(np.array(packed[:count], dtype=np.uint8))
+    vals = np.take(_UNPACK[bits], packed, axis=0).reshape(-1)[:count]
+    return torch.from_numpy(vals)
 
 
 def _pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -432,13 +443,15 @@ class IntCodec(KVCodec):
             ng = ks.shape[2]
             g = self.group_size
             kq = _unpack(arrays["k.q"], self.bits, L * H * ng * g * Dk).view(L, H, ng, g, Dk)
-            k = (kq.float() * ks.unsqueeze(3) + km.unsqueeze(3)).view(L, H, ng * g, Dk)[:, :, :tq]
+            k = kq.float().mul_(ks.unsqueeze(3)).add_(km.unsqueeze(3)).view(L, H, ng * g, Dk)
+            k = k[:, :, :tq]
             vs = torch.from_numpy(np.array(arrays["v.scale"])).float()  # [L, H, tq, NGv]
             vm = torch.from_numpy(np.array(arrays["v.min"])).float()
             ngv = vs.shape[3]
             gv = min(g, Dv)
             vq = _unpack(arrays["v.q"], self.bits, L * H * tq * ngv * gv).view(L, H, tq, ngv, gv)
-            v = (vq.float() * vs.unsqueeze(4) + vm.unsqueeze(4)).view(L, H, tq, ngv * gv)[..., :Dv]
+            v = vq.float().mul_(vs.unsqueeze(4)).add_(vm.unsqueeze(4)).view(L, H, tq, ngv * gv)
+            v = v[..., :Dv]
             k, v = k.contiguous(), v.contiguous()
             for name, x in (("k", k), ("v", v)):
                 if f"{name}.oi" in arrays:
