@@ -131,6 +131,109 @@ def synth_cmd(
     Console().print(f"wrote {len(reqs)} requests to {out}")
 
 
+def _parse_costs(costs: list[str], names: list[str]) -> dict[str, float]:
+    from ..errors import ConfigError
+
+    out: dict[str, float] = {}
+    for item in costs:
+        name, sep, val = item.partition("=")
+        try:
+            out[name.strip()] = float(val)
+        except ValueError:
+            raise ConfigError(f"--cost must look like MODEL=NUMBER, got {item!r}") from None
+        if not sep:
+            raise ConfigError(f"--cost must look like MODEL=NUMBER, got {item!r}")
+    missing = [n for n in names if n not in out]
+    if missing:
+        # reference data: the sharer (trained on every fact) is the strong, costlier model
+        defaults = {"receiver": 1.0, "sharer": 2.0}
+        if all(n in defaults for n in missing):
+            out.update({n: defaults[n] for n in missing})
+        else:
+            raise ConfigError(f"no --cost given for model(s) {missing}; pass --cost NAME=COST for each")
+    return {n: out[n] for n in names}
+
+
+@route_app.command("train")
+def train_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Where to write the trained router (JSON).")],
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="Labelled JSONL (text + '<model>_correct' fields). Default: the "
+                     "reference world's router labels."),
+    ] = None,
+    cost: Annotated[
+        list[str] | None, typer.Option("--cost", help="MODEL=COST, relative cost per request (repeat).")
+    ] = None,
+    budget: Annotated[float, typer.Option("--budget", help="Cost share to calibrate to (0..1).")] = 0.5,
+    text_field: Annotated[str, typer.Option("--text-field", help="JSON field holding the prompt.")] = "question",
+    part: Annotated[str, typer.Option("--part", help="Rows to train on: train, test or all.")] = "train",
+    embedder: Annotated[
+        str | None, typer.Option("--embedder", help="Sentence-transformers model path (default MiniLM).")
+    ] = None,
+) -> None:
+    """Train a model router (quality predictor on local embeddings) and calibrate it to a budget."""
+    from ..routing import ModelRouter, ModelSpec, load_labelled
+
+    console = Console()
+    ds = load_labelled(data, text_field=text_field, part=part)
+    costs = _parse_costs(cost or [], ds.models)
+    router = ModelRouter([ModelSpec(n, costs[n]) for n in ds.models], embedder=embedder)
+    with console.status(f"embedding {len(ds.prompts)} prompts and training"):
+        router.fit(ds.prompts, ds.correct, budget=budget)
+    router.save(out)
+    console.print(
+        f"trained on {len(ds.prompts)} prompts ({ds.meta['source']}, part {part}); models "
+        f"{', '.join(f'{m.name} (cost {m.cost:g})' for m in router.models)}; lambda {router.cost_weight:.4f} "
+        f"for cost share {budget:g}; wrote {out}"
+    )
+
+
+@route_app.command("eval")
+def eval_cmd(
+    router_path: Annotated[Path, typer.Option("--router", help="Trained router JSON (from `route train`).")],
+    data: Annotated[
+        Path | None, typer.Option("--data", help="Labelled JSONL. Default: the reference router labels.")
+    ] = None,
+    part: Annotated[str, typer.Option("--part", help="Rows to evaluate: train, test or all.")] = "test",
+    text_field: Annotated[str, typer.Option("--text-field", help="JSON field holding the prompt.")] = "question",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the evaluation as JSON.")] = None,
+    png: Annotated[Path | None, typer.Option("--png", help="Write the cost/quality curve PNG.")] = None,
+    embedder: Annotated[
+        str | None, typer.Option("--embedder", help="Sentence-transformers model path (default MiniLM).")
+    ] = None,
+) -> None:
+    """Evaluate a model router: quality vs cost share, PGR, APGR, CPT(50%/80%), curve PNG."""
+    from rich.table import Table
+
+    from ..errors import InvalidInputError
+    from ..routing import ModelRouter, load_labelled, plot_cost_quality
+
+    console = Console()
+    router = ModelRouter.load(router_path, embedder=embedder)
+    names = [m.name for m in router.models]
+    ds = load_labelled(data, models=names, text_field=text_field, part=part)
+    if ds.models != names:
+        raise InvalidInputError(f"data models {ds.models} differ from the router's {names}")
+    with console.status(f"evaluating on {len(ds.prompts)} prompts"):
+        ev = router.evaluate(ds.prompts, ds.correct)
+    t = Table(title=f"model router on {ds.meta['source']} ({part}, {ev.n} prompts)")
+    for col in ("cost share", "quality", "PGR"):
+        t.add_column(col, justify="right")
+    for s, q, g in zip(ev.cost_share, ev.quality, ev.pgr, strict=True):
+        t.add_row(f"{s:.3f}", f"{q:.3f}", f"{g:.3f}")
+    console.print(t)
+    alone = ", ".join(f"{k} {v:.3f}" for k, v in ev.model_quality.items())
+    console.print(f"APGR {ev.apgr:.3f} (random 0.5); CPT50 {ev.cpt['cpt50']:.3f}, CPT80 {ev.cpt['cpt80']:.3f}; "
+                  f"alone: {alone}; oracle {ev.oracle_quality:.3f}")
+    if json_out is not None:
+        json_out.write_text(json.dumps(ev.to_json(), indent=2), encoding="utf-8")
+        console.print(f"wrote {json_out}")
+    if png is not None:
+        plot_cost_quality(ev, png)
+        console.print(f"wrote {png}")
+
+
 def register(app: typer.Typer) -> None:
     """Attach the `route` command group to the main app."""
     app.add_typer(route_app, name="route")

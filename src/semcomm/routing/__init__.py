@@ -10,8 +10,19 @@
 
 from ._cost import CostModel
 from ._index import ApproximateIndex, IndexEvent, PreciseIndex, PreciseIndexStats, PrefixIndex
+from ._model import (
+    LabelledSet,
+    ModelChoice,
+    ModelRouter,
+    ModelSpec,
+    QualityPredictor,
+    RouterEval,
+    load_labelled,
+    render_conversation,
+)
 from ._policies import POLICIES, Policy, RouteView, make_policy, policy_names, predicted_ttft
 from ._replica import DecisionState, ReplicaRouter, RouteDecision
+from ._report import plot_cost_quality, plot_ttft_cdf, sim_table
 from ._sim import SimConfig, SimResult, capacity_at_slo, simulate
 from ._trace import (
     MOONCAKE_BLOCK_SIZE,
@@ -29,23 +40,34 @@ __all__ = [
     "CostModel",
     "DecisionState",
     "IndexEvent",
+    "LabelledSet",
+    "ModelChoice",
+    "ModelRouter",
+    "ModelSpec",
     "Policy",
     "PreciseIndex",
     "PreciseIndexStats",
     "PrefixIndex",
+    "QualityPredictor",
     "ReplicaRouter",
     "RouteDecision",
     "RouteView",
+    "RouterEval",
     "SimConfig",
     "SimResult",
     "TraceRequest",
     "capacity_at_slo",
+    "load_labelled",
     "load_trace",
     "make_policy",
     "parse_trace_lines",
+    "plot_cost_quality",
+    "plot_ttft_cdf",
     "policy_names",
     "predicted_ttft",
+    "render_conversation",
     "shared_prefix_workload",
+    "sim_table",
     "simulate",
     "write_trace",
 ]

@@ -63,35 +63,42 @@ def _consecutive_match(
 ) -> dict[int, int]:
     """Longest consecutive run per replica: intersect the holder sets chunk by chunk.
 
-    ``extra`` (optional) holds more holders per key (speculative entries), united with ``holders``.
+    ``holders`` and ``extra`` map a key to a set or dict of replicas; ``extra`` (speculative
+    entries, optional) is united with ``holders``. Work is O(holders of the first key + the
+    C-level intersections): a replica's count is written once, when it drops out.
     """
     if not keys:
         return {}
-    get = holders.get
-    if extra:
-        xget = extra.get
 
-        def get(k: Hashable, _d: Any = None) -> Any:
-            a, b = holders.get(k), xget(k)
-            if a and b:
-                return set(a) | set(b)
-            return a or b
+    def get(k: Hashable) -> Any:
+        a = holders.get(k)
+        if extra is None:
+            return a
+        b = extra.get(k)
+        if a and b:
+            return set(a).union(b)
+        return a or b
 
     first = get(keys[0])
     if not first:
         return {}
     alive = set(first)
-    out = dict.fromkeys(alive, 1)
+    out: dict[int, int] = {}
+    depth = len(keys)
     for i in range(1, len(keys)):
         h = get(keys[i])
         if not h:
+            depth = i
             break
-        alive.intersection_update(h)
-        if not alive:
-            break
-        n = i + 1
-        for r in alive:
-            out[r] = n
+        nxt = alive.intersection(h)
+        if len(nxt) != len(alive):
+            for r in alive.difference(nxt):
+                out[r] = i
+            alive = nxt
+            if not alive:
+                return out
+    for r in alive:
+        out[r] = depth
     return out
 
 
@@ -339,7 +346,7 @@ class PreciseIndex:
 
     # -- PrefixIndex --------------------------------------------------------------------------
     def match(self, keys: Sequence[Hashable]) -> dict[int, int]:
-        return _consecutive_match(self._holders, keys, self._spec)
+        return _consecutive_match(self._holders, keys, self._spec or None)
 
     def on_routed(self, replica: int, keys: Sequence[Hashable]) -> None:
         """Record speculative entries until the replica's own events arrive."""

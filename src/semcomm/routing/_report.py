@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
+from ._model import RouterEval
 from ._sim import SimResult
 
 __all__ = ["plot_ttft_cdf", "sim_table"]
@@ -51,6 +52,40 @@ def plot_ttft_cdf(results: Sequence[SimResult], path: str | Path, title: str = "
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_cost_quality(ev: RouterEval, path: str | Path, title: str = "model router: quality vs cost") -> Path:
+    """Quality against cost share for the router, the random-router line and each model alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    order = np.argsort(ev.cost_share, kind="stable")
+    xs = np.asarray(ev.cost_share)[order]
+    ys = np.asarray(ev.quality)[order]
+    ax.plot(xs, ys, marker="o", ms=3, label=f"semcomm router (APGR {ev.apgr:.2f})")
+    names = list(ev.model_quality)
+    q = list(ev.model_quality.values())
+    lo, hi = q[0], q[-1]
+    if len(names) == 2:
+        ax.plot([0, 1], [lo, hi], ls="--", color="grey", label="random router")
+    for n, v in ev.model_quality.items():
+        ax.axhline(v, ls=":", lw=1, color="black")
+        ax.text(0.01, v, f" {n} alone", va="bottom", fontsize=8)
+    ax.axhline(ev.oracle_quality, ls=":", lw=1, color="green")
+    ax.text(0.01, ev.oracle_quality, " oracle", va="bottom", fontsize=8, color="green")
+    ax.set_xlabel("cost share (0 = cheapest model always, 1 = costliest always)")
+    ax.set_ylabel("quality (fraction answered well)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

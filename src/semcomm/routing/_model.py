@@ -1,0 +1,465 @@
+"""The model router: which of N models should answer, by predicted quality against cost.
+
+Features come from the local embedder (all-MiniLM-L6-v2 by default, offline; any
+``semcomm.semantic`` embedder or callable). For a conversation the features are the embedding of
+the last user message next to the embedding of the whole rendered conversation, so earlier turns
+count (RouteLLM looks at the last message only). A :class:`QualityPredictor` (one logistic
+regression per model, trained jointly in numpy) predicts ``P(model m answers well | prompt)``.
+
+Decision rule (N-way; RouteLLM's strong/weak threshold for N = 2)::
+
+    choose argmax_m  p_m(x) - lambda * c_m        c_m = (cost_m - min cost) / (max cost - min cost)
+
+``lambda`` is calibrated on a sample so that the mean ``c_m`` of the chosen models (the *cost
+share*: for two models, the share of requests sent to the strong one) meets a budget. Evaluation
+sweeps the budget and reports quality against cost share, PGR per point and APGR (the area under
+the PGR curve), as in RouteLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, InvalidInputError
+
+__all__ = [
+    "ModelChoice",
+    "ModelRouter",
+    "ModelSpec",
+    "QualityPredictor",
+    "RouterEval",
+    "render_conversation",
+]
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = "semcomm.model-router/1"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A candidate model: its name and its relative cost per request."""
+
+    name: str
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """The model router's answer for one prompt."""
+
+    model: str  # chosen model's name
+    index: int  # its position in ``ModelRouter.models``
+    quality: dict[str, float]  # predicted P(answers well) per model
+    cost_weight: float  # the lambda in use
+
+
+def render_conversation(prompt: str | Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """``(last user message, whole conversation)`` from a string or OpenAI-style messages."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidInputError("cannot route an empty prompt")
+        return prompt, prompt
+    msgs = list(prompt)
+    if not msgs:
+        raise InvalidInputError("cannot route an empty conversation")
+    parts: list[str] = []
+    last_user = ""
+    for m in msgs:
+        role = str(m.get("role", "user"))
+        content = m.get("content", "")
+        if isinstance(content, list):  # content parts
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        text = str(content)
+        parts.append(f"{role}: {text}")
+        if role == "user":
+            last_user = text
+    whole = "\n".join(parts)
+    return (last_user or parts[-1]), whole
+
+
+class QualityPredictor:
+    """Per-model logistic regressions on a shared feature vector (numpy, L2-regularised).
+
+    ``weights`` is (D, M), ``bias`` (M,). Features are centred on the training mean and divided
+    by one global scale (the RMS distance to the mean, so inputs have unit norm on average), then
+    fitted by full-batch Adam on the mean binary cross-entropy plus ``l2``.
+    """
+
+    def __init__(self, l2: float = 1e-3, steps: int = 400, lr: float = 0.05, seed: int = 0) -> None:
+        self.l2 = l2
+        self.steps = steps
+        self.lr = lr
+        self.seed = seed
+        self.weights: np.ndarray | None = None  # (D, M)
+        self.bias: np.ndarray | None = None  # (M,)
+        self.mean: np.ndarray | None = None  # (D,)
+        self.scale: np.ndarray | None = None  # (D,)
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> QualityPredictor:
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(y, dtype=np.float64)
+        if x.ndim != 2 or y.ndim != 2 or len(x) != len(y):
+            raise InvalidInputError(f"features (N, D) and labels (N, M) must align, got {x.shape} and {y.shape}")
+        if len(x) < 2:
+            raise InvalidInputError("need at least two labelled prompts to train a model router")
+        self.mean = x.mean(axis=0)
+        # one global scale, not per feature: a feature constant in training (std 0) must not
+        # blow up when it moves at prediction time
+        self.scale = np.full(x.shape[1], float(np.sqrt(((x - self.mean) ** 2).sum(axis=1).mean())) + 1e-9)
+        z = (x - self.mean) / self.scale
+        n, d = z.shape
+        m = y.shape[1]
+        rng = np.random.default_rng(self.seed)
+        w = rng.normal(0.0, 0.01, size=(d, m))
+        p0 = np.clip(y.mean(axis=0), 1e-3, 1 - 1e-3)
+        b = np.log(p0 / (1 - p0))
+        mw, vw = np.zeros_like(w), np.zeros_like(w)
+        mb, vb = np.zeros_like(b), np.zeros_like(b)
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        for t in range(1, self.steps + 1):
+            logits = z @ w + b  # (N, M)
+            p = 1.0 / (1.0 + np.exp(-logits))
+            g = (p - y) / n  # dBCE/dlogits, (N, M)
+            gw = z.T @ g + self.l2 * w
+            gb = g.sum(axis=0)
+            mw = b1 * mw + (1 - b1) * gw
+            vw = b2 * vw + (1 - b2) * gw * gw
+            mb = b1 * mb + (1 - b1) * gb
+            vb = b2 * vb + (1 - b2) * gb * gb
+            c1, c2 = 1 - b1**t, 1 - b2**t
+            w -= self.lr * (mw / c1) / (np.sqrt(vw / c2) + eps)
+            b -= self.lr * (mb / c1) / (np.sqrt(vb / c2) + eps)
+        self.weights, self.bias = w, b
+        return self
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """(N, M) probabilities."""
+        if self.weights is None or self.bias is None or self.mean is None or self.scale is None:
+            raise RuntimeError("QualityPredictor used before fit()")
+        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.scale
+        return np.asarray(1.0 / (1.0 + np.exp(-(z @ self.weights + self.bias))))
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.weights is None or self.bias is None or self.mean is None or self.scale is None:
+            raise RuntimeError("cannot save an untrained predictor")
+        return {"l2": self.l2, "steps": self.steps, "lr": self.lr, "seed": self.seed,
+                "weights": self.weights.tolist(), "bias": self.bias.tolist(),
+                "mean": self.mean.tolist(), "scale": self.scale.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QualityPredictor:
+        p = cls(l2=float(d["l2"]), steps=int(d["steps"]), lr=float(d["lr"]), seed=int(d["seed"]))
+        p.weights = np.asarray(d["weights"], dtype=np.float64)
+        p.bias = np.asarray(d["bias"], dtype=np.float64)
+        p.mean = np.asarray(d["mean"], dtype=np.float64)
+        p.scale = np.asarray(d["scale"], dtype=np.float64)
+        return p
+
+
+@dataclass(slots=True)
+class RouterEval:
+    """Quality against cost share over a budget sweep (RouteLLM's evaluation, N-way)."""
+
+    models: list[str]
+    budgets: list[float]  # requested cost shares
+    cost_share: list[float]  # achieved mean normalised cost per point
+    quality: list[float]  # mean correctness of the chosen models per point
+    pgr: list[float]  # (quality - q_cheapest) / (q_strongest - q_cheapest) per point
+    apgr: float  # area under PGR over cost share in [0, 1]
+    random_apgr: float  # the same for a random router (the diagonal, by construction ~0.5)
+    model_quality: dict[str, float]  # each model alone
+    oracle_quality: float  # best achievable (any model correct)
+    cpt: dict[str, float]  # cost share needed for 50% / 80% PGR ("cpt50", "cpt80")
+    n: int  # prompts evaluated
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _norm_costs(models: Sequence[ModelSpec]) -> np.ndarray:
+    c = np.asarray([m.cost for m in models], dtype=np.float64)
+    span = float(c.max() - c.min())
+    return (c - c.min()) / span if span > 0 else np.zeros_like(c)
+
+
+class ModelRouter:
+    """Route prompts among ``models`` by predicted quality against cost.
+
+    Args:
+        models: candidate models with relative costs (at least two).
+        embedder: a ``semcomm.semantic`` embedder, a model path, a callable or None (MiniLM).
+        predictor: the quality predictor (default :class:`QualityPredictor`).
+    """
+
+    def __init__(self, models: Sequence[ModelSpec], *, embedder: Any = None,
+                 predictor: QualityPredictor | None = None) -> None:
+        if len(models) < 2:
+            raise ConfigError("a model router needs at least two models")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"model names must be unique, got {names}")
+        if any(m.cost < 0 for m in models):
+            raise ConfigError("model costs must be non-negative")
+        self.models = list(models)
+        self._embedder_arg = embedder
+        self._embedder: Any = None
+        self.predictor = predictor or QualityPredictor()
+        self.cost_weight = 0.0  # lambda; set by calibrate()
+        self.trained = False
+
+    # -- features ---------------------------------------------------------------------------
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from ..semantic import as_embedder
+
+            self._embedder = as_embedder(self._embedder_arg)
+        return self._embedder
+
+    def features(self, prompts: Sequence[str | Sequence[Mapping[str, Any]]]) -> np.ndarray:
+        """(N, 2 x dim): [embed(last user message), embed(whole conversation)]."""
+        if not prompts:
+            return np.zeros((0, 0))
+        pairs = [render_conversation(p) for p in prompts]
+        last = self.embedder.embed([a for a, _ in pairs])
+        whole = self.embedder.embed([b for _, b in pairs])
+        return np.concatenate([np.asarray(last), np.asarray(whole)], axis=1)
+
+    # -- training and decisions ---------------------------------------------------------------
+    def fit(self, prompts: Sequence[str | Sequence[Mapping[str, Any]]], correct: np.ndarray,
+            *, budget: float | None = 0.5) -> ModelRouter:
+        """Train on labelled prompts: ``correct[i, m]`` = model m answered prompt i well."""
+        y = np.asarray(correct, dtype=np.float64)
+        if y.ndim != 2 or y.shape != (len(prompts), len(self.models)):
+            raise InvalidInputError(
+                f"labels must be (prompts, models) = ({len(prompts)}, {len(self.models)}), got {y.shape}"
+            )
+        x = self.features(prompts)
+        self.predictor.fit(x, y)
+        self.trained = True
+        if budget is not None:
+            self.calibrate_features(x, budget)
+        return self
+
+    def quality(self, prompts: Sequence[str | Sequence[Mapping[str, Any]]]) -> np.ndarray:
+        """(N, M) predicted probability that each model answers well."""
+        self._check_trained()
+        return self.predictor.predict(self.features(prompts))
+
+    def _choose(self, q: np.ndarray, lam: float) -> np.ndarray:
+        util = q - lam * _norm_costs(self.models)[None, :]
+        return np.asarray(np.argmax(util, axis=1))
+
+    def calibrate(self, prompts: Sequence[str | Sequence[Mapping[str, Any]]], budget: float) -> float:
+        """Set lambda so the mean cost share on ``prompts`` is at most ``budget`` (0..1)."""
+        self._check_trained()
+        return self.calibrate_features(self.features(prompts), budget)
+
+    def calibrate_features(self, x: np.ndarray, budget: float) -> float:
+        if not 0.0 <= budget <= 1.0:
+            raise ConfigError(f"budget (cost share) must be within 0..1, got {budget}")
+        self.cost_weight = self._lambda_for(self.predictor.predict(x), budget)
+        return self.cost_weight
+
+    def _lambda_for(self, q: np.ndarray, budget: float) -> float:
+        c = _norm_costs(self.models)
+
+        def share(lam: float) -> float:
+            return float(c[self._choose(q, lam)].mean())
+
+        if share(0.0) <= budget:
+            return 0.0
+        lo, hi = 0.0, 1.0
+        while share(hi) > budget and hi < 1e6:
+            hi *= 2
+        for _ in range(60):  # bisection: the share is non-increasing in lambda
+            mid = (lo + hi) / 2
+            if share(mid) > budget:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def route(self, prompt: str | Sequence[Mapping[str, Any]]) -> ModelChoice:
+        """Choose a model for one prompt or conversation."""
+        self._check_trained()
+        q = self.predictor.predict(self.features([prompt]))
+        i = int(self._choose(q, self.cost_weight)[0])
+        return ModelChoice(self.models[i].name, i, dict(zip([m.name for m in self.models], q[0].tolist(),
+                                                             strict=True)), self.cost_weight)
+
+    def _check_trained(self) -> None:
+        if not self.trained:
+            raise RuntimeError("ModelRouter used before fit() or load()")
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, prompts: Sequence[str | Sequence[Mapping[str, Any]]], correct: np.ndarray,
+                 *, points: int = 21) -> RouterEval:
+        """Sweep the budget from 0 to 1 and measure quality, PGR and APGR on labelled prompts."""
+        self._check_trained()
+        y = np.asarray(correct, dtype=np.float64)
+        if y.shape != (len(prompts), len(self.models)):
+            raise InvalidInputError(f"labels must be (prompts, models), got {y.shape}")
+        q = self.predictor.predict(self.features(prompts))
+        return evaluate_choices(self.models, q, y, points=points, lambda_for=self._lambda_for,
+                                choose=self._choose)
+
+    # -- persistence (JSON, no pickle) --------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        self._check_trained()
+        emb = self.embedder
+        doc = {
+            "format": _FORMAT,
+            "models": [asdict(m) for m in self.models],
+            "embedder": {"name": emb.name, "dim": emb.dim},
+            "cost_weight": self.cost_weight,
+            "predictor": self.predictor.to_dict(),
+        }
+        p = Path(path)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
+        tmp.replace(p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path, *, embedder: Any = None) -> ModelRouter:
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model router file {p} does not exist") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model router file {p} is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise ConfigError(f"{p} is not a semcomm model router file (format {_FORMAT})")
+        r = cls([ModelSpec(**m) for m in doc["models"]], embedder=embedder,
+                predictor=QualityPredictor.from_dict(doc["predictor"]))
+        r.cost_weight = float(doc["cost_weight"])
+        r.trained = True
+        want = doc["embedder"]
+        if r.embedder.dim * 2 != np.asarray(doc["predictor"]["mean"]).shape[0]:
+            raise ConfigError(
+                f"{p} was trained with embedder {want['name']} (dim {want['dim']}); "
+                f"this one has dim {r.embedder.dim}"
+            )
+        if r.embedder.name != want["name"]:
+            logger.warning("model router %s trained with embedder %s, used with %s", p, want["name"],
+                           r.embedder.name)
+        return r
+
+
+def evaluate_choices(models: Sequence[ModelSpec], q: np.ndarray, y: np.ndarray, *, points: int,
+                     lambda_for: Any, choose: Any) -> RouterEval:
+    """Budget sweep given predicted qualities ``q`` and true correctness ``y`` (both (N, M))."""
+    c = _norm_costs(models)
+    cheap, strong = int(np.argmin(c)), int(np.argmax(c))
+    model_q = y.mean(axis=0)
+    q_lo, q_hi = float(model_q[cheap]), float(model_q[strong])
+    gap = q_hi - q_lo
+    budgets = np.linspace(0.0, 1.0, points)
+    shares, quals = [], []
+    rows = np.arange(len(y))
+    for b in budgets:
+        pick = choose(q, lambda_for(q, float(b)))
+        shares.append(float(c[pick].mean()))
+        quals.append(float(y[rows, pick].mean()))
+    pgr = [(qq - q_lo) / gap if abs(gap) > 1e-12 else 0.0 for qq in quals]
+    # area under PGR over achieved cost share, with the curve anchored at (0, 0) and (1, 1)
+    xs = np.concatenate([[0.0], np.asarray(shares), [1.0]])
+    ys = np.concatenate([[0.0], np.asarray(pgr), [1.0]])
+    order = np.argsort(xs, kind="stable")
+    xs, ys = xs[order], ys[order]
+    apgr = float(np.sum((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2))
+    cpt: dict[str, float] = {}
+    for target in (0.5, 0.8):
+        ok = [s for s, g in zip(shares, pgr, strict=True) if g >= target]
+        cpt[f"cpt{int(target * 100)}"] = float(min(ok)) if ok else float("nan")
+    return RouterEval(
+        models=[m.name for m in models], budgets=budgets.tolist(), cost_share=shares, quality=quals,
+        pgr=pgr, apgr=apgr, random_apgr=0.5, model_quality={m.name: float(v) for m, v in zip(models, model_q, strict=True)},
+        oracle_quality=float(y.max(axis=1).mean()), cpt=cpt, n=len(y),
+    )
+
+
+def split_of(text: str, test_fraction: float = 0.25) -> str:
+    """Deterministic train/test assignment of a prompt (BLAKE2b of its text)."""
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    return "test" if (h % 10_000) < test_fraction * 10_000 else "train"
+
+
+@dataclass(slots=True)
+class LabelledSet:
+    """Prompts with per-model correctness labels (for training and evaluation)."""
+
+    prompts: list[str]
+    correct: np.ndarray  # (N, M) 0/1
+    models: list[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def load_labelled(path: str | Path | None, models: Sequence[str] | None = None, *,
+                  text_field: str = "question", part: str = "all",
+                  test_fraction: float = 0.25) -> LabelledSet:
+    """Read JSONL rows ``{text_field: ..., "<model>_correct": bool, ...}``.
+
+    ``path=None`` uses the reference world's labels (``semcomm.reference.router_labels()``).
+    Models default to every ``*_correct`` field of the first row. ``part`` picks the
+    deterministic ``train``/``test`` split or ``all``.
+    """
+    if path is None:
+        from ..reference import router_labels
+
+        rows = router_labels()
+        source = "semcomm.reference.router_labels()"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise InvalidInputError(f"labelled data file {p} does not exist")
+        rows = []
+        with p.open(encoding="utf-8") as fh:
+            for i, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InvalidInputError(f"{p} line {i}: not valid JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise InvalidInputError(f"{p} line {i}: expected a JSON object")
+                rows.append(row)
+        source = str(p)
+    if not rows:
+        raise InvalidInputError(f"{source}: no labelled rows")
+    if part not in ("train", "test", "all"):
+        raise ConfigError(f"part must be train, test or all, got {part!r}")
+    names = list(models) if models else sorted(k[: -len("_correct")] for k in rows[0] if k.endswith("_correct"))
+    if len(names) < 2:
+        raise InvalidInputError(f"{source}: need '<model>_correct' fields for at least two models")
+    prompts: list[str] = []
+    labels: list[list[float]] = []
+    for i, row in enumerate(rows, start=1):
+        text = row.get(text_field)
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError(f"{source} row {i}: missing text field {text_field!r}")
+        if part != "all" and split_of(text, test_fraction) != part:
+            continue
+        lab = []
+        for n in names:
+            v = row.get(f"{n}_correct")
+            if not isinstance(v, (bool, int)):
+                raise InvalidInputError(f"{source} row {i}: field '{n}_correct' must be true/false")
+            lab.append(float(bool(v)))
+        prompts.append(text)
+        labels.append(lab)
+    if not prompts:
+        raise InvalidInputError(f"{source}: no rows in part {part!r}")
+    return LabelledSet(prompts, np.asarray(labels), names, {"source": source, "part": part})
