@@ -186,11 +186,34 @@ def _chat(c: httpx.Client, text: str, **extra: Any) -> httpx.Response:
                                                  **extra})
 
 
-def test_server_refuses_client_salts_and_throttles_probing(tmp_path: Path) -> None:
-    from .test_server_support import TENANTS, live_server
+@pytest.fixture(scope="module")
+def redis_for_server() -> Iterator[Any]:
+    """A redis-server of this module's own: the outage test stops and restarts it."""
+    from ._redis import RedisServer
 
-    with live_server(_config(tmp_path, security={"probe_detection": True})) as srv, \
-            srv.client(TENANTS["acme"]) as acme, srv.client(TENANTS["beta"]) as beta:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_for_server: Any) -> Iterator[Any]:
+    """One live server for the tests below: KV in Redis only, probe detection on."""
+    from .test_server_support import live_server
+
+    cfg = _config(tmp_path_factory.mktemp("srv"), security={"probe_detection": True},
+                  kv={"tiers": ["redis"], "redis_url": redis_for_server.url})
+    with live_server(cfg) as srv:
+        yield srv
+
+
+def test_server_refuses_client_salts_and_throttles_probing(server: Any) -> None:
+    from .test_server_support import TENANTS
+
+    with server.client(TENANTS["acme"]) as acme, server.client(TENANTS["beta"]) as beta:
         r = _chat(acme, "hello", cache_salt="victim-salt")
         assert r.status_code == 400 and "derives cache salts on the server" in r.text
         template = "Patient record 0042. Diagnosis: {}. " + "known template text " * 10
@@ -203,32 +226,32 @@ def test_server_refuses_client_salts_and_throttles_probing(tmp_path: Path) -> No
         assert _chat(acme, "an unrelated question about invoices", max_tokens=4).status_code == 429
 
 
-def test_redis_restart_mid_load_service_continues_and_recovers(tmp_path: Path, own_redis: Any) -> None:
-    from .test_server_support import TENANTS, live_server
+def test_redis_restart_mid_load_service_continues_and_recovers(server: Any,
+                                                               redis_for_server: Any) -> None:
+    from .test_server_support import TENANTS
 
-    cfg = _config(tmp_path, kv={"tiers": ["redis"], "redis_url": own_redis.url})
     prompt = "A long shared system prompt for the Redis outage test, repeated. " * 5
 
     def hits(r: httpx.Response) -> str:
         assert r.status_code == 200, r.text
         return r.headers["x-semcomm-hits"]
 
-    with live_server(cfg) as srv, srv.client(TENANTS["acme"]) as c:
-        hits(_chat(c, prompt))
-        assert hits(_chat(c, prompt)).startswith("kv:")  # Redis serves hits
-        own_redis.stop()
+    with server.client(TENANTS["beta"]) as c:
+        hits(_chat(c, prompt, max_tokens=4))
+        assert hits(_chat(c, prompt, max_tokens=4)).startswith("kv:")  # Redis serves hits
+        redis_for_server.stop()
         t0 = time.monotonic()
         with pytest.warns(BackendDownWarning):  # loud, but not an error: the service continues
-            down = [hits(_chat(c, prompt + f" outage {i}")) for i in range(3)]
-            down.append(hits(_chat(c, prompt)))
+            down = [hits(_chat(c, f"outage {i}: " + prompt, max_tokens=4)) for i in range(3)]
+            down.append(hits(_chat(c, prompt, max_tokens=4)))
         assert down == ["none"] * 4  # ... with misses
         assert time.monotonic() - t0 < 30
-        own_redis.start()  # back, empty
+        redis_for_server.start()  # back, empty
         deadline = time.monotonic() + 20
         recovered = False
         while time.monotonic() < deadline and not recovered:
-            hits(_chat(c, prompt + " after"))
-            recovered = hits(_chat(c, prompt + " after")).startswith("kv:")
+            hits(_chat(c, prompt + " after", max_tokens=4))
+            recovered = hits(_chat(c, prompt + " after", max_tokens=4)).startswith("kv:")
             time.sleep(0.2)
         assert recovered  # writes and hits resume once Redis is back
 
