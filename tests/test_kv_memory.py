@@ -147,3 +147,64 @@ def test_put_validates_and_keeps_old_data() -> None:
     with pytest.raises(ValueError):
         store.put(k0[:8], v0)
     assert store.get(k0) == v0 and not store.contains(k1) and len(store) == 1
+
+
+def reference_victim(model: OrderedDict[bytes, bytes | None], pins: dict[bytes, int],
+                     protect: bytes | None) -> bytes | None:
+    """The documented policy, written plainly: LRU among unpinned entries without cached children."""
+    parents = {p for p in model.values() if p is not None}
+    for key in model:  # least recently used first
+        if key not in parents and not pins.get(key) and key != protect:
+            return key
+    return None
+
+
+def test_chain_aware_lru_matches_the_reference_policy() -> None:
+    """Random puts/gets/pins over several chains; eviction order equals the reference exactly."""
+    rnd = random.Random(3)
+    chains = [chain(5, seed=s) for s in range(4)]
+    parent_of = {k: (c[i - 1][0] if i else None) for c in chains for i, (k, _) in enumerate(c)}
+    value_of = {k: v for c in chains for k, v in c}
+    size = max(len(v) for v in value_of.values())
+    cap = 7 * size
+    store = MemoryStore(capacity_bytes=cap)
+    evicted: list[bytes] = []
+    store.subscribe(lambda e: evicted.append(e.key) if e.reason == "evict" else None)
+    model: OrderedDict[bytes, bytes | None] = OrderedDict()  # key -> parent, LRU first
+    pins: dict[bytes, int] = {}
+    for step in range(800):
+        key = rnd.choice(list(value_of))
+        op = rnd.random()
+        if op < 0.5:
+            evicted.clear()
+            store.put(key, value_of[key])
+            expect: list[bytes] = []
+            old = model.pop(key, "absent")
+            used = sum(len(value_of[k]) for k in model)
+            ok = True
+            while used + len(value_of[key]) > cap:
+                victim = reference_victim(model, pins, parent_of[key])
+                if victim is None:
+                    ok = False
+                    break
+                del model[victim]
+                expect.append(victim)
+                used -= len(value_of[victim])
+            if ok:
+                model[key] = parent_of[key]
+            elif old != "absent":
+                model[key] = parent_of[key]  # the old copy stays
+            assert evicted == expect, step
+        elif op < 0.85:
+            got = store.get(key)
+            assert (got is not None) == (key in model), step
+            if key in model:
+                model.move_to_end(key)
+        elif op < 0.95:
+            if store.pin(key):
+                pins[key] = pins.get(key, 0) + 1
+        elif store.unpin(key):
+            pins[key] -= 1
+        pins = {k: n for k, n in pins.items() if n and k in model}
+        assert set(store.scan()) == set(model), step
+        assert store.stats().bytes <= cap

@@ -167,3 +167,41 @@ def test_defaults_work(tmp_path: Path) -> None:
     d = DiskStore(tmp_path / "default")
     assert d.stats().capacity_bytes == 10 << 30 and d.stats().entries == 0
     d.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_threads_share_a_store_within_budget(kind: str, tmp_path: Path) -> None:
+    import threading
+
+    items = [kv for s in range(4) for kv in chain(6, seed=s)]
+    size = max(len(v) for _, v in items)
+    cap = 8 * size
+    store: MemoryStore | DiskStore = (MemoryStore(capacity_bytes=cap) if kind == "memory"
+                                      else DiskStore(tmp_path / "kv", capacity_bytes=cap))
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        import random
+
+        rnd = random.Random(seed)
+        try:
+            for _ in range(150):
+                k, v = rnd.choice(items)
+                if rnd.random() < 0.5:
+                    store.put(k, v)
+                else:
+                    got = store.get(k)
+                    assert got is None or got == v
+                assert store.stats().bytes <= cap
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    values = dict(items)
+    assert all(store.get(k) == values[k] for k in list(store.scan()))
+    assert store.stats().corrupt == 0 and store.stats().bytes <= cap

@@ -127,6 +127,7 @@ class DiskStore(StoreBase):
         self._hits = self._misses = self._puts = self._rejected = 0
         self._evictions = self._corrupt = self._errors = 0
         self._last_refresh = 0.0
+        self._reserved = 0  # bytes of writes in flight in this process (room already made)
         marker = root / _MARKER
         if not marker.exists():
             marker.write_text(json.dumps({"kind": "semcomm-kv-disk", "layout": 1}) + "\n")
@@ -291,7 +292,7 @@ class DiskStore(StoreBase):
     def _evict_to(self, incoming: int, protect: ChunkKey | None) -> tuple[bool, list[ChunkKey]]:
         """Evict until ``incoming`` more bytes fit (caller holds both locks)."""
         evicted: list[ChunkKey] = []
-        while self._lru.bytes + incoming > self.capacity_bytes:
+        while self._lru.bytes + self._reserved + incoming > self.capacity_bytes:
             victim = self._lru.victim(protect=protect)
             if victim is None:
                 return False, evicted
@@ -369,7 +370,7 @@ class DiskStore(StoreBase):
             pins = old.pins if old is not None else 0
             evicted: list[ChunkKey] = []
             refresh = time.monotonic() - self._last_refresh > _REFRESH_S
-            if refresh or self._lru.bytes + size > self.capacity_bytes:
+            if refresh or self._lru.bytes + self._reserved + size > self.capacity_bytes:
                 with self._flock():
                     if refresh:
                         self._refresh()
@@ -377,7 +378,9 @@ class DiskStore(StoreBase):
                     ok, evicted = self._evict_to(size, parent)
             else:
                 ok = True
-            if not ok:
+            if ok:
+                self._reserved += size
+            else:
                 self._rejected += 1
         for k in evicted:
             self._emit("evict", k, "evict")
@@ -385,9 +388,11 @@ class DiskStore(StoreBase):
             if existed:
                 self._forget_or_keep(key)
             return
-        if not self._write(key, value):
-            return
+        written = self._write(key, value)
         with self._lock:
+            self._reserved -= size
+            if not written:
+                return
             self._lru.add(key, size, parent)
             for _ in range(pins):
                 self._lru.pin(key)
