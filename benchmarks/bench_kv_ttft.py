@@ -44,7 +44,7 @@ from semcomm.engine import _cache_adapter as ca  # noqa: E402
 from semcomm.kv import DiskStore, MemoryStore  # noqa: E402
 
 CODECS = ["lossless", "fp8", "int8", "int4", "int2"]
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def build_model(layers: int, dtype: torch.dtype, max_pos: int) -> Any:
