@@ -61,7 +61,10 @@ def _open_kv(kind: str, where: str) -> Any:
 def _open_semantic(kind: str, where: str) -> Any:
     from semcomm.semantic import RedisEntryStore, SQLiteEntryStore
 
-    return SQLiteEntryStore(where) if kind == "sqlite" else RedisEntryStore(where)
+    sealer = _entry_sealer()
+    if kind == "sqlite":
+        return SQLiteEntryStore(where, sealer=sealer)
+    return RedisEntryStore(where, sealer=sealer)
 
 
 def _worker(kind: str, where: str) -> None:
@@ -74,9 +77,8 @@ def _worker(kind: str, where: str) -> None:
             print(i, flush=True)
     else:
         sem = _open_semantic(kind, where)
-        sealer = _entry_sealer()
         for i in range(1_000_000):
-            sem.put(sealer.seal_entry(_entry(i)))
+            sem.put(_entry(i))  # sealed by the store
             print(i, flush=True)
 
 
@@ -137,16 +139,12 @@ def test_kill_9_during_semantic_writes(kind: str, tmp_path: Path, redis_url: str
     where = str(tmp_path / "sem.sqlite3") if kind == "sqlite" else redis_url
     committed = _run_and_kill(child, kind, where, after=40)
     store = _open_semantic(kind, where)
-    sealer = _entry_sealer()
     for i in committed:
-        e = store.get(f"{i:08x}")
+        e = store.get(f"{i:08x}")  # opened by the store: authenticated, not torn or tampered
         assert e is not None, i
-        e = sealer.open_entry(e)  # authenticates: not torn, not tampered
         assert e.answer == f"answer {i}" * 50 and e.query == f"question {i}"
     everything = list(store.load_all())
     assert len(everything) >= len(committed)
-    for e in everything:
-        sealer.open_entry(e)
     assert store.corrupt == 0
     store.close()
 

@@ -43,7 +43,8 @@ class RedisEntryStore:
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, prefix: str = "semcomm:sem",
                  keep_log: int = 100_000, timeout_s: float = 0.5, retry_s: float = 1.0,
-                 client: Any = None) -> None:
+                 client: Any = None, sealer: Any = None) -> None:
+        self.sealer = sealer  # semcomm.security.EntrySealer: rows sealed at rest (None: plain)
         redis = require("redis", "redis")
         self._errors_t = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                           OSError)
@@ -159,14 +160,16 @@ class RedisEntryStore:
         self.put_many([entry])
 
     def put_many(self, entries: Sequence[Entry]) -> None:
-        rows = [encode_entry(e) for e in entries]
+        rows = [encode_entry(e if self.sealer is None else self.sealer.seal_entry(e))
+                for e in entries]
         self._write("put", [r.id for r in rows], rows, [e.expires_at for e in entries])
 
     def _decode(self, entry_id: str, h: dict[bytes, bytes]) -> Entry | None:
         try:
             row = Row(entry_id, h[b"header"].decode(), h[b"vector"], h[b"answer"].decode(),
                       h[b"checksum"].decode())
-            return decode_entry(row)
+            e = decode_entry(row)
+            return e if self.sealer is None else self.sealer.open_entry(e)
         except (CorruptEntryError, KeyError, UnicodeError, ValueError, TypeError) as exc:
             self.corrupt += 1
             log.warning("semantic cache redis: rejecting corrupt entry %s: %s", entry_id, exc)

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import CorruptEntryError, StoreError
 from ._entry import ENTRY_FORMAT_VERSION, Entry, Row, decode_entry, encode_entry
@@ -123,7 +123,9 @@ class SQLiteEntryStore:
 
     name = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = 10.0,
+                 sealer: Any = None) -> None:
+        self.sealer = sealer  # semcomm.security.EntrySealer: rows sealed at rest (None: plain)
         self.path = Path(path)
         if self.path.is_dir():
             self.path = self.path / "semantic.sqlite"
@@ -162,7 +164,8 @@ class SQLiteEntryStore:
         self.put_many([entry])
 
     def put_many(self, entries: Sequence[Entry]) -> None:
-        rows = [encode_entry(e) for e in entries]
+        rows = [encode_entry(e if self.sealer is None else self.sealer.seal_entry(e))
+                for e in entries]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -187,7 +190,8 @@ class SQLiteEntryStore:
         try:
             if r[1] != ENTRY_FORMAT_VERSION:
                 raise CorruptEntryError(f"entry {r[0]!r}: unknown format version {r[1]!r}")
-            return decode_entry(Row(r[0], r[2], bytes(r[3]), r[4], r[5]))
+            e = decode_entry(Row(r[0], r[2], bytes(r[3]), r[4], r[5]))
+            return e if self.sealer is None else self.sealer.open_entry(e)
         except (CorruptEntryError, KeyError, TypeError, ValueError) as exc:
             self.corrupt += 1
             log.warning("semantic cache %s: rejecting corrupt entry: %s", self.path, exc)

@@ -120,6 +120,15 @@ def _chunk_sealer(config: ServerConfig) -> Any:
     return ChunkSealer(TenantKeyring(config.server.secret))
 
 
+def _entry_sealer(config: ServerConfig) -> Any:
+    """AES-GCM sealing of semantic entries at rest (SQLite, Redis), unless ``seal_at_rest = false``."""
+    if not config.security.get("seal_at_rest", True):
+        return None
+    from ..security import EntrySealer, TenantKeyring
+
+    return EntrySealer(TenantKeyring(config.server.secret))
+
+
 def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
     sc = config.semantic
     if not sc.enabled:
@@ -131,12 +140,18 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
     from ._semantic_layer import SemanticLayer
 
     kw: dict[str, Any] = {}
+    sealer = _entry_sealer(config)
     if sc.backend == "sqlite":
         path = Path(sc.path) if sc.path else config.state_dir() / "semantic.sqlite3"
         path.parent.mkdir(parents=True, exist_ok=True)
-        kw["path"] = str(path)
+        if sealer is None:
+            kw["path"] = str(path)
+        else:
+            from ..semantic import SQLiteEntryStore
+
+            kw["store"] = SQLiteEntryStore(path, sealer=sealer)
     elif sc.backend == "redis":
-        kw["store"] = _redis_semantic_store(sc.redis_url)
+        kw["store"] = _redis_semantic_store(sc.redis_url, sealer)
     if sc.threshold is not None:
         kw["threshold"] = sc.threshold
     try:
@@ -147,13 +162,13 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
     return SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend), f"{sc.backend} semantic cache"
 
 
-def _redis_semantic_store(url: str | None) -> Any:
+def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
     from .. import semantic
 
     cls = getattr(semantic, "RedisEntryStore", None)
     if cls is None:
         raise ConfigError("semantic.backend = 'redis': semcomm.semantic has no Redis store")
-    return cls(url)
+    return cls(url) if sealer is None else cls(url, sealer=sealer)
 
 
 def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
