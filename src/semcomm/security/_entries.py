@@ -17,7 +17,7 @@ unsealed entries (written by someone without the server secret).
 from __future__ import annotations
 
 import base64
-import dataclasses
+import copy
 import hashlib
 import json
 from typing import Any, TypeVar
@@ -32,6 +32,15 @@ ENTRY_SEAL_ALG = "aes-256-gcm/v1"
 _META_KEY = "sealed"
 
 E = TypeVar("E")
+
+
+def _with(entry: E, **fields: Any) -> E:
+    """A shallow copy of ``entry`` with ``fields`` replaced (cheaper than dataclasses.replace,
+    which re-runs ``__init__``; this is on the load path of every sealed entry)."""
+    out = copy.copy(entry)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
 
 
 class EntrySealer:
@@ -90,10 +99,8 @@ class EntrySealer:
         payload = json.dumps({"q": e.query, "a": e.answer}, separators=(",", ":"),
                              ensure_ascii=False).encode("utf-8")
         blob = self._sealer.seal(payload, scope=scope, context=ctx)
-        return dataclasses.replace(  # type: ignore[type-var]
-            e, query="", answer=base64.b64encode(blob).decode("ascii"),
-            metadata={**e.metadata, _META_KEY: ENTRY_SEAL_ALG},
-        )
+        return _with(e, query="", answer=base64.b64encode(blob).decode("ascii"),
+                     metadata={**e.metadata, _META_KEY: ENTRY_SEAL_ALG})
 
     def open_entry(self, entry: E) -> E:
         """Authenticate and restore a sealed entry; :class:`SealedEntryError` (counted) if it
@@ -110,4 +117,4 @@ class EntrySealer:
             raise SealedEntryError(f"semantic entry {e.id!r}: sealed answer is not base64") from None
         payload = json.loads(self._sealer.open(blob, scope=scope, context=ctx))
         meta = {k: v for k, v in e.metadata.items() if k != _META_KEY}
-        return dataclasses.replace(e, query=payload["q"], answer=payload["a"], metadata=meta)  # type: ignore[type-var]
+        return _with(e, query=payload["q"], answer=payload["a"], metadata=meta)
