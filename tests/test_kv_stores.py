@@ -193,7 +193,7 @@ def test_threads_share_a_store_within_budget(kind: str, tmp_path: Path) -> None:
                     got = store.get(k)
                     assert got is None or got == v
                 assert store.stats().bytes <= cap
-        except BaseException as exc:  # reported by the main thread
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
