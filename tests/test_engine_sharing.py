@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from semcomm.engine import HFEngine
 from semcomm.kv import DiskStore, MemoryStore
 from semcomm.security import TenantSalter
@@ -81,3 +83,35 @@ def test_namespace_covers_model_codec_and_dtype() -> None:
     digests = {e.namespace_digest for e in (base, other_w, other_c, other_d)}
     assert len(digests) == 4
     assert base.chunk_keys(ids) != other_c.chunk_keys(ids)
+
+
+_REDIS_WRITER = """
+import json, sys
+from semcomm.engine import HFEngine
+from semcomm.kv import RedisStore
+from tests._engine_models import prompt_ids, tiny_model
+engine = HFEngine(tiny_model("olmo2"), store=RedisStore(sys.argv[1]), chunk_size=16, device="cpu")
+r = engine.generate(prompt_ids(45, seed=12), max_new_tokens=6)
+print(json.dumps({"tokens": r.token_ids, "stored": r.stats.chunks_stored,
+                  "hit": r.stats.hit_tokens}))
+"""
+
+
+@pytest.mark.redis
+def test_two_processes_share_hits_through_redis(redis_url: str) -> None:
+    from semcomm.kv import RedisStore
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REDIS_WRITER, redis_url],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+    )
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert theirs["stored"] == 3 and theirs["hit"] == 0
+
+    model = tiny_model("olmo2")
+    engine = HFEngine(model, store=RedisStore(redis_url), chunk_size=CHUNK, device="cpu")
+    ids = prompt_ids(45, seed=12)
+    ours = engine.generate(ids, max_new_tokens=6)
+    assert ours.stats.hit_tokens == 44 and set(ours.stats.hit_tiers) == {"redis"}
+    assert ours.token_ids == theirs["tokens"] == reference_greedy(model, ids, 6)
