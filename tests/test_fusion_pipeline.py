@@ -43,9 +43,8 @@ def open_fuser(sides) -> Fuser:
         FuserConfig(sharer=s.spec, receiver=r.spec, hidden_dim=16, num_blocks=1, zero_init=False)
     )
     with torch.no_grad():
-        for br in [*f.key_branches, *f.value_branches]:
-            br.gate_logit.fill_(1.0)  # hard gate open
-            br.proj_out.weight.mul_(50)  # a strong projection, so fusion visibly changes logits
+        f.gate_logit.fill_(1.0)  # hard gates open
+        f.w_out.mul_(50)  # a strong projection, so fusion visibly changes logits
     return f.eval()
 
 
