@@ -208,6 +208,21 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_for_server: Any) -> I
         yield srv
 
 
+def test_no_response_field_reveals_another_tenants_cache(server: Any) -> None:
+    """(Runs before the probing test, which gets acme flagged.) Counters (usage.cached_tokens, x-semcomm-hits) only ever report the caller's own hits."""
+    from .test_server_support import TENANTS
+
+    prompt = "Confidential: merger code name BLUEBIRD, closing on the 14th. Summarise. " * 3
+    with server.client(TENANTS["acme"]) as acme, server.client(TENANTS["beta"]) as beta:
+        _chat(acme, prompt, max_tokens=2)
+        own = _chat(acme, prompt, max_tokens=2)
+        assert own.headers["x-semcomm-hits"].startswith("kv:")
+        assert own.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        other = _chat(beta, prompt, max_tokens=2)
+        assert other.status_code == 200 and other.headers["x-semcomm-hits"] == "none"
+        assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_server_refuses_client_salts_and_throttles_probing(server: Any) -> None:
     from .test_server_support import TENANTS
 
