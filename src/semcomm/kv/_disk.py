@@ -391,8 +391,11 @@ class DiskStore(StoreBase):
         written = self._write(key, value)
         with self._lock:
             self._reserved -= size
-            if not written:
-                return
+        if not written:
+            if existed:  # the old file was not replaced
+                self._forget_or_keep(key)
+            return
+        with self._lock:
             self._lru.add(key, size, parent)
             for _ in range(pins):
                 self._lru.pin(key)

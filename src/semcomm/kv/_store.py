@@ -97,7 +97,7 @@ class StoreEvent:
     key: ChunkKey
     tier: str  # name of the tier where it happened
     seq: int  # per-store sequence number, strictly increasing from 1
-    reason: str = ""  # "put", "promote", "evict", "delete", "corrupt", "expired"
+    reason: str = ""  # "put", "found" (disk: another process's file), "evict", "delete", "corrupt"
 
 
 @runtime_checkable
