@@ -16,7 +16,7 @@ from rich.table import Table
 from ..errors import ConfigError
 from ..kv import DiskStore, RedisStore, StoreStats
 
-__all__ = ["register", "kv_app"]
+__all__ = ["kv_app", "register"]
 
 kv_app = typer.Typer(help="KV chunk stores (disk directory or Redis): stats, verify, clear.",
                      no_args_is_help=True)
