@@ -212,6 +212,7 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             temperature=body.temperature if body.temperature is not None else 0.0,
             top_p=body.top_p if body.top_p is not None else 1.0,
             stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
+            stream=bool(body.stream),
         )
         raw = body.model_dump(exclude_none=True)
         served = await _serve(request, req, raw, "chat")
@@ -266,6 +267,7 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             temperature=body.temperature if body.temperature is not None else 0.0,
             top_p=body.top_p if body.top_p is not None else 1.0,
             stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
+            stream=bool(body.stream),
         )
         if not req.prompt:
             e = InvalidInputError("prompt must not be empty")

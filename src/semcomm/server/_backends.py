@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import InvalidInputError, OverloadedError, UpstreamError
+from ..errors import InvalidInputError, UpstreamError
 from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
 __all__ = [
@@ -58,6 +58,7 @@ class GenRequest:
     tenant: str | None = None  # configured tenant id from the API key; never from the body
     request_id: str = ""
     snapshot: Any = None  # KV snapshot to continue from (pipeline handoff on one model)
+    stream: bool = True  # the client reads a stream (upstreams then stream too)
 
 
 @dataclass(slots=True)
@@ -153,7 +154,12 @@ class LocalBackend:
         return ids
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        ids = self.prompt_ids(req)
+        self.worker.arriving(1)
+        try:
+            ids = self.prompt_ids(req)
+        except BaseException:
+            self.worker.arriving(-1)
+            raise
         max_new = min(req.max_tokens, self.runner.max_positions - len(ids))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -164,7 +170,10 @@ class LocalBackend:
         job = Job(prompt_ids=ids, max_new_tokens=max_new, temperature=req.temperature,
                   top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=req.tenant,
                   emit=emit, snapshot=req.snapshot)
-        self.worker.submit(job)  # OverloadedError when the queue is full
+        try:
+            self.worker.submit(job)  # OverloadedError when the queue is full
+        finally:
+            self.worker.arriving(-1)
         done = False
         hits: list[str] = []
         try:
@@ -285,9 +294,74 @@ class UpstreamBackend:
                 pass
         await asyncio.sleep(delay)
 
+    async def _complete(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        """One JSON call (the client is not streaming): same retry rules as streams."""
+        import httpx
+
+        from ._upstream_fast import parse_completion
+
+        path, body = self._body(req, stream=False)
+        t0 = time.perf_counter()
+        self._in_flight += 1
+        try:
+            attempt = 0
+            while True:
+                try:
+                    resp = await self._client.post(path, json=body)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    if attempt < self.max_retries:
+                        await self._backoff(attempt, None)
+                        attempt += 1
+                        continue
+                    self._mark(False, f"unreachable: {exc.__class__.__name__}")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} at {self.base_url} is unreachable "
+                        f"({exc.__class__.__name__}) after {attempt + 1} attempts",
+                        status=502, retryable=True) from exc
+                except httpx.TimeoutException as exc:
+                    self._mark(False, "timed out")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} timed out ({exc.__class__.__name__})",
+                        status=504) from exc
+                except httpx.HTTPError as exc:
+                    self._mark(False, f"broken reply: {exc.__class__.__name__}")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} broke off its reply "
+                        f"({exc.__class__.__name__}: {exc})", status=502) from exc
+                if resp.status_code >= 400:
+                    if resp.status_code in _RETRY_STATUSES and attempt < self.max_retries:
+                        await self._backoff(attempt, resp.headers.get("retry-after"))
+                        attempt += 1
+                        continue
+                    self._mark(resp.status_code < 500, f"HTTP {resp.status_code}")
+                    raise UpstreamError(
+                        f"upstream model {self.name!r} answered HTTP {resp.status_code}: "
+                        f"{_error_message(resp)}", status=resp.status_code,
+                        retryable=resp.status_code in _RETRY_STATUSES)
+                break
+            text, finish, usage = parse_completion(self.name, resp.content)
+            if not self._up:
+                self._mark(True, f"upstream {self.base_url}")
+            elapsed = time.perf_counter() - t0
+        finally:
+            self._in_flight -= 1
+        yield Started(prompt_tokens=int(usage.get("prompt_tokens", 0) or 0), hit_tokens=0)
+        if text:
+            yield Delta(text)
+        yield Completion(
+            text=text, finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens", 0) or 0),
+            completion_tokens=int(usage.get("completion_tokens", 0) or 0),
+            ttft_s=elapsed, meta={"model": self.name, "upstream": self.base_url},
+        )
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         import httpx
 
+        if not req.stream:
+            async for item in self._complete(req):
+                yield item
+            return
         path, body = self._body(req, stream=True)
         t0 = time.perf_counter()
         self._in_flight += 1
@@ -312,7 +386,8 @@ class UpstreamBackend:
                                 retryable=resp.status_code in _RETRY_STATUSES)
                         async for item in self._parse_sse(resp, req, t0):
                             yield item
-                        self._mark(True, f"upstream {self.base_url}")
+                        if not self._up:
+                            self._mark(True, f"upstream {self.base_url}")
                         return
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     if attempt < self.max_retries:
@@ -448,5 +523,3 @@ class FaultyBackend:
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-
-_ = OverloadedError  # re-exported for callers that catch it around ``stream``

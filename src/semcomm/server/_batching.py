@@ -112,17 +112,19 @@ class BatchingWorker:
     """
 
     def __init__(self, runner: EngineRunner, *, max_batch: int = 8, max_queue: int = 64,
-                 name: str = "engine") -> None:
+                 name: str = "engine", batch_wait_s: float = 0.02) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
         self.runner = runner
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.name = name
+        self.batch_wait_s = batch_wait_s  # how long a short batch waits for company
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self._busy = 0  # jobs in the batch now running
+        self._arriving = 0  # requests being prepared for submit()
         self._batches = 0
         self._batched_jobs = 0
         self._service_s = 0.0  # EWMA of one batch's wall time, for Retry-After
@@ -130,6 +132,13 @@ class BatchingWorker:
         self._thread.start()
 
     # --- asyncio side -------------------------------------------------------------------------
+    def arriving(self, delta: int) -> None:
+        """Count requests on their way to :meth:`submit` (the batcher waits for them)."""
+        with self._cond:
+            self._arriving += delta
+            if delta < 0:
+                self._cond.notify()
+
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
@@ -177,6 +186,17 @@ class BatchingWorker:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
+                # a short batch waits briefly for requests arriving together: always up to
+                # batch_wait_s, and up to 5x that while requests are being prepared (rendered,
+                # tokenized) on their way to this queue; the oldest request waits no longer
+                if self.max_batch > 1 and self.batch_wait_s > 0 and not self._closed:
+                    t0 = time.perf_counter()
+                    while len(self._queue) < self.max_batch and not self._closed:
+                        cap = self.batch_wait_s * (5 if self._arriving else 1)
+                        left = t0 + cap - time.perf_counter()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
                 batch = []
                 while self._queue and len(batch) < self.max_batch:
                     job = self._queue.popleft()

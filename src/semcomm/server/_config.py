@@ -79,6 +79,7 @@ class ServerSection(_Section):
     allow_anonymous: bool | None = None  # default: True when no tenant is configured
     max_queue: int = Field(64, ge=1)  # per engine; beyond it requests get 429 + Retry-After
     max_batch: int = Field(8, ge=1)  # requests decoded together per engine step
+    batch_wait_ms: float = Field(20.0, ge=0)  # a short batch waits this long for more requests
     max_tokens_limit: int = Field(1024, ge=1)  # largest max_tokens a request may ask for
     default_max_tokens: int = Field(64, ge=1)
     request_timeout_s: float = Field(300.0, gt=0)

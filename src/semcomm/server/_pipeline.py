@@ -105,7 +105,8 @@ class PipelineBackend:
                           temperature=req.temperature, top_p=req.top_p,
                           stop=req.stop if i == len(self.cfg.stages) - 1 else [],
                           seed=req.seed, tenant=req.tenant,
-                          request_id=f"{req.request_id}.{i}")
+                          request_id=f"{req.request_id}.{i}",
+                          stream=req.stream and i == len(self.cfg.stages) - 1)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         base = req.messages if req.messages is not None else [

@@ -190,7 +190,8 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
         runner = DirectRunner(model, tok, model_id=model_id)
         gateway.notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
     worker = BatchingWorker(runner, max_batch=cfg.max_batch or config.server.max_batch,
-                            max_queue=cfg.max_queue or config.server.max_queue, name=name)
+                            max_queue=cfg.max_queue or config.server.max_queue, name=name,
+                            batch_wait_s=config.server.batch_wait_ms / 1000)
     return LocalBackend(name, worker, kv_reuse=kv_reuse)
 
 
