@@ -201,3 +201,15 @@ def test_bad_configuration_is_refused(redis_url: str) -> None:
         RedisStore(redis_url, ttl_s=0)
     with pytest.raises(ValueError, match="capacity_bytes"):
         RedisStore(redis_url, capacity_bytes=-1)
+
+
+def test_fetch_many_with_budget_is_one_batch_and_validates(redis_url: str, raw: redis.Redis) -> None:
+    c = chain(3)
+    store = RedisStore(redis_url, capacity_bytes=1 << 20)
+    for k, v in c:
+        store.put(k, v)
+    raw.set("semcomm:kv:" + c[1][0].hex(), b"garbage")
+    got = store.fetch_many([k for k, _ in c])
+    assert [f is not None for f in got] == [True, False, True]
+    assert got[0] is not None and got[0].value == c[0][1]
+    assert store.stats().corrupt == 1 and not store.contains(c[1][0])

@@ -205,3 +205,15 @@ def test_threads_share_a_store_within_budget(kind: str, tmp_path: Path) -> None:
     values = dict(items)
     assert all(store.get(k) == values[k] for k in list(store.scan()))
     assert store.stats().corrupt == 0 and store.stats().bytes <= cap
+
+
+def test_fetch_many_in_order(store: ChunkStore) -> None:
+    c = chain(4)
+    for i in (0, 2, 3):
+        store.put(*c[i])
+    got = store.fetch_many([k for k, _ in c])  # type: ignore[attr-defined]
+    assert [None if f is None else f.value for f in got] == [c[0][1], None, c[2][1], c[3][1]]
+    assert {f.tier for f in got if f is not None} == {expected_tier(store)}
+    assert store.fetch_many([]) == []  # type: ignore[attr-defined]
+    st = store.stats()
+    assert (st.hits, st.misses) == (3, 1)

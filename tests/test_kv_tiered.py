@@ -112,3 +112,15 @@ def test_bad_input(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError):
         store.put(k1, v0)
     assert not mem.contains(k1) and not disk.contains(k1)
+
+
+def test_fetch_many_promotes_per_tier(tmp_path: Path) -> None:
+    mem, disk = MemoryStore(), DiskStore(tmp_path / "kv")
+    store = TieredStore([mem, disk])
+    c = chain(3)
+    for k, v in c:
+        disk.put(k, v)
+    mem.put(*c[0])
+    got = store.fetch_many([k for k, _ in c])
+    assert [f.tier if f else None for f in got] == ["memory", "disk", "disk"]
+    assert all(mem.contains(k) for k, _ in c)

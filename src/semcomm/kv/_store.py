@@ -303,6 +303,10 @@ class StoreBase(ABC):
         value = self.get(key)
         return None if value is None else Fetched(value, self.name)
 
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]:
+        """``fetch`` of each key, in order (one round trip for Redis; per tier for tiered)."""
+        return [self.fetch(k) for k in keys]
+
     def __contains__(self, key: object) -> bool:
         return self.contains(check_key(key))
 
@@ -333,6 +337,9 @@ class StoreBase(ABC):
 
     async def acontains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await asyncio.to_thread(self.contains_many, list(keys))
+
+    async def afetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]:
+        return await asyncio.to_thread(self.fetch_many, list(keys))
 
     async def afetch(self, key: ChunkKey) -> Fetched | None:
         return await asyncio.to_thread(self.fetch, key)

@@ -76,6 +76,27 @@ class TieredStore(StoreBase):
         with self._lock:
             self._promotions += 1
 
+    def fetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]:
+        """Each key from the first tier holding it (one batch per tier), promoted on hit."""
+        ks = [check_key(k) for k in keys]
+        out: list[Fetched | None] = [None] * len(ks)
+        for i, tier in enumerate(self.tiers):
+            todo = [j for j in range(len(ks)) if out[j] is None]
+            if not todo:
+                break
+            many = getattr(tier, "fetch_many", None)
+            got = (many([ks[j] for j in todo]) if many is not None
+                   else [tier.fetch(ks[j]) for j in todo])
+            for j, f in zip(todo, got):
+                if f is not None:
+                    out[j] = Fetched(f.value, tier.name)
+                    self._promote(ks[j], f.value, i)
+        with self._lock:
+            hits = sum(f is not None for f in out)
+            self._hits += hits
+            self._misses += len(out) - hits
+        return out
+
     def get(self, key: ChunkKey) -> bytes | None:
         got = self.fetch(key)
         return None if got is None else got.value
