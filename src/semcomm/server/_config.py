@@ -158,6 +158,7 @@ class SemanticConfig(_Section):
 class RoutingConfig(_Section):
     default_model: str | None = None  # model used when a request says "auto"/"default"
     auto_models: list[str] = []  # candidates for "auto" (model router); default: all models
+    model_router: str | None = None  # a trained semcomm.routing.ModelRouter file (JSON)
     replica_policy: str = "default"
 
 

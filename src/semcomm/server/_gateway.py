@@ -213,12 +213,11 @@ class Gateway:
                 names = [n for n in names if n in allowed]
         return names
 
-    def resolve(self, model: str, tenant: str | None, req: GenRequest) -> tuple[str, ModelBackend]:
+    def resolve(self, model: str, tenant: str | None, req: GenRequest,
+                routed: str | None = None) -> tuple[str, ModelBackend]:
         names = self.model_names(tenant)
         if model in ("auto", "default"):
-            chosen = None
-            if self.model_router is not None:
-                chosen = self.model_router(req, [n for n in names if n in self.backends])
+            chosen = routed if routed in names else None
             if chosen is None:
                 dm = self.config.routing.default_model
                 chosen = dm if dm in names else (names[0] if names else None)
@@ -243,7 +242,11 @@ class Gateway:
         t0 = time.perf_counter()
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
-        model, backend = self.resolve(req.model, req.tenant, req)
+        routed = None
+        if req.model in ("auto", "default") and self.model_router is not None:
+            # the router embeds the conversation: off the event loop
+            routed = await asyncio.to_thread(self.model_router, req, self.model_names(req.tenant))
+        model, backend = self.resolve(req.model, req.tenant, req, routed)
         req.model = model
         digest = self.tenant_digest(req.tenant)
         isolate = False

@@ -254,4 +254,29 @@ def _wire_security(gateway: Gateway) -> None:
 
 
 def _wire_router(gateway: Gateway) -> None:
-    gateway.notes.setdefault("model_router", "default model for 'auto' (routing.default_model)")
+    rc = gateway.config.routing
+    if not rc.model_router:
+        gateway.notes["model_router"] = "none: 'auto' means routing.default_model"
+        return
+    try:
+        from ..routing import ModelRouter
+    except ImportError as exc:
+        raise ConfigError(f"routing.model_router: semcomm.routing is unavailable ({exc})") from exc
+    embedder = None
+    if gateway.semantic is not None:  # share the semantic cache's embedder (one copy in memory)
+        embedder = getattr(gateway.semantic.cache, "embedder", None)
+    router = ModelRouter.load(rc.model_router, embedder=embedder)
+    names = [m.name for m in router.models]
+    unknown = [n for n in names if n not in gateway.backends]
+    if unknown:
+        raise ConfigError(f"routing.model_router: {rc.model_router} routes to models that are "
+                          f"not configured: {unknown}")
+    allowed = set(rc.auto_models or names)
+
+    def choose(req: Any, available: list[str]) -> str | None:
+        convo = req.messages if req.messages is not None else (req.prompt or "")
+        choice = router.route(convo)
+        return choice.model if choice.model in available and choice.model in allowed else None
+
+    gateway.model_router = choose
+    gateway.notes["model_router"] = f"semcomm.routing.ModelRouter over {names}"
