@@ -142,6 +142,7 @@ class Gateway:
         self.guard: Any = None  # semcomm.security.RequestGuard, set by ``_wiring``
         self.model_router: Any = None  # semcomm.routing model router, set by ``_wiring``
         self.notes: dict[str, str] = {}  # what is wired and what is not (for /health)
+        self._fusions: dict[tuple[str, str, str | None], Any] = {}
         self._started = False
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -170,6 +171,22 @@ class Gateway:
         if self.kv_store is not None and hasattr(self.kv_store, "close"):
             await asyncio.to_thread(self.kv_store.close)
         self._started = False
+
+    def fusion_for(self, sharer: str, receiver: str, fuser: str | None) -> Any:
+        """The C2C handoff for an in-process (sharer, receiver) pair, or None (text then)."""
+        key = (sharer, receiver, fuser)
+        if key not in self._fusions:
+            from ._backends import LocalBackend
+            from ._c2c import find_fuser
+
+            s, r = self.backends.get(sharer), self.backends.get(receiver)
+            if not (isinstance(s, LocalBackend) and isinstance(r, LocalBackend)):
+                self._fusions[key] = None
+            else:
+                handoff, why = find_fuser(s, r, fuser)
+                self._fusions[key] = handoff
+                self.notes[f"c2c:{sharer}->{receiver}"] = why
+        return self._fusions[key]
 
     # --- auth ------------------------------------------------------------------------------------
     def authenticate(self, authorization: str | None) -> str | None:

@@ -46,7 +46,7 @@ def stage_messages(base: list[dict[str, str]], systems: list[str], outputs: list
     for j in range(stage + 1):
         if systems[j]:
             msgs.append({"role": "system", "content": systems[j]})
-        if j < stage:
+        if j < stage and outputs[j]:
             msgs.append({"role": "assistant", "content": outputs[j]})
     return msgs
 
@@ -118,10 +118,20 @@ class PipelineBackend:
         saved: dict[str, int] = {}
         prompt_total = completion_total = hit_total = 0
         last = len(self.cfg.stages) - 1
+        modes = ["start"] + [self.handoff_mode(i) for i in range(1, last + 1)]
         for i in range(last + 1):
-            mode = self.handoff_mode(i) if i else "start"
+            mode = modes[i]
             if i:
                 handoffs[mode] = handoffs.get(mode, 0) + 1
+            if i < last and modes[i + 1] == "c2c":
+                # a sharer writes no text: the next stage reads its KV through the fuser
+                outputs.append("")
+                systems[i] = ""
+                stages_meta.append({"stage": i, "model": self.cfg.stages[i].model,
+                                    "role": self.cfg.stages[i].role, "handoff": mode,
+                                    "prompt_tokens": 0, "hit_tokens": 0,
+                                    "completion_tokens": 0, "ttft_s": 0.0, "sharer": True})
+                continue
             sreq = self._stage_req(req, i, stage_messages(base, systems, outputs, i))
             backend = self._backend(i)
             if mode == "c2c":
@@ -143,6 +153,9 @@ class PipelineBackend:
                     else:
                         yield item
             assert comp is not None
+            if mode == "c2c":
+                fused = int((comp.meta.get("c2c") or {}).get("fused_tokens", 0))
+                saved["c2c"] = saved.get("c2c", 0) + fused
             layer = "kv" if mode in ("kv", "start") else ("c2c" if mode == "c2c" else "")
             if comp.hit_tokens:
                 key = "snapshot" if mode == "kv" else (layer or "kv")
@@ -156,7 +169,8 @@ class PipelineBackend:
                                 "prompt_tokens": comp.prompt_tokens,
                                 "hit_tokens": comp.hit_tokens,
                                 "completion_tokens": comp.completion_tokens,
-                                "ttft_s": round(comp.ttft_s, 6)})
+                                "ttft_s": round(comp.ttft_s, 6), **({"c2c": comp.meta["c2c"]}
+                                                                   if "c2c" in comp.meta else {})})
             if i == last:
                 hits = []
                 if saved.get("kv") or saved.get("snapshot"):

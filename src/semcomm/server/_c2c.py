@@ -1,0 +1,102 @@
+"""Cache-to-cache handoff between two different in-process models (``semcomm.fusion``).
+
+The sharer stage writes no text: its KV of the shared context (the client's conversation,
+restored from the KV store when the sharer's engine has it) is projected by the trained fuser
+into the receiver's prompt cache, and the receiver answers from that fused cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ._backends import Completion, GenRequest, LocalBackend
+
+__all__ = ["C2CHandoff", "find_fuser"]
+
+log = logging.getLogger(__name__)
+
+
+def find_fuser(sharer: LocalBackend, receiver: LocalBackend, fuser: str | None
+               ) -> tuple[Any, str]:
+    """``(C2CHandoff | None, why)`` for a (sharer, receiver) pair of in-process models."""
+    try:
+        from ..fusion import FusionPipeline, ModelSide, load_fuser  # noqa: F401
+    except ImportError as exc:
+        return None, f"semcomm.fusion unavailable ({exc})"
+    path: Path | None = Path(fuser) if fuser else None
+    if path is None:
+        try:
+            from ..fusion._reference import shipped_fuser_path
+        except ImportError:
+            return None, "no fuser configured and none shipped"
+        path = shipped_fuser_path()
+    if not path.exists():
+        return None, f"no fuser at {path}"
+    try:
+        return C2CHandoff(sharer, receiver, path), f"fuser {path}"
+    except Exception as exc:  # a fuser for another pair, a damaged file: say so, use text
+        log.warning("fuser %s cannot join %s -> %s: %s", path, sharer.name, receiver.name, exc)
+        return None, f"fuser {path} does not fit {sharer.name} -> {receiver.name}: {exc}"
+
+
+def _render(messages: list[dict[str, str]]) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+class C2CHandoff:
+    """A loaded fuser for one (sharer, receiver) pair; ``generate`` runs one fused answer."""
+
+    def __init__(self, sharer: LocalBackend, receiver: LocalBackend, path: Path) -> None:
+        from ..fusion import ModelSide, load_fuser
+
+        self.sharer = sharer
+        self.receiver = receiver
+        s_run, r_run = sharer.runner, receiver.runner
+        self._s_model, self._s_tok = getattr(s_run, "model"), s_run.tokenizer
+        self._r_model, self._r_tok = getattr(r_run, "model"), r_run.tokenizer
+        s_side = ModelSide(self._s_model, self._s_tok)
+        r_side = ModelSide(self._r_model, self._r_tok)
+        self._s_spec, self._r_spec = s_side.spec, r_side.spec
+        self.fuser = load_fuser(path, sharer=self._s_spec, receiver=self._r_spec)
+        self.fuser.eval()
+        self.path = path
+
+    def _pipeline(self, system: str, tenant: str | None) -> Any:
+        from ..fusion import FusionPipeline, ModelSide
+
+        engine = None
+        engine_of = getattr(self.sharer.runner, "engine", None)
+        if callable(engine_of):  # the sharer's prompt KV from the KV store (tenant namespace)
+            engine = engine_of(tenant)
+        s_side = ModelSide(self._s_model, self._s_tok, _spec=self._s_spec)
+        r_side = ModelSide(self._r_model, self._r_tok,
+                           prefix=f"system: {system}\n" if system else "",
+                           suffix="\nassistant:", _spec=self._r_spec)
+        return FusionPipeline(s_side, r_side, self.fuser, sharer_engine=engine, check=False)
+
+    async def generate(self, pipeline: Any, sreq: GenRequest, outputs: list[str]) -> Completion:
+        """Answer stage ``sreq`` with the sharer's understanding of the conversation fused in."""
+        msgs = list(sreq.messages or [])
+        system = ""
+        if msgs and msgs[-1]["role"] == "system":  # the receiver stage's own instruction
+            system = msgs.pop()["content"]
+        shared = _render(msgs) or (sreq.prompt or "")
+        pipe = self._pipeline(system, sreq.tenant)
+        t0 = time.perf_counter()
+        gen = await asyncio.to_thread(pipe.generate, shared, max_new_tokens=sreq.max_tokens)
+        elapsed = time.perf_counter() - t0
+        stats = dict(getattr(gen, "stats", {}) or {})
+        fused = int(stats.get("fused_tokens", 0))
+        prompt_tokens = int(stats.get("receiver_prompt_tokens", 0))
+        return Completion(
+            text=gen.text, finish_reason="length" if len(gen.token_ids) >= sreq.max_tokens
+            else "stop", prompt_tokens=prompt_tokens, completion_tokens=len(gen.token_ids),
+            hits=["c2c"], hit_tokens=0, ttft_s=elapsed,
+            meta={"c2c": {"fused_tokens": fused, "fuser": str(self.path),
+                          "sharer_prompt_tokens": int(stats.get("sharer_prompt_tokens", 0)),
+                          "sharer_source": stats.get("sharer_source", "")}},
+        )
