@@ -24,7 +24,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_GROUPS = ("_quickstart", "_reference", "_cache", "_fusion", "_route", "_serve", "_security")
+_GROUPS = (
+    "_quickstart", "_reference", "_kv", "_cache", "_fusion", "_route", "_serve", "_security",
+)
 
 for _name in _GROUPS:
     importlib.import_module(f"{__name__}.{_name}").register(app)
