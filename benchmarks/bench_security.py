@@ -30,15 +30,15 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import track  # noqa: E402
-from rich.table import Table  # noqa: E402
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
 
-from semcomm.engine import HFEngine  # noqa: E402
-from semcomm.kv import DiskStore, MemoryStore, Namespace, chunk_keys, encode_chunk  # noqa: E402
-from semcomm.security import (  # noqa: E402
+from semcomm.engine import HFEngine
+from semcomm.kv import DiskStore, MemoryStore, Namespace, chunk_keys, encode_chunk
+from semcomm.security import (
     ChunkSealer,
     EntrySealer,
     ProbeDetector,
@@ -121,8 +121,8 @@ def bench_sealing(quick: bool) -> dict[str, Any]:
     for size in (64 << 10, 1 << 20, 4 << 20):
         _, data = _chunk(size)
         sealed = sealer.seal(data)
-        s = _timeit(lambda: sealer.seal(data), n)
-        o = _timeit(lambda: sealer.open(sealed), n)
+        s = _timeit(lambda data=data: sealer.seal(data), n)
+        o = _timeit(lambda sealed=sealed: sealer.open(sealed), n)
         out["chunks"][str(size)] = {"seal_MBps": len(data) / s / 1e6,
                                     "open_MBps": len(data) / o / 1e6,
                                     "overhead_bytes": len(sealed) - len(data)}

@@ -124,5 +124,5 @@ def test_server_seals_kv_at_rest_by_default(seal: bool, tmp_path: Path) -> None:
     if not seal:
         sections["security"] = {"seal_at_rest": False}
     store, _ = build_kv_store(load_config(None, overrides=sections, defaults=False, environ={}))
-    disk = [t for t in store.tiers if t.name == "disk"][0]
+    disk = next(t for t in store.tiers if t.name == "disk")
     assert (disk.sealer is not None) == seal

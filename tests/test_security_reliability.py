@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,8 +254,8 @@ def test_redis_restart_mid_load_service_continues_and_recovers(server: Any,
         redis_for_server.stop()
         t0 = time.monotonic()
         with pytest.warns(BackendDownWarning):  # loud, but not an error: the service continues
-            down = [hits(_chat(c, f"outage {i}: " + prompt, max_tokens=4)) for i in range(3)]
-            down.append(hits(_chat(c, prompt, max_tokens=4)))
+            down = [hits(_chat(c, t, max_tokens=4))
+                    for t in [f"outage {i}: " + prompt for i in range(3)] + [prompt]]
         assert down == ["none"] * 4  # ... with misses
         assert time.monotonic() - t0 < 30
         redis_for_server.start()  # back, empty

@@ -187,9 +187,9 @@ def test_entry_sealer_json_roundtrip_and_scope_binding(keyring: TenantKeyring) -
 def _entry(**kw):  # type: ignore[no-untyped-def]
     from semcomm.semantic._entry import Entry
 
-    base = dict(id="e1", partition="p" * 32, query="what is my diagnosis?", answer="asthma",
-                vector=np.ones(8, dtype=np.float32) / np.sqrt(8), model="m", tenant="t" * 64,
-                metadata={"k": 1})
+    base = {"id": "e1", "partition": "p" * 32, "query": "what is my diagnosis?",
+            "answer": "asthma", "vector": np.ones(8, dtype=np.float32) / np.sqrt(8),
+            "model": "m", "tenant": "t" * 64, "metadata": {"k": 1}}
     base.update(kw)
     return Entry(**base)
 

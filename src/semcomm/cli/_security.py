@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,11 +22,16 @@ security_app = typer.Typer(
 
 @security_app.command("probe")
 def probe(
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report as JSON to this file."),
-    trials: int = typer.Option(10, min=2, help="Victim prompts attacked per configuration."),
-    candidates: int = typer.Option(8, min=2, max=8, help="Candidate secrets per prompt (K; chance = 1/K)."),
-    full: bool = typer.Option(False, "--full", help="Longer configuration: 40 trials (several minutes)."),
-    seed: int = typer.Option(0, help="Seed of the victim's secrets and the attacker's order."),
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="Write the report as JSON to this file.")] = None,
+    trials: Annotated[int, typer.Option(
+        min=2, help="Victim prompts attacked per configuration.")] = 10,
+    candidates: Annotated[int, typer.Option(
+        min=2, max=8, help="Candidate secrets per prompt (K; chance = 1/K).")] = 8,
+    full: Annotated[bool, typer.Option(
+        "--full", help="Longer configuration: 40 trials (several minutes).")] = False,
+    seed: Annotated[int, typer.Option(
+        help="Seed of the victim's secrets and the attacker's order.")] = 0,
 ) -> None:
     """Run the prefix-probing timing attack against a live `semcomm serve` it starts itself.
 
@@ -79,7 +85,7 @@ def probe(
 
 @security_app.command("salt-digest")
 def salt_digest(
-    tenant: str = typer.Argument(..., help="Tenant id as configured on the server."),
+    tenant: Annotated[str, typer.Argument(help="Tenant id as configured on the server.")],
 ) -> None:
     """Print the salt digest of a tenant under this machine's server secret (never the salt)."""
     from ..security import TenantSalter

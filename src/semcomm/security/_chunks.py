@@ -26,7 +26,7 @@ from ..errors import CorruptEntryError
 from ..kv._format import ChunkHeader, read_header
 from ._sealing import Opened, SealedEntryError, Sealer, SealStats, TenantKeyring, envelope_version
 
-__all__ = ["SEAL_META_KEY", "SEAL_ALG", "ChunkSealer"]
+__all__ = ["SEAL_ALG", "SEAL_META_KEY", "ChunkSealer"]
 
 SEAL_META_KEY = "sealed"
 SEAL_ALG = "aes-256-gcm/v1"
@@ -36,21 +36,29 @@ _MAGIC = b"SCKV"
 _CHECKSUM_LEN = 16
 
 
-def _build(header_json: bytes, payload: bytes) -> bytes:
-    body = _PREFIX.pack(_MAGIC, len(header_json)) + header_json + payload
-    return body + xxhash.xxh3_128_digest(body)
+def _build(header_json: bytes, *payload: bytes | memoryview) -> bytes:
+    """An SCKV container: prefix, header, payload pieces, XXH3-128 of everything before it."""
+    n = _PREFIX.size + len(header_json) + sum(len(p) for p in payload)
+    out = bytearray(n + _CHECKSUM_LEN)
+    _PREFIX.pack_into(out, 0, _MAGIC, len(header_json))
+    pos = _PREFIX.size
+    for piece in (header_json, *payload):
+        out[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    out[n:] = xxhash.xxh3_128_digest(memoryview(out)[:n])
+    return bytes(out)
 
 
-def _parts(data: bytes) -> tuple[ChunkHeader, bytes, bytes]:
-    """(header, raw header JSON, payload) of a structurally valid chunk with a good checksum."""
-    header = read_header(data)  # CorruptEntryError on bad magic/sizes
+def _parts(data: bytes | bytearray | memoryview) -> tuple[ChunkHeader, bytes, memoryview]:
+    """(header, raw header JSON, payload view) of a structurally valid chunk with a good checksum."""
     mv = memoryview(data)
+    header = read_header(mv)  # CorruptEntryError on bad magic/sizes
     end = len(mv) - _CHECKSUM_LEN
     if xxhash.xxh3_128_digest(mv[:end]) != bytes(mv[end:]):
         raise CorruptEntryError(f"chunk {header.key[:16]} failed its checksum")
     hlen = _PREFIX.unpack_from(mv, 0)[1]
     raw = bytes(mv[_PREFIX.size : _PREFIX.size + hlen])
-    return header, raw, bytes(mv[_PREFIX.size + hlen : end])
+    return header, raw, mv[_PREFIX.size + hlen : end]
 
 
 class ChunkSealer:
@@ -77,7 +85,7 @@ class ChunkSealer:
 
     def seal(self, chunk: bytes) -> bytes:
         """Seal the payload of an ``encode_chunk`` byte string."""
-        header, _raw, payload = _parts(bytes(chunk))
+        header, _raw, payload = _parts(chunk)
         if SEAL_META_KEY in header.meta:
             raise ValueError(f"chunk {header.key[:16]} is already sealed")
         sealed_len = len(payload) + 36  # ENVELOPE_OVERHEAD; known before encryption
@@ -89,13 +97,13 @@ class ChunkSealer:
             meta={**header.meta, SEAL_META_KEY: SEAL_ALG},
         )
         hjson = sealed_header.to_json()
-        envelope = self._sealer.seal(payload, scope=header.namespace, context=hjson)
-        assert len(envelope) == sealed_len
-        return _build(hjson, envelope)
+        parts = self._sealer.seal_parts(payload, scope=header.namespace, context=hjson)
+        assert sum(len(p) for p in parts) == sealed_len
+        return _build(hjson, *parts)
 
     def open_ex(self, stored: bytes) -> tuple[bytes, Opened]:
         """Authenticate a sealed chunk and return (plain chunk bytes, :class:`Opened` info)."""
-        header, raw, envelope = _parts(bytes(stored))
+        header, raw, envelope = _parts(stored)
         if header.meta.get(SEAL_META_KEY) != SEAL_ALG:
             self._sealer.count_rejection("unsealed")
             raise SealedEntryError(
@@ -119,7 +127,7 @@ class ChunkSealer:
     def needs_reseal(self, stored: bytes) -> bool:
         """Whether a sealed chunk was sealed under an older key version (cheap, unauthenticated)."""
         try:
-            _header, _raw, envelope = _parts(bytes(stored))
+            _header, _raw, envelope = _parts(stored)
             return envelope_version(envelope) != self.keyring.current
         except (CorruptEntryError, SealedEntryError):
             return False

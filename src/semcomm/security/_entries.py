@@ -26,7 +26,7 @@ import numpy as np
 
 from ._sealing import Opened, SealedEntryError, Sealer, SealStats, TenantKeyring
 
-__all__ = ["EntrySealer", "ENTRY_SEAL_ALG"]
+__all__ = ["ENTRY_SEAL_ALG", "EntrySealer"]
 
 ENTRY_SEAL_ALG = "aes-256-gcm/v1"
 _META_KEY = "sealed"

@@ -50,9 +50,9 @@ from typing import Any
 from ..errors import BackendUnavailableError, SemcommError
 
 __all__ = [
-    "ProbeHarnessConfig",
     "AttackOutcome",
     "ModeReport",
+    "ProbeHarnessConfig",
     "ServeProcess",
     "build_target_model",
     "run_attack",

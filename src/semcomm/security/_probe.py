@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["ProbeConfig", "ProbeVerdict", "ProbeDetector", "RateLimiter"]
+__all__ = ["ProbeConfig", "ProbeDetector", "ProbeVerdict", "RateLimiter"]
 
 Clock = Callable[[], float]
 

@@ -50,13 +50,13 @@ from ._tenancy import load_server_secret
 __all__ = [
     "ENVELOPE_MAGIC",
     "ENVELOPE_OVERHEAD",
-    "SealedEntryError",
-    "SealStats",
     "Opened",
-    "TenantKeyring",
+    "SealStats",
+    "SealedEntryError",
     "Sealer",
-    "is_sealed",
+    "TenantKeyring",
     "envelope_version",
+    "is_sealed",
 ]
 
 ENVELOPE_MAGIC = b"SCS1"
@@ -233,30 +233,36 @@ class Sealer:
 
     def seal(self, plaintext: bytes | bytearray | memoryview, *, scope: str, context: bytes = b"") -> bytes:
         """Encrypt and authenticate ``plaintext`` for ``scope``, bound to ``context``."""
+        return b"".join(self.seal_parts(plaintext, scope=scope, context=context))
+
+    def seal_parts(self, plaintext: bytes | bytearray | memoryview, *, scope: str,
+                   context: bytes = b"") -> tuple[bytes, bytes, bytes]:
+        """:meth:`seal` as its three pieces (header, nonce, ciphertext+tag), so a caller that
+        frames the envelope itself avoids copying a large ciphertext once more."""
         version = self.keyring.current
         head = _HEAD.pack(ENVELOPE_MAGIC, version)
         nonce = os.urandom(_NONCE_LEN)
         ct = AESGCM(self.keyring.key(scope, version)).encrypt(
-            nonce, bytes(plaintext), self._aad(head, scope, context)
+            nonce, plaintext, self._aad(head, scope, context)
         )
         with self._lock:
             self._stats.sealed += 1
-        return head + nonce + ct
+        return head, nonce, ct
 
     def open_ex(self, blob: bytes | bytearray | memoryview, *, scope: str, context: bytes = b"") -> Opened:
         """Authenticate and decrypt; raises :class:`SealedEntryError` (counted) on any failure."""
-        data = bytes(blob)
-        if not is_sealed(data):
+        mv = memoryview(blob)  # no copies of the (possibly MiB-sized) ciphertext
+        if not is_sealed(mv):
             raise self._reject("unsealed", f"{self.kind}: entry is not sealed (forged or legacy)")
-        head = data[: _HEAD.size]
+        head = bytes(mv[: _HEAD.size])
         version = int(_HEAD.unpack(head)[1])
         try:
             key = self.keyring.key(scope, version)
         except SealedEntryError as exc:
             raise self._reject("unknown-version", f"{self.kind}: {exc}") from None
-        nonce = data[_HEAD.size : _HEAD.size + _NONCE_LEN]
+        nonce = mv[_HEAD.size : _HEAD.size + _NONCE_LEN]
         try:
-            pt = AESGCM(key).decrypt(nonce, data[_HEAD.size + _NONCE_LEN :], self._aad(head, scope, context))
+            pt = AESGCM(key).decrypt(nonce, mv[_HEAD.size + _NONCE_LEN :], self._aad(head, scope, context))
         except InvalidTag:
             raise self._reject(
                 "auth-failed",

@@ -26,14 +26,14 @@ from typing import Any, NewType
 from ..errors import TenantError
 
 __all__ = [
+    "CLIENT_SALT_FIELDS",
+    "NO_TENANT_DIGEST",
+    "ClientSaltError",
     "TenantId",
     "TenantSalt",
     "TenantSalter",
-    "NO_TENANT_DIGEST",
-    "CLIENT_SALT_FIELDS",
-    "ClientSaltError",
-    "reject_client_salt",
     "load_server_secret",
+    "reject_client_salt",
     "semcomm_home",
 ]
 
