@@ -611,6 +611,10 @@ class SemanticCache:
                 self.backend.poll()  # consume our own clear
 
     def stats(self) -> CacheStats:
+        """Counters and sizes (reads a persistent store's index first; never loads a model
+        for an empty in-memory cache)."""
+        if not isinstance(self.backend, MemoryEntryStore):
+            self._ensure_loaded()
         with self._lock:
             st = CacheStats(**{k: getattr(self._stats, k) for k in CacheStats.__slots__})  # type: ignore[attr-defined]
             st.entries = len(self._slots)

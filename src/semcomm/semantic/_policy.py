@@ -340,7 +340,7 @@ def calibrate_threshold(similarities: Sequence[float], labels: Sequence[int | bo
         prec = float(tp[i] / pp[i])
         rec = float(tp[i] / total_pos)
         curve.append((float(s[i]), prec, rec))
-        if pp[i] >= min_support:
+        if pp[i] >= min(min_support, max(1, len(s) // 4)):
             if prec >= target_precision:
                 best = (float(s[i]), prec, rec)
             if best_prec is None or prec > best_prec[1]:

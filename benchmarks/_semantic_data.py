@@ -1,0 +1,134 @@
+"""Shared helpers for the semantic-cache benchmarks: the cache-shaped QQP protocol.
+
+Protocol (issue: semantic answer cache): from a labelled pair file, keep pairs so that no
+question text appears twice; store every first question; look up every second question
+against all stored entries; a hit is right when the returned entry's question is in the same
+connected component of the file's duplicate labels as the query. Recall counts the queries
+that have a duplicate stored.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "semantic"
+
+
+def norm(t: str) -> str:
+    return re.sub(r"\s+", " ", t).strip().lower()
+
+
+@dataclass
+class Protocol:
+    stored: list[str]  # first questions (stored)
+    queries: list[str]  # second questions (looked up)
+    labels: list[int]  # the pair label
+    comp: dict[str, int]  # normalised question -> duplicate component id
+
+    def same(self, a: str, b: str) -> bool:
+        ca, cb = self.comp.get(norm(a)), self.comp.get(norm(b))
+        return ca is not None and ca == cb
+
+    def has_dup_stored(self) -> np.ndarray:
+        comps = {self.comp.get(norm(s)) for s in self.stored}
+        comps.discard(None)
+        return np.array([self.comp.get(norm(q)) in comps for q in self.queries])
+
+
+def read_pairs(path: Path) -> list[tuple[str, str, int]]:
+    rows = []
+    with open(path, newline="", encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            q1, q2 = (r.get("question1") or "").strip(), (r.get("question2") or "").strip()
+            if q1 and q2:
+                rows.append((q1, q2, int(r["is_duplicate"])))
+    return rows
+
+
+def build_protocol(path: Path, *, seed: int = 0, limit: int | None = None) -> Protocol:
+    rows = read_pairs(path)
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for q1, q2, y in rows:
+        a, b = find(norm(q1)), find(norm(q2))
+        if y == 1 and a != b:
+            parent[a] = b
+    roots: dict[str, int] = {}
+    comp = {q: roots.setdefault(find(q), len(roots)) for q in list(parent)}
+    rng = random.Random(seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    seen: set[str] = set()
+    stored, queries, labels = [], [], []
+    for i in order:
+        q1, q2, y = rows[i]
+        n1, n2 = norm(q1), norm(q2)
+        if n1 in seen or n2 in seen or n1 == n2:
+            continue
+        seen.update((n1, n2))
+        stored.append(q1)
+        queries.append(q2)
+        labels.append(y)
+        if limit and len(stored) >= limit:
+            break
+    return Protocol(stored, queries, labels, comp)
+
+
+@dataclass
+class Outcome:
+    """Per query: the similarity of the first guard-passing candidate and whether it is right."""
+
+    sim: np.ndarray  # (n,) best admissible similarity (-inf: none)
+    right: np.ndarray  # (n,) bool
+    cand: np.ndarray  # (n,) index of the stored question (-1: none)
+    runner: np.ndarray  # (n,) similarity of the next admissible candidate (-inf: none)
+
+
+def outcomes(p: Protocol, qv: np.ndarray, sv: np.ndarray, guard=None, k: int = 8) -> Outcome:
+    sims = qv @ sv.T
+    top = np.argsort(-sims, axis=1)[:, :k]
+    n = len(p.queries)
+    best = np.full(n, -np.inf)
+    runner = np.full(n, -np.inf)
+    right = np.zeros(n, bool)
+    cand = np.full(n, -1)
+    for i in range(n):
+        found = 0
+        for j in top[i]:
+            if guard is not None and not guard(p.queries[i], p.stored[j]):
+                continue
+            if found == 0:
+                best[i] = sims[i, j]
+                cand[i] = j
+                right[i] = p.same(p.queries[i], p.stored[j])
+                found = 1
+            else:
+                runner[i] = sims[i, j]
+                break
+    return Outcome(best, right, cand, runner)
+
+
+def pr_at(o: Outcome, has_dup: np.ndarray, t: float) -> tuple[float, float, int]:
+    hit = o.sim >= t
+    nh = int(hit.sum())
+    prec = float(o.right[hit].mean()) if nh else 1.0
+    rec = float((hit & o.right).sum() / max(1, has_dup.sum()))
+    return prec, rec, nh
+
+
+def curve(o: Outcome, has_dup: np.ndarray, ts: np.ndarray) -> list[tuple[float, float, float]]:
+    return [(float(t), *pr_at(o, has_dup, float(t))[:2]) for t in ts]
