@@ -2,7 +2,7 @@
 
 Tune on ``meancache_val.csv``, report on ``meancache_test.csv``. Store every first question,
 look up every second one against all stored entries; a hit is right when the returned entry's
-question is in the query's duplicate component (see ``_semantic_data.py``). Reports, in one
+question is in the query's duplicate component (see ``bench_semantic_common.py``). Reports, in one
 run and on the same embeddings:
 
 - cosine only (the GPTCache-style baseline), cosine + lexical guard, at the default threshold
@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _semantic_data import DEFAULT_DATA, Protocol, build_protocol, curve, outcomes, pr_at  # noqa: E402
+from bench_semantic_common import DEFAULT_DATA, Protocol, build_protocol, curve, outcomes, pr_at  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Shared helpers for the semantic-cache benchmarks: the cache-shaped QQP protocol.
+"""Shared helpers for the semantic-cache benchmarks (not a benchmark itself): the QQP cache protocol.
 
 Protocol (issue: semantic answer cache): from a labelled pair file, keep pairs so that no
 question text appears twice; store every first question; look up every second question
