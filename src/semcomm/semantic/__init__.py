@@ -34,6 +34,7 @@ from ._policy import (
     make_policy,
 )
 from ._redis import RedisEntryStore
+from ._verifier import LexicalVerifier, verifier_features
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
 __all__ = [
@@ -73,4 +74,6 @@ __all__ = [
     "SQLiteEntryStore",
     "RedisEntryStore",
     "Sync",
+    "LexicalVerifier",
+    "verifier_features",
 ]

@@ -65,6 +65,8 @@ def _normalise(arr: Any, n: int) -> np.ndarray:
 class _CachingEmbedder:
     """Base: batching + bounded LRU cache keyed by a hash of the text. Thread-safe."""
 
+    _self_batching = False  # True: _encode receives all uncached texts at once
+
     def __init__(self, *, cache_size: int = 4096, batch_size: int = 64) -> None:
         if cache_size < 0 or batch_size < 1:
             raise ConfigError("cache_size must be >= 0 and batch_size >= 1")
@@ -94,11 +96,14 @@ class _CachingEmbedder:
         if todo:
             uniq = list(todo)
             first_texts = [texts[todo[k][0]] for k in uniq]
-            parts = []
-            for s in range(0, len(first_texts), self.batch_size):
-                chunk = first_texts[s : s + self.batch_size]
-                parts.append(_normalise(self._encode(chunk), len(chunk)))
-            new = np.concatenate(parts, axis=0)
+            if self._self_batching:  # the model batches (and length-sorts) by itself
+                new = _normalise(self._encode(first_texts), len(first_texts))
+            else:
+                parts = []
+                for s in range(0, len(first_texts), self.batch_size):
+                    chunk = first_texts[s : s + self.batch_size]
+                    parts.append(_normalise(self._encode(chunk), len(chunk)))
+                new = np.concatenate(parts, axis=0)
             if self._dim is None:
                 self._dim = int(new.shape[1])
             with self._lock:
@@ -116,6 +121,8 @@ class _CachingEmbedder:
 
 class SentenceTransformerEmbedder(_CachingEmbedder):
     """A sentence-transformers model, loaded lazily (offline-friendly).
+
+    Uncached texts go to ``encode`` in one call, which batches them by length.
 
     ``model`` is ``None`` (the packaged all-MiniLM-L6-v2), a local path or model id, or a
     ``SentenceTransformer`` instance.
@@ -172,6 +179,8 @@ class SentenceTransformerEmbedder(_CachingEmbedder):
                 log.info("loading embedder %s", path)
                 self._model = SentenceTransformer(path, device=self._device)
         return self._model
+
+    _self_batching = True
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         m = self._load()

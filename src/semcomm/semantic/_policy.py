@@ -42,8 +42,12 @@ __all__ = [
     "POLICIES",
     "make_policy",
     "Verifier",
+    "Scorer",
     "DEFAULT_THRESHOLD",
 ]
+
+Scorer = Callable[..., float]
+"""``scorer(query, best, runner_up) -> P(right)``: sees the best and the runner-up candidate."""
 
 Verifier = Callable[[str, str], bool]
 """``verifier(query, cached_query) -> bool``: True when the cached answer is right for query."""
@@ -90,6 +94,8 @@ def _check_threshold(t: float) -> float:
 class ThresholdPolicy:
     """Hit when the best candidate's cosine similarity is at least ``threshold``.
 
+    With a ``scorer`` (e.g. :class:`~semcomm.semantic.LexicalVerifier`), the best candidate
+    above the threshold must also score at least ``min_score`` given the runner-up.
     With a ``verifier``, candidates above the threshold are offered best first (at most
     ``max_verify``) and the first one the verifier accepts is served.
     """
@@ -97,10 +103,13 @@ class ThresholdPolicy:
     name = "threshold"
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, verifier: Verifier | None = None,
-                 max_verify: int = 2) -> None:
+                 max_verify: int = 2, scorer: Scorer | None = None,
+                 min_score: float = 0.5) -> None:
         self.threshold = _check_threshold(threshold)
         self.verifier = verifier
         self.max_verify = max_verify
+        self.scorer = scorer
+        self.min_score = min_score
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
@@ -108,6 +117,12 @@ class ThresholdPolicy:
         above = [c for c in candidates if c.similarity >= t]
         if not above:
             return Decision(None, reason="below")
+        if self.scorer is not None:
+            best = above[0]
+            runner = candidates[1] if len(candidates) > 1 else None
+            if self.scorer(query, best, runner) < self.min_score:
+                return Decision(None, reason="scored")
+            above = [best]
         if self.verifier is None:
             return Decision(above[0], reason="threshold")
         spent = 0
