@@ -126,3 +126,27 @@ def test_server_seals_kv_at_rest_by_default(seal: bool, tmp_path: Path) -> None:
     store, _ = build_kv_store(load_config(None, overrides=sections, defaults=False, environ={}))
     disk = next(t for t in store.tiers if t.name == "disk")
     assert (disk.sealer is not None) == seal
+
+
+def test_rotation_through_config_keeps_old_chunks_readable(tmp_path: Path) -> None:
+    from semcomm.kv import DiskStore
+    from semcomm.security import ChunkSealer, keyring_from_config
+
+    from .test_security_reliability import _chunk
+
+    old, new = "old-secret-for-rotation-0001", "new-secret-for-rotation-0002"
+    key, data = _chunk(7, 4096)
+    DiskStore(tmp_path / "kv", sealer=ChunkSealer(keyring_from_config({"seal_secrets": [old]}))
+              ).put(key, data)
+    rotated = ChunkSealer(keyring_from_config({"seal_secrets": [old, new]}))
+    store = DiskStore(tmp_path / "kv", sealer=rotated)
+    assert store.get(key) == data  # sealed under version 1, still readable
+    key2, data2 = _chunk(8, 4096)
+    store.put(key2, data2)  # new writes use version 2
+    raw2 = (tmp_path / "kv" / key2.hex()[:2] / f"{key2.hex()}.sckv").read_bytes()
+    raw1 = (tmp_path / "kv" / key.hex()[:2] / f"{key.hex()}.sckv").read_bytes()
+    assert not rotated.needs_reseal(raw2) and rotated.needs_reseal(raw1)
+    retired = DiskStore(tmp_path / "kv", sealer=ChunkSealer(keyring_from_config(
+        {"seal_secrets": [new]})))  # old secret dropped: old entries are rejected, new ones read
+    assert retired.get(key2) == data2
+    assert retired.get(key) is None and retired.stats().corrupt == 1

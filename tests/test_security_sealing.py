@@ -79,10 +79,14 @@ def test_tampered_forged_and_unsealed_blobs_are_rejected(keyring: TenantKeyring)
     forged = Sealer(TenantKeyring(SECRET_B)).seal(b"payload", scope="x")
     with pytest.raises(SealedEntryError):
         s.open(forged, scope="x")
+    # ... even when it copies our key version (readable in any sealed blob) into its header
+    with pytest.raises(SealedEntryError):
+        s.open(bytes(blob[:8]) + forged[8:], scope="x")
     with pytest.raises(SealedEntryError):
         s.open(b"plain bytes written by someone else", scope="x")
     st = s.stats()
-    assert st.rejected == 3 and st.by_reason == {"auth-failed": 2, "unsealed": 1}
+    assert st.rejected == 4
+    assert st.by_reason == {"auth-failed": 2, "unknown-version": 1, "unsealed": 1}
 
 
 def test_sealed_entry_error_is_both_integrity_and_corrupt() -> None:
@@ -102,20 +106,25 @@ def test_per_scope_keys_differ_and_are_deterministic() -> None:
 
 def test_rotation_keeps_old_entries_readable_and_retire_drops_them(keyring: TenantKeyring) -> None:
     s = Sealer(keyring)
+    v1 = keyring.current
     old = s.seal(b"v1 data", scope="t")
-    assert keyring.rotate(SECRET_B) == 2 and keyring.current == 2
+    v2 = keyring.rotate(SECRET_B)
+    assert v2 != v1 and keyring.current == v2 and keyring.versions() == [v2, v1]
+    assert v2 == TenantKeyring(SECRET_B).current  # a version is the secret's fingerprint
     new = s.seal(b"v2 data", scope="t")
     o_old, o_new = s.open_ex(old, scope="t"), s.open_ex(new, scope="t")
-    assert (o_old.plaintext, o_old.key_version, o_old.stale) == (b"v1 data", 1, True)
-    assert (o_new.plaintext, o_new.key_version, o_new.stale) == (b"v2 data", 2, False)
+    assert (o_old.plaintext, o_old.key_version, o_old.stale) == (b"v1 data", v1, True)
+    assert (o_new.plaintext, o_new.key_version, o_new.stale) == (b"v2 data", v2, False)
     migrated = s.reseal(old, scope="t")
-    assert s.open_ex(migrated, scope="t").key_version == 2
-    keyring.retire(1)
+    assert s.open_ex(migrated, scope="t").key_version == v2
+    # the order secrets are configured in does not matter
+    assert Sealer(TenantKeyring.from_secrets([SECRET_B, SECRET_A])).open(old, scope="t") == b"v1 data"
+    keyring.retire(v1)
     with pytest.raises(SealedEntryError, match="retired"):
         s.open(old, scope="t")
     assert s.open(migrated, scope="t") == b"v1 data"
     with pytest.raises(ValueError):
-        keyring.retire(2)
+        keyring.retire(v2)
 
 
 def test_chunk_sealing_keeps_header_readable_and_restores_exact_bytes(keyring: TenantKeyring) -> None:

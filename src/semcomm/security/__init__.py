@@ -21,6 +21,7 @@ from ._sealing import (
     SealStats,
     TenantKeyring,
     is_sealed,
+    keyring_from_config,
 )
 from ._tenancy import (
     CLIENT_SALT_FIELDS,
@@ -63,6 +64,7 @@ __all__ = [
     "TenantSalter",
     "TimingGuard",
     "is_sealed",
+    "keyring_from_config",
     "load_server_secret",
     "reject_client_salt",
     "semcomm_home",

@@ -3,7 +3,7 @@
 Envelope (big-endian framing, all of it authenticated)::
 
     b"SCS1"        4 bytes  magic and envelope format version
-    key_version    u32      which master secret the data key came from
+    key_version    u32      fingerprint of the master secret the data key came from
     nonce          12 bytes random per seal (96-bit GCM IV)
     ciphertext     n bytes  AES-256-GCM of the plaintext
     tag            16 bytes GCM tag
@@ -26,7 +26,8 @@ so that a store's corrupt-entry path counts and deletes it). Only holders of the
 produce blobs that readers accept: that is the writer authentication.
 
 Rotation: :meth:`TenantKeyring.rotate` makes a new master current; older versions stay readable
-until :meth:`TenantKeyring.retire` drops them. :meth:`Sealer.open_ex` reports ``stale`` so a store
+until :meth:`TenantKeyring.retire` drops them (a version is the secret's fingerprint, so the
+order in which secrets are configured does not matter). :meth:`Sealer.open_ex` reports ``stale`` so a store
 may re-seal an entry under the current version when it reads it.
 """
 
@@ -37,7 +38,9 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -109,55 +112,75 @@ class Opened:
     """Result of :meth:`Sealer.open_ex`."""
 
     plaintext: bytes
-    key_version: int  # version the blob was sealed under
+    key_version: int  # version (secret fingerprint) the blob was sealed under
     stale: bool  # True when a newer key version is current: re-seal to migrate
 
 
 class TenantKeyring:
-    """Versioned master secrets and the per-scope AES-256 keys derived from them.
+    """Master secrets (one per key version) and the per-scope AES-256 keys derived from them.
 
-    Invariant: ``current`` is always a key in ``_masters``; retired versions are gone for good
-    (blobs sealed under them become unreadable, which is the point of retiring).
-    Derived keys are memoised in a bounded LRU (``max_cached_keys``) so that memory stays bounded
-    however many tenants and namespaces exist.
+    A key version is a 32-bit *fingerprint* of its master secret, not a counter: the envelope
+    names the secret that sealed it, so a server can list its secrets in any order, add a new one
+    (:meth:`rotate`) and drop an old one (:meth:`retire`, or by leaving it out of the config)
+    without renumbering what the others sealed.
+
+    Invariant: ``current`` is always a key of ``_masters``; retired versions are gone for good
+    (blobs sealed under them become unreadable, which is the point of retiring). Derived keys
+    are memoised in a bounded LRU (``max_cached_keys``), so memory stays bounded however many
+    tenants and namespaces exist.
     """
 
-    def __init__(
-        self,
-        secret: bytes | str | None = None,
-        *,
-        version: int = 1,
-        max_cached_keys: int = 4096,
-    ) -> None:
-        if version < 1:
-            raise ValueError(f"key version must be >= 1, got {version}")
-        # The master is domain-separated from the salt secret: the same server secret serves both.
-        self._masters: dict[int, bytes] = {version: self._master(load_server_secret(secret))}
-        self._current = version
+    def __init__(self, secret: bytes | str | None = None, *, max_cached_keys: int = 4096) -> None:
+        # The master is domain-separated from the salt secret: one server secret serves both.
+        master = self._master(load_server_secret(secret))
+        self._current = self._fingerprint(master)
+        self._masters: dict[int, bytes] = {self._current: master}
         self._cache: OrderedDict[tuple[int, str], bytes] = OrderedDict()
         self._max_cached = max_cached_keys
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_secrets(cls, secrets: Sequence[bytes | str], **kw: Any) -> TenantKeyring:
+        """A keyring holding every secret of ``secrets``; the last one is current.
+
+        This is how a server keeps reading entries sealed before a rotation: list the old
+        secrets and then the new one (``[security] seal_secrets`` in the server config).
+        """
+        if not secrets:
+            raise ValueError("from_secrets needs at least one secret")
+        ring = cls(secrets[0], **kw)
+        for s in secrets[1:]:
+            ring.rotate(s)
+        return ring
 
     @staticmethod
     def _master(secret: bytes) -> bytes:
         return hashlib.sha256(b"semcomm/seal-master/v1\0" + secret).digest()
 
+    @staticmethod
+    def _fingerprint(master: bytes) -> int:
+        return int.from_bytes(hashlib.sha256(b"semcomm/seal-key-id/v1\0" + master).digest()[:4], "big")
+
     @property
     def current(self) -> int:
-        """The key version new blobs are sealed under."""
+        """The key version (secret fingerprint) new blobs are sealed under."""
         return self._current
 
     def versions(self) -> list[int]:
-        """Readable key versions, newest first."""
-        return sorted(self._masters, reverse=True)
+        """Readable key versions (fingerprints), current first."""
+        with self._lock:
+            return [self._current] + [v for v in self._masters if v != self._current]
 
     def rotate(self, new_secret: bytes | str) -> int:
-        """Install ``new_secret`` as the next version (now current); older ones stay readable."""
+        """Make ``new_secret`` current and return its version; older ones stay readable."""
         master = self._master(load_server_secret(new_secret))
+        fp = self._fingerprint(master)
         with self._lock:
-            self._current = max(self._masters) + 1
-            self._masters[self._current] = master
-            return self._current
+            if fp in self._masters and self._masters[fp] != master:  # pragma: no cover - 2^-32
+                raise ValueError("key fingerprint collision; choose another secret")
+            self._masters[fp] = master
+            self._current = fp
+            return fp
 
     def retire(self, version: int) -> None:
         """Forget an old version: blobs sealed under it are rejected from now on."""
@@ -179,7 +202,7 @@ class TenantKeyring:
                 return hit
             master = self._masters.get(v)
         if master is None:
-            raise SealedEntryError(f"sealed under unknown or retired key version {v}")
+            raise SealedEntryError(f"sealed under unknown or retired key version {v:08x}")
         key = HKDF(
             algorithm=hashes.SHA256(),
             length=32,
@@ -282,3 +305,14 @@ class Sealer:
     def reseal(self, blob: bytes, *, scope: str, context: bytes = b"") -> bytes:
         """Open ``blob`` and seal it again under the current key version (rotation migration)."""
         return self.seal(self.open(blob, scope=scope, context=context), scope=scope, context=context)
+
+
+def keyring_from_config(security: Any, default_secret: bytes | str | None = None) -> TenantKeyring:
+    """The server's keyring: ``security["seal_secrets"]`` (oldest first, last current) when set,
+    else one version from ``default_secret`` (``server.secret`` / ``SEMCOMM_SECRET`` / the file)."""
+    secrets_list = security.get("seal_secrets") if hasattr(security, "get") else None
+    if secrets_list:
+        if isinstance(secrets_list, (str, bytes)):
+            secrets_list = [secrets_list]
+        return TenantKeyring.from_secrets(list(secrets_list))
+    return TenantKeyring(default_secret)

@@ -115,18 +115,18 @@ def _chunk_sealer(config: ServerConfig) -> Any:
     """AES-GCM sealing of KV chunks at rest (disk, Redis), unless ``security.seal_at_rest = false``."""
     if not config.security.get("seal_at_rest", True):
         return None
-    from ..security import ChunkSealer, TenantKeyring
+    from ..security import ChunkSealer, keyring_from_config
 
-    return ChunkSealer(TenantKeyring(config.server.secret))
+    return ChunkSealer(keyring_from_config(config.security, config.server.secret))
 
 
 def _entry_sealer(config: ServerConfig) -> Any:
     """AES-GCM sealing of semantic entries at rest (SQLite, Redis), unless ``seal_at_rest = false``."""
     if not config.security.get("seal_at_rest", True):
         return None
-    from ..security import EntrySealer, TenantKeyring
+    from ..security import EntrySealer, keyring_from_config
 
-    return EntrySealer(TenantKeyring(config.server.secret))
+    return EntrySealer(keyring_from_config(config.security, config.server.secret))
 
 
 def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
