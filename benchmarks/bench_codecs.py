@@ -29,15 +29,15 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import track  # noqa: E402
-from rich.table import Table  # noqa: E402
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
 
-from semcomm.engine import GenerationStats, HFEngine, PrefillResult  # noqa: E402
-from semcomm.kv import MemoryStore  # noqa: E402
-from semcomm.kv._codecs import relative_error  # noqa: E402
+from semcomm.engine import GenerationStats, HFEngine, PrefillResult
+from semcomm.kv import MemoryStore
+from semcomm.kv._codecs import relative_error
 
 CODECS = ["lossless", "fp8", "int8", "int4", "int2", "int4:g32:r32", "int2:g32:r32:o0.01"]
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            codec=spec, device="cpu")
             fake = PrefillResult(cache=ref_pre.cache, last_logits=torch.empty(0), input_ids=ids,
                                  stats=GenerationStats(prompt_tokens=len(ids)))
-            eng._store_chunks(fake, eng.chunk_keys(ids))  # noqa: SLF001 - our own engine
+            eng._store_chunks(fake, eng.chunk_keys(ids))
             pre = eng.prefill(ids)
             st = pre.stats
             assert st.hit_tokens == len(ids) - 1

@@ -12,33 +12,33 @@ import torch
 import transformers as T
 
 VOCAB = 256
-_COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
-    "llama": (T.LlamaConfig, dict(num_key_value_heads=2)),
-    "qwen2": (T.Qwen2Config, dict(num_key_value_heads=2)),
-    "qwen3": (T.Qwen3Config, dict(num_key_value_heads=2, head_dim=16)),
-    "mistral": (T.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
-    "phi3": (T.Phi3Config, dict(num_key_value_heads=2)),
-    "gemma": (T.GemmaConfig, dict(num_key_value_heads=2, head_dim=16)),
-    "gpt2": (T.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
-    "gpt_neox": (T.GPTNeoXConfig, dict()),
-    "opt": (T.OPTConfig, dict(ffn_dim=128, word_embed_proj_dim=64)),
-    "falcon": (T.FalconConfig, dict(alibi=False)),
-    "falcon_alibi": (T.FalconConfig, dict(alibi=True)),
-    "olmo2": (T.Olmo2Config, dict(num_key_value_heads=2)),
-    "granite": (T.GraniteConfig, dict(num_key_value_heads=2)),
-    "stablelm": (T.StableLmConfig, dict(num_key_value_heads=2)),
+    "llama": (T.LlamaConfig, {"num_key_value_heads": 2}),
+    "qwen2": (T.Qwen2Config, {"num_key_value_heads": 2}),
+    "qwen3": (T.Qwen3Config, {"num_key_value_heads": 2, "head_dim": 16}),
+    "mistral": (T.MistralConfig, {"num_key_value_heads": 2, "sliding_window": None}),
+    "phi3": (T.Phi3Config, {"num_key_value_heads": 2}),
+    "gemma": (T.GemmaConfig, {"num_key_value_heads": 2, "head_dim": 16}),
+    "gpt2": (T.GPT2Config, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
+    "gpt_neox": (T.GPTNeoXConfig, {}),
+    "opt": (T.OPTConfig, {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "falcon": (T.FalconConfig, {"alibi": False}),
+    "falcon_alibi": (T.FalconConfig, {"alibi": True}),
+    "olmo2": (T.Olmo2Config, {"num_key_value_heads": 2}),
+    "granite": (T.GraniteConfig, {"num_key_value_heads": 2}),
+    "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2}),
 }
 
 

@@ -21,8 +21,8 @@ from semcomm.security import TenantSalter
 from ._engine_models import prompt_ids, reference_greedy, tiny_config, tiny_model
 
 CHUNK = 16
-_SMALL: dict[str, Any] = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, intermediate_size=128)
+_SMALL: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "intermediate_size": 128}
 
 
 def _contents(store: MemoryStore) -> dict[bytes, bytes | None]:

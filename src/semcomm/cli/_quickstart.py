@@ -13,11 +13,11 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-__all__ = ["register", "quickstart_model", "quickstart_workload", "run_quickstart"]
+__all__ = ["quickstart_model", "quickstart_workload", "register", "run_quickstart"]
 
 QUICKSTART_CHUNK = 64  # prompts here are ~0.5-1k tokens; 64-token chunks show turn-level reuse
 
@@ -249,11 +249,26 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def quickstart(
-        json_path: Path | None = typer.Option(None, "--json", help="Write the figures as JSON to FILE."),
-        png: Path | None = typer.Option(None, "--png", help="Write the TTFT chart to FILE (default: $SEMCOMM_HOME/quickstart.png)."),
-        model: str | None = typer.Option(None, "--model", help="Model id or local path (default: a small offline model)."),
-        max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens to generate per request."),
-        threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default; 1 is steadier on a busy machine)."),
+        json_path: Annotated[
+            Path | None, typer.Option("--json", help="Write the figures as JSON to FILE.")
+        ] = None,
+        png: Annotated[
+            Path | None,
+            typer.Option("--png", help="Write the TTFT chart to FILE "
+                         "(default: $SEMCOMM_HOME/quickstart.png)."),
+        ] = None,
+        model: Annotated[
+            str | None,
+            typer.Option("--model", help="Model id or local path (default: a small offline model)."),
+        ] = None,
+        max_new_tokens: Annotated[
+            int, typer.Option("--max-new-tokens", help="Tokens to generate per request.")
+        ] = 16,
+        threads: Annotated[
+            int,
+            typer.Option("--threads", help="torch CPU threads (0 = torch's default; "
+                         "1 is steadier on a busy machine)."),
+        ] = 0,
     ) -> None:
         """Run a shared-system-prompt, multi-turn workload cold then warm and show what the KV cache saved."""
         from rich.console import Console

@@ -25,17 +25,17 @@ from ..errors import UnsupportedModelError
 
 __all__ = [
     "KVLayout",
-    "check_supported",
-    "new_cache",
+    "ModelRunner",
     "cache_from_stacks",
     "cache_length",
+    "check_supported",
     "copy_cache",
     "crop_cache",
     "layer_tensors",
-    "stacks_of",
-    "stack_range",
-    "ModelRunner",
+    "new_cache",
     "probe_layout",
+    "stack_range",
+    "stacks_of",
 ]
 
 
@@ -65,7 +65,7 @@ def check_supported(model: Any) -> None:
         )
     try:
         layer_types, _ = get_layer_types_and_kwargs(config)
-    except Exception as exc:  # noqa: BLE001 - unusual configs: refuse rather than guess
+    except Exception as exc:
         raise UnsupportedModelError(f"{mtype}: cannot determine its cache layer types ({exc})") from exc
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
@@ -131,12 +131,13 @@ def crop_cache(cache: DynamicCache, remove: int) -> None:
 
 def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``([1, H, T, D] keys, values)`` of a cache (views, not copies)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    layers: list[Any] = list(cache.layers)
+    return [(layer.keys, layer.values) for layer in layers]
 
 
 def stack_range(cache: DynamicCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of tokens ``[start, end)`` stacked over layers: ``[L, H, end-start, D]``."""
-    layers = cache.layers
+    layers: list[Any] = list(cache.layers)
     k = torch.stack([layer.keys[0, :, start:end] for layer in layers])
     v = torch.stack([layer.values[0, :, start:end] for layer in layers])
     return k, v
@@ -180,7 +181,7 @@ def probe_layout(model: Any, device: torch.device) -> KVLayout:
     cache = new_cache()
     with torch.no_grad():
         ModelRunner(model).forward(torch.zeros((1, 1), dtype=torch.long, device=device), cache)
-    layers = cache.layers
+    layers: list[Any] = list(cache.layers)
     bad = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
     if bad:
         raise UnsupportedModelError(f"model produced cache layers {bad}; only DynamicLayer is supported")

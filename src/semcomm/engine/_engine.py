@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
-__all__ = ["HFEngine", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "HFEngine"]
 
 logger = logging.getLogger("semcomm.engine")
 
@@ -178,7 +178,8 @@ class HFEngine:
                 if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                     raise InvalidInputError(f"chat message must have 'role' and 'content': {m!r}")
             out = self.tokenizer.apply_chat_template(
-                [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True
+                [dict(m) for m in prompt if isinstance(m, Mapping)],
+                add_generation_prompt=True, tokenize=True,
             )
             if isinstance(out, Mapping) or hasattr(out, "keys"):
                 out = out["input_ids"]
@@ -419,9 +420,25 @@ class HFEngine:
         return pre
 
     # --------------------------------------------------------------- generate
+    @overload
+    def generate(
+        self, prompt: Prompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
+        top_p: float = ..., top_k: int = ..., seed: int | None = ...,
+        stop: Sequence[str | int] | str | None = ..., stream: Literal[False] = ...,
+        snapshot: KVSnapshot | None = ...,
+    ) -> GenerationResult: ...
+
+    @overload
+    def generate(
+        self, prompt: Prompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
+        top_p: float = ..., top_k: int = ..., seed: int | None = ...,
+        stop: Sequence[str | int] | str | None = ..., stream: Literal[True],
+        snapshot: KVSnapshot | None = ...,
+    ) -> TokenStream: ...
+
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | None,
         max_new_tokens: int = 32,
         *,
         temperature: float = 0.0,
@@ -447,7 +464,9 @@ class HFEngine:
                 f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} "
                 f"(0 < p <= 1), top_k={top_k} (>= 0)"
             )
-        if prompt is None and snapshot is not None:
+        if prompt is None:
+            if snapshot is None:
+                raise InvalidInputError("the prompt is empty (None) and no snapshot was given")
             prompt = list(snapshot.token_ids)
         ids = self.tokenize(prompt)
         self._validate_ids(ids, max_new_tokens)
@@ -491,7 +510,7 @@ class HFEngine:
         self, ids: list[int], max_new: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, stop_strs: list[str], stop_ids: set[int],
         snapshot: KVSnapshot | None, t_start: float,
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, GenerationResult]:
         pre, keys = self._prefill(ids, snapshot, t_start)
         stats = pre.stats
         rng: torch.Generator | None = None

@@ -50,7 +50,7 @@ def model_fingerprint(model: Any) -> str:
             + list(model.named_buffers(remove_duplicate=False))
         )
         for name, t in tensors:
-            h.update(f"{name}|{tuple(t.shape)}|{str(t.dtype)}".encode())
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype!s}".encode())
             flat = t.detach().reshape(-1)
             if flat.numel() == 0:
                 continue

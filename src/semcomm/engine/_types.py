@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationStats", "GenerationResult", "PrefillResult", "TokenStream"]
+__all__ = ["GenerationResult", "GenerationStats", "PrefillResult", "TokenStream"]
 
 
 @dataclass(slots=True)
