@@ -51,8 +51,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     try:
         from semcomm.reference._assets import load_receiver
 
-        model, tok = load_receiver()
-        return model.eval(), tok, "reference receiver"
+        model, tok = load_receiver(dtype=torch.float32)
+        return model.eval(), tok, "reference receiver (float32)"
     except Exception:  # noqa: BLE001 - not built yet: fall back to a config-built model
         from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -64,6 +64,26 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
         torch.manual_seed(0)
         return (AutoModelForCausalLM.from_config(cfg).eval(), None,
                 "Qwen2.5-0.5B-shaped, 4 of 24 layers, random weights")
+
+
+def make_prompts(tok: Any, model: Any, n: int, n_tok: int) -> list[list[int]]:
+    """Text from the reference world when there is a tokenizer, else random token ids."""
+    if tok is not None:
+        from semcomm.reference import build_world
+
+        facts = [f.statement for f in build_world().facts]
+        out = []
+        for i in range(n):
+            ids: list[int] = []
+            j = i * 37
+            while len(ids) < n_tok:
+                ids += tok(facts[j % len(facts)] + ". ")["input_ids"]
+                j += 1
+            out.append(ids[:n_tok])
+        return out
+    vocab = model.get_input_embeddings().num_embeddings
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab, size=n_tok).tolist() for _ in range(n)]
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -117,11 +137,10 @@ def bf16_agreement(model: Any, tok: Any, prompts: list[list[int]], args: argpars
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tok, desc = load(args)
-    n_tok = 512 if args.quick else 1024
     n_prompts = 2 if args.quick else 4
-    vocab = model.get_input_embeddings().num_embeddings
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, size=n_tok).tolist() for _ in range(n_prompts)]
+    max_pos = getattr(model.config, "max_position_embeddings", 4096)
+    n_tok = min(512 if args.quick else 1024, max_pos - args.new - 1)
+    prompts = make_prompts(tok, model, n_prompts, n_tok)
     base = HFEngine(model, tok, store=MemoryStore(1 << 34), chunk_size=args.chunk_size,
                     device="cpu")
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in CODECS}

@@ -54,3 +54,23 @@ def test_stop_string_ends_generation_and_is_cut(engine: HFEngine) -> None:
     first = full.token_ids.index(full.token_ids[2])
     by_id = engine.generate("Stop here please", max_new_tokens=16, stop=[full.token_ids[2]])
     assert by_id.token_ids == full.token_ids[: first + 1] and by_id.stats.finish_reason == "stop"
+
+
+def test_reference_model_by_path_is_exact() -> None:
+    """The id/path code path (from_pretrained for model and tokenizer) on the trained receiver."""
+    import torch
+
+    from semcomm.reference._assets import receiver_path
+
+    from ._engine_models import reference_greedy
+
+    eng = HFEngine(str(receiver_path()), store=MemoryStore(), chunk_size=16, device="cpu",
+                   dtype="float32")
+    assert eng.tokenizer is not None and eng.dtype == torch.float32
+    prompt = "alice smith lives in oxford. the glide phone costs 120 dollars. alice smith works at"
+    ids = eng.tokenize(prompt)
+    ref = reference_greedy(eng.model, ids, 8)
+    cold = eng.generate(prompt, max_new_tokens=8)
+    warm = eng.generate(prompt, max_new_tokens=8)
+    assert cold.token_ids == ref and warm.token_ids == ref
+    assert warm.stats.hit_tokens == len(ids) - 1
