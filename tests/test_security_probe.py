@@ -18,7 +18,7 @@ def test_probe_harness_contract(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-c", "from semcomm.cli import main; main()", "security", "probe",
-         "--json", str(out), "--trials", "6"],
+         "--json", str(out), "--trials", "5", "--workload", "3"],
         capture_output=True, text=True, timeout=400, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -28,7 +28,7 @@ def test_probe_harness_contract(tmp_path: Path) -> None:
     chance = report["chance"]
     assert chance == pytest.approx(1 / 8)
     # defenses off: the attacker reads the victim's secret from TTFT well above chance
-    assert report["success_defenses_off"] >= chance + 0.4, report["modes"]["defenses_off"]
+    assert report["success_defenses_off"] >= chance + 0.3, report["modes"]["defenses_off"]
     # defenses on: no better than chance + 5 points
     assert report["success_defenses_on"] <= chance + 0.05, report["modes"]["defenses_on"]
     on = report["modes"]["defenses_on"]["attack"]

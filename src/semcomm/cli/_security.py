@@ -28,6 +28,8 @@ def probe(
         min=2, help="Victim prompts attacked per configuration.")] = 10,
     candidates: Annotated[int, typer.Option(
         min=2, max=8, help="Candidate secrets per prompt (K; chance = 1/K).")] = 8,
+    workload: Annotated[int, typer.Option(
+        min=1, help="Benign requests per user per configuration (throughput figure).")] = 12,
     full: Annotated[bool, typer.Option(
         "--full", help="Longer configuration: 40 trials (several minutes).")] = False,
     seed: Annotated[int, typer.Option(
@@ -44,7 +46,7 @@ def probe(
 
     console = Console()
     cfg = ProbeHarnessConfig(candidates=CANDIDATES[:candidates], trials=40 if full else trials,
-                             seed=seed)
+                             workload_requests=workload, seed=seed)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting servers", total=2 * cfg.trials)
