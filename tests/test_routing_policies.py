@@ -157,3 +157,20 @@ def test_set_replicas_keeps_state_of_survivors() -> None:
     assert again.replica == d.replica and again.slot == 1 and again.matched_chunks == 8
     r.complete(d)  # a decision made before the change still releases its load
     assert r.inflight.tolist() == [0, 1]
+
+
+def test_plan_records_nothing_until_record_and_reassign_moves_load() -> None:
+    r = _router("least-loaded", n=2)
+    plan = r.plan(_prompt(1))
+    assert r.inflight.tolist() == [0, 0] and r.index.match(plan.keys) == {}
+    d = r.record(plan)
+    assert r.inflight.tolist() == [1, 0] and r.index.match(plan.keys) == {0: 8}
+    with pytest.raises(RuntimeError):
+        r.record(plan)
+    moved = r.reassign(d, 1)  # the request actually went to replica 1
+    assert moved.replica == "1" and r.inflight.tolist() == [0, 1]
+    assert r.reassign(moved, "1") is moved
+    r.complete(moved)
+    assert r.inflight.tolist() == [0, 0]
+    with pytest.raises(RuntimeError, match="never recorded"):
+        r.complete(r.plan(_prompt(2)))

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class DecisionState(enum.Enum):
-    """Lifecycle of a routed request: ROUTED -> PREFILLED -> COMPLETED (PREFILLED optional)."""
+    """Lifecycle: PLANNED -> ROUTED (recorded) -> PREFILLED -> COMPLETED (PREFILLED optional)."""
 
+    PLANNED = "planned"
     ROUTED = "routed"
     PREFILLED = "prefilled"
     COMPLETED = "completed"
@@ -49,8 +50,9 @@ class RouteDecision:
     cached_tokens: int  # tokens predicted to be restored from cache
     predicted_ttft_s: float  # predicted TTFT on the chosen replica
     keys: tuple[Hashable, ...] = field(repr=False)  # the prompt's chunk keys
-    backlog_s: float = field(default=0.0, repr=False)  # prefill seconds this request added to the backlog
-    state: DecisionState = DecisionState.ROUTED  # advanced only by the router
+    backlog_s: float = field(default=0.0, repr=False)  # prefill seconds this request adds to the backlog
+    match: dict[int, int] = field(default_factory=dict, repr=False)  # index match at planning time
+    state: DecisionState = DecisionState.PLANNED  # advanced only by the router
 
 
 class ReplicaRouter:
@@ -136,12 +138,22 @@ class ReplicaRouter:
         keys: Sequence[Hashable] | None = None,
         num_tokens: int | None = None,
     ) -> RouteDecision:
-        """Choose a replica for a prompt given as the full conversation's token ids.
+        """Choose a replica for a prompt given as the full conversation's token ids, and record it.
 
         Pass ``token_ids`` (keys are computed like the KV store does), or precomputed ``keys``
         with ``num_tokens``. The decision is recorded: the approximate index learns it and the
-        replica's load grows until :meth:`complete`.
+        replica's load grows until :meth:`complete`. Same as ``record(plan(...))``.
         """
+        return self.record(self.plan(token_ids, keys=keys, num_tokens=num_tokens))
+
+    def plan(
+        self,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        *,
+        keys: Sequence[Hashable] | None = None,
+        num_tokens: int | None = None,
+    ) -> RouteDecision:
+        """Choose a replica without recording anything (for callers that may send elsewhere)."""
         if token_ids is not None:
             n = len(token_ids)
             if n == 0:
@@ -154,10 +166,11 @@ class ReplicaRouter:
                 raise InvalidInputError("cannot route an empty prompt (num_tokens <= 0)")
         else:
             raise InvalidInputError("route() needs token_ids or keys")
+        match = self.index.match(ks)
         view = RouteView(
             num_tokens=n,
             keys=ks,
-            match=self.index.match(ks),
+            match=match,
             chunk_size=self.chunk_size,
             inflight=self.inflight,
             backlog_s=self.backlog_s,
@@ -168,25 +181,55 @@ class ReplicaRouter:
         )
         r = self.policy.choose(view)
         assert 0 <= r < self.num_replicas, f"policy {self.policy.name} returned slot {r}"
-        cached = view.cached_tokens(r)
+        return self._decision(r, n, ks, match)
+
+    def _decision(self, r: int, n: int, ks: Sequence[Hashable], match: dict[int, int]) -> RouteDecision:
+        m = match.get(r, 0)
+        cached = min(m * self.chunk_size, max(n - 1, 0))
         slow = 1.0 + self.cost.prefill_slowdown_per_decode * float(self.inflight[r])
         own = self.cost.prefill_s(n - cached, cached) * slow
-        ttft = float(self.backlog_s[r]) + own
-        self.inflight[r] += 1
-        self.backlog_s[r] += own
-        self.routed[r] += 1
-        self.index.on_routed(r, ks)
         return RouteDecision(
             replica=self.names[r],
             slot=r,
             policy=self.policy.name,
             num_tokens=n,
-            matched_chunks=view.match.get(r, 0),
+            matched_chunks=m,
             cached_tokens=cached,
-            predicted_ttft_s=ttft,
+            predicted_ttft_s=float(self.backlog_s[r]) + own,
             keys=tuple(ks),
             backlog_s=own,
+            match=match,
         )
+
+    def record(self, decision: RouteDecision, replica: str | int | None = None) -> RouteDecision:
+        """Record a planned decision, optionally on another replica than planned (returned)."""
+        if decision.state is not DecisionState.PLANNED:
+            raise RuntimeError(f"record() on a request in state {decision.state.value}")
+        if replica is not None:
+            want = self.slot(replica)
+            if want != decision.slot or self.names[want] != decision.replica:
+                decision = self._decision(want, decision.num_tokens, decision.keys, decision.match)
+        r = self._slot_of.get(decision.replica)
+        if r is None:
+            raise ValueError(f"replica {decision.replica!r} is no longer in the router")
+        self.inflight[r] += 1
+        self.backlog_s[r] += decision.backlog_s
+        self.routed[r] += 1
+        self.index.on_routed(r, decision.keys)
+        decision.state = DecisionState.ROUTED
+        return decision
+
+    def reassign(self, decision: RouteDecision, replica: str | int) -> RouteDecision:
+        """The request recorded by ``decision`` actually went to ``replica``: move its load there.
+
+        (The approximate index keeps what it learned for the first replica; it ages out by LRU.)
+        """
+        r = self.slot(replica)
+        if self.names[r] == decision.replica:
+            return decision
+        self.complete(decision)
+        moved = self._decision(r, decision.num_tokens, decision.keys, decision.match)
+        return self.record(moved)
 
     def prefill_done(self, decision: RouteDecision) -> None:
         """The replica finished this request's prefill (its first token is out)."""
@@ -200,6 +243,8 @@ class ReplicaRouter:
         """The request finished (or failed); its replica's load drops."""
         if decision.state is DecisionState.COMPLETED:
             raise RuntimeError("complete() called twice for one request")
+        if decision.state is DecisionState.PLANNED:
+            raise RuntimeError("complete() on a decision that was never recorded")
         if decision.state is DecisionState.ROUTED:
             self._release_backlog(decision)
             self._settle(decision)
