@@ -47,11 +47,11 @@ def other_traces(out: Path) -> dict[str, Path]:
     """Synthetic traces in the Mooncake format (written to disk and read back like any trace)."""
     specs: dict[str, dict[str, Any]] = {
         # multi-turn chat: 48 system prompts, 3-turn conversations, mild skew
-        "conversation": dict(groups=48, prompts_per_group=24, system_len=3072, question_len=384,
-                             output_len=192, turns=3, zipf_s=0.6, rate=6.0, seed=11),
+        "conversation": {"groups": 48, "prompts_per_group": 24, "system_len": 3072, "question_len": 384,
+                         "output_len": 192, "turns": 3, "zipf_s": 0.6, "rate": 6.0, "seed": 11},
         # tool agent: long shared tool preambles, short questions, strong reuse
-        "toolagent": dict(groups=16, prompts_per_group=160, system_len=12288, question_len=768,
-                          output_len=96, turns=1, zipf_s=0.9, rate=6.0, seed=12),
+        "toolagent": {"groups": 16, "prompts_per_group": 160, "system_len": 12288, "question_len": 768,
+                      "output_len": 96, "turns": 1, "zipf_s": 0.9, "rate": 6.0, "seed": 12},
     }
     paths = {}
     for name, kw in specs.items():
@@ -77,16 +77,19 @@ def decision_latency(replicas: int = 64, requests: int = 3000, seed: int = 0) ->
         router = ReplicaRouter(replicas, policy=policy, namespace=ns.digest, chunk_size=256,
                                capacity_chunks=2000, index="approximate")
         times = np.empty(requests)
+        cpu = np.empty(requests)
         pending = []
         for i in range(requests):
             prompt = systems[int(rng.zipf(1.3)) % len(systems)] + rng.integers(3, 32000, size=256).tolist()
-            t = time.perf_counter_ns()
+            t, c = time.perf_counter_ns(), time.thread_time_ns()
             d = router.route(prompt)
+            cpu[i] = (time.thread_time_ns() - c) / 1000.0
             times[i] = (time.perf_counter_ns() - t) / 1000.0
             pending.append(d)
             if len(pending) > 4 * replicas:  # keep ~4 requests in flight per replica
                 router.complete(pending.pop(0))
         out[policy] = {"p50_us": float(np.percentile(times, 50)), "p99_us": float(np.percentile(times, 99)),
+                       "cpu_p50_us": float(np.percentile(cpu, 50)), "cpu_p99_us": float(np.percentile(cpu, 99)),
                        "prompt_tokens_mean": float(np.mean([len(s) + 256 for s in systems]))}
     return out
 
@@ -166,15 +169,19 @@ def main() -> None:
     goals = []
     for tname, scale, a, d, ratio in hit_rows:
         goals.append((f"hit rate default/affinity, {tname} x{scale:g} ({d:.3f}/{a:.3f})", ratio, ">= 0.95", ratio >= 0.95))
-    goals.append(("hotspot p99 TTFT default/least-loaded "
-                  f"({hb['default'].ttft_p99_s:.2f}s/{hb['least-loaded'].ttft_p99_s:.2f}s)", hot_ratio, "<= 1.10",
-                  hot_ratio <= 1.10))
+    hot_name = f"hotspot p99 TTFT default/least-loaded ({hb['default'].ttft_p99_s:.2f}s/" \
+        f"{hb['least-loaded'].ttft_p99_s:.2f}s)"
+    goals.append((hot_name, hot_ratio, "<= 1.10", hot_ratio <= 1.10))
     for tname, caps in cap.items():
         r = caps["default"] / max(caps["round-robin"], 1e-9)
         goals.append((f"capacity default/round-robin, {tname} (x{caps['default']:.2f}/x{caps['round-robin']:.2f})",
                       r, ">= 2", r >= 2.0))
-    p99 = lat["default"]["p99_us"]
-    goals.append(("decision p99 at 64 replicas, default (us)", p99, "< 1000", p99 < 1000))
+    # CPU time of the deciding thread: on a shared host, wall-clock p99 measures the scheduler's
+    # time slices (other processes preempting this one), not the router; both are reported.
+    p99 = lat["default"]["cpu_p99_us"]
+    goals.append(("decision p99 at 64 replicas, default, thread CPU time (us)", p99, "< 1000", p99 < 1000))
+    goals.append(("decision p99 at 64 replicas, default, wall clock (us)", lat["default"]["p99_us"], "< 1000",
+                  lat["default"]["p99_us"] < 1000))
     if "scale" in report:
         goals.append(("1000 replicas x 100k requests, wall s", report["scale"]["wall_s"], "few minutes",
                       report["scale"]["wall_s"] < 300))
@@ -183,10 +190,10 @@ def main() -> None:
     console.print(t)
     lt = Table(title="decision latency, 64 replicas")
     lt.add_column("policy")
-    lt.add_column("p50 us", justify="right")
-    lt.add_column("p99 us", justify="right")
+    for col in ("wall p50 us", "wall p99 us", "CPU p50 us", "CPU p99 us"):
+        lt.add_column(col, justify="right")
     for p, v in lat.items():
-        lt.add_row(p, f"{v['p50_us']:.0f}", f"{v['p99_us']:.0f}")
+        lt.add_row(p, f"{v['p50_us']:.0f}", f"{v['p99_us']:.0f}", f"{v['cpu_p50_us']:.0f}", f"{v['cpu_p99_us']:.0f}")
     console.print(lt)
     report["goals"] = [{"goal": g, "value": v, "target": tg, "met": ok} for g, v, tg, ok in goals]
     _plot_capacity(cap, args.out / "capacity.png", args.slo)
