@@ -32,6 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch  # noqa: E402
+
+# one intra-op thread: on a shared, small CPU, more threads mostly wait for each other
+torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
 
 from bench_semantic_common import DEFAULT_DATA, Protocol, build_protocol, curve, outcomes, pr_at  # noqa: E402
 from rich.console import Console  # noqa: E402

@@ -268,8 +268,7 @@ class SemanticCache:
         now = self._clock()
         live = [e for e in self.backend.load_all() if not e.expired(now)]
         live.sort(key=lambda e: e.last_hit or e.created_at)
-        for e in live:
-            self._index_entry(e)
+        self._index_entries(live)
         self._enforce_budget()
 
     def _tenant_digest(self, tenant: str | None) -> str:
@@ -323,28 +322,38 @@ class SemanticCache:
 
     # -- index maintenance (under lock) ---------------------------------------------------------
     def _index_entry(self, e: Entry) -> None:
-        if e.vector.shape[0] != self.dim:
-            log.warning("skipping entry %s with dimension %d", e.id, e.vector.shape[0])
-            return
-        old = self._slots.pop(e.id, None)
-        if old is not None:
-            label = old.label
-            self._bytes -= old.nbytes
-        else:
-            label = self._next_label
-            self._next_label += 1
-            self._labels[label] = e.id
-        idx = self._indexes.get(e.partition)
-        if idx is None:
-            idx = self._indexes[e.partition] = _INDEX_KINDS[self.index_kind](self.dim)
-        if old is not None and old.partition != e.partition:  # pragma: no cover - id collision
-            self._indexes[old.partition].remove([label])
-        idx.add([label], e.vector[None, :])
-        nb = e.nbytes()
-        self._slots[e.id] = _Slot(label, e.partition, e.query, e.scope, e.tenant, e.model,
-                                  frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s, nb,
-                                  e.hits, e.last_hit or e.created_at)
-        self._bytes += nb
+        self._index_entries([e])
+
+    def _index_entries(self, entries: Sequence[Entry]) -> None:
+        """Add entries to their partitions' indexes, one batched add per partition."""
+        batches: dict[str, tuple[list[int], list[np.ndarray]]] = {}
+        for e in entries:
+            if e.vector.shape[0] != self.dim:
+                log.warning("skipping entry %s with dimension %d", e.id, e.vector.shape[0])
+                continue
+            old = self._slots.pop(e.id, None)
+            if old is not None:
+                label = old.label
+                self._bytes -= old.nbytes
+                if old.partition != e.partition:  # pragma: no cover - id collision
+                    self._indexes[old.partition].remove([label])
+            else:
+                label = self._next_label
+                self._next_label += 1
+                self._labels[label] = e.id
+            labs, vecs = batches.setdefault(e.partition, ([], []))
+            labs.append(label)
+            vecs.append(e.vector)
+            nb = e.nbytes()
+            self._slots[e.id] = _Slot(label, e.partition, e.query, e.scope, e.tenant, e.model,
+                                      frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s,
+                                      nb, e.hits, e.last_hit or e.created_at)
+            self._bytes += nb
+        for part, (labs, vecs) in batches.items():
+            idx = self._indexes.get(part)
+            if idx is None:
+                idx = self._indexes[part] = _INDEX_KINDS[self.index_kind](self.dim)
+            idx.add(labs, np.stack(vecs))
 
     def _unindex(self, ids: Iterable[str]) -> list[str]:
         gone = []
@@ -395,9 +404,7 @@ class SemanticCache:
         if sync.deletes:
             self._unindex(sync.deletes)
         now = self._clock()
-        for e in sync.upserts:
-            if not e.expired(now):
-                self._index_entry(e)
+        self._index_entries([e for e in sync.upserts if not e.expired(now)])
         if sync.upserts:
             victims = self._enforce_budget()
             if victims:
@@ -552,8 +559,7 @@ class SemanticCache:
             for e in entries:
                 self.backend.put(e)
         with self._lock:
-            for e in entries:
-                self._index_entry(e)
+            self._index_entries(entries)
             self._stats.stores += len(entries)
             victims = self._enforce_budget()
         if victims:

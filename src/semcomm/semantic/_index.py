@@ -121,7 +121,7 @@ class FlatIndex:
 class HNSWIndex:
     """usearch HNSW graph, inner-product metric, float32 storage."""
 
-    def __init__(self, dim: int, *, connectivity: int = 16, expansion_add: int = 128,
+    def __init__(self, dim: int, *, connectivity: int = 16, expansion_add: int = 64,
                  expansion_search: int = 64, dtype: str = "f32") -> None:
         from usearch.index import Index
 
@@ -141,10 +141,12 @@ class HNSWIndex:
     def add(self, labels: Sequence[int], vectors: np.ndarray) -> None:
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
         labs = np.asarray(labels, dtype=np.uint64)
-        present = [i for i, lab in enumerate(labs) if self._index.contains(int(lab))]
-        if present:
-            self._index.remove(labs[present])
-        self._index.add(labs, vectors, threads=1)
+        if len(self._index):
+            present = np.atleast_1d(np.asarray(self._index.contains(labs), dtype=bool))
+            if present.any():
+                self._index.remove(labs[present])
+        # batch inserts use every core; single inserts stay on the caller's thread
+        self._index.add(labs, vectors, threads=0 if len(labs) > 256 else 1)
 
     def remove(self, labels: Sequence[int]) -> int:
         labs = [int(x) for x in labels if self._index.contains(int(x))]
