@@ -92,13 +92,16 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
-def greedy_match(a: list[int], b: list[int]) -> int:
+def greedy_match(a: list[int], b: list[int]) -> float:
+    """Fraction of the reference continuation ``a`` that ``b`` reproduces before diverging."""
+    if a == b:
+        return 1.0
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
-    return n
+    return n / max(len(a), 1)
 
 
 def hf_quantized_greedy(model: Any, ids: list[int], new: int) -> list[int] | str:
@@ -130,8 +133,7 @@ def bf16_agreement(model: Any, tok: Any, prompts: list[list[int]], args: argpars
         warm = eng.prefill(ids)
         assert warm.stats.hit_tokens == len(ids) - 1
         top1.append(float(int(warm.last_logits.argmax()) == int(ref_logits.argmax())))
-        match.append(greedy_match(ref, eng.generate(ids, max_new_tokens=args.new).token_ids)
-                     / args.new)
+        match.append(greedy_match(ref, eng.generate(ids, max_new_tokens=args.new).token_ids))
     return {"top1_agreement": statistics.mean(top1), "greedy_match": statistics.mean(match)}
 
 
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref_layers = [(layer.keys, layer.values) for layer in ref_pre.cache.layers]
         hf = hf_quantized_greedy(model, ids, args.new)
         if isinstance(hf, list):
-            hf_rows.append(greedy_match(ref_gen, hf) / args.new)
+            hf_rows.append(greedy_match(ref_gen, hf))
         for spec in CODECS:
             eng = HFEngine(model, tok, store=MemoryStore(1 << 34), chunk_size=args.chunk_size,
                            codec=spec, device="cpu")
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("k_rel_error", k_err), ("v_rel_error", v_err),
                 ("kl", kl(ref_pre.last_logits, pre.last_logits)),
                 ("top1", float(int(ref_pre.last_logits.argmax()) == int(pre.last_logits.argmax()))),
-                ("greedy_match", greedy_match(ref_gen, gen) / args.new),
+                ("greedy_match", greedy_match(ref_gen, gen)),
             ):
                 r.setdefault(name, []).append(float(val))
     out_bf16 = bf16_agreement(model, tok, prompts, args)
