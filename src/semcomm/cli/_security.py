@@ -25,11 +25,14 @@ def probe(
     json_out: Annotated[Path | None, typer.Option(
         "--json", help="Write the report as JSON to this file.")] = None,
     trials: Annotated[int, typer.Option(
-        min=2, help="Victim prompts attacked per configuration.")] = 10,
+        min=2, help="Victim prompts attacked per configuration.")] = 8,
     candidates: Annotated[int, typer.Option(
         min=2, max=8, help="Candidate secrets per prompt (K; chance = 1/K).")] = 8,
     workload: Annotated[int, typer.Option(
         min=1, help="Benign requests per user per configuration (throughput figure).")] = 12,
+    per_defense: Annotated[bool, typer.Option(
+        "--per-defense/--no-per-defense",
+        help="Also attack with salts alone, no probe detection (on with --full).")] = False,
     full: Annotated[bool, typer.Option(
         "--full", help="Longer configuration: 40 trials (several minutes).")] = False,
     seed: Annotated[int, typer.Option(
@@ -45,11 +48,12 @@ def probe(
     from ..security._harness import CANDIDATES, ProbeHarnessConfig, run_probe_harness
 
     console = Console()
+    per_defense = per_defense or full
     cfg = ProbeHarnessConfig(candidates=CANDIDATES[:candidates], trials=40 if full else trials,
-                             workload_requests=workload, seed=seed)
+                             workload_requests=workload, per_defense=per_defense, seed=seed)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting servers", total=2 * cfg.trials)
+        task = bar.add_task("starting the server", total=(3 if per_defense else 2) * cfg.trials)
         done = {"n": 0}
 
         def progress(stage: str, i: int, n: int) -> None:
@@ -65,13 +69,14 @@ def probe(
     table.add_column("probe right / wrong ms", justify="right")
     table.add_column("throttled", justify="right")
     table.add_column("benign req/s", justify="right")
-    for mode, m in report["modes"].items():
-        a = m["attack"]
+    rows = [(mode, m["attack"], f"{m['throughput_rps']:.1f}") for mode, m in report["modes"].items()]
+    rows += [(mode, a, "-") for mode, a in report["attacks_per_defense"].items()]
+    for mode, a, rps in rows:
         table.add_row(
             mode.replace("_", " "), f"{a['success']:.2f}", f"{report['chance']:.3f}",
             f"{a['calib_hit_ms']:.1f} / {a['calib_miss_ms']:.1f}",
             f"{a['probe_correct_ms']:.1f} / {a['probe_wrong_ms']:.1f}",
-            f"{a['probes_throttled']}/{a['probes_sent']}", f"{m['throughput_rps']:.1f}",
+            f"{a['probes_throttled']}/{a['probes_sent']}", rps,
         )
     console.print(table)
     console.print(

@@ -80,14 +80,15 @@ class ProbeHarnessConfig:
     """Parameters of one harness run. The defaults are the short configuration (< 60 s)."""
 
     candidates: tuple[str, ...] = CANDIDATES  # K candidate secrets (equal length)
-    trials: int = 10  # victim prompts to attack, per configuration
+    trials: int = 8  # victim prompts to attack, per configuration
     suffix_chars: int = 1400  # known text after the secret (bytes = tokens for the byte model)
     calibration_pairs: int = 3  # attacker's own miss/hit pairs for the threshold
     hidden_size: int = 96  # config-built target model: big enough that prefill shows
     layers: int = 3
     chunk_size: int = 32  # KV chunk size of the target model
-    hit_ratio: float = 0.5  # a probe faster than this x the trial's median latency is a hit
+    hit_ratio: float = 0.35  # a probe faster than this x the trial's median latency is a hit
     workload_requests: int = 12  # benign requests per user for the throughput figure
+    per_defense: bool = False  # also attack with salts alone (no probe detection)
     seed: int = 0
     startup_timeout_s: float = 90.0
     request_timeout_s: float = 30.0
@@ -153,12 +154,15 @@ def server_toml(*, port: int, model_dir: Path, state_dir: Path, secret: str,
       tenant is exempt from probe detection; the benign pair ``bench-s1``/``bench-s2`` likewise
       share one exempt tenant;
     * defenses on: ``attacker-key`` and ``bench-a``/``bench-b`` are tenants of their own
-      (server-derived salts) under probe detection.
+      (server-derived salts) under probe detection;
+    * salts only (``per_defense``): ``attacker-solo-key`` is a tenant of its own, exempt from
+      probe detection, so the salts' effect is measured alone.
     """
     tenants = {
         "victim": ("victim-key", ["attacker-shared-key"]),
         "bench-shared": ("bench-s1-key", ["bench-s2-key"]),
         "attacker": ("attacker-key", []),
+        "attacker-solo": ("attacker-solo-key", []),
         "bench-a": ("bench-a-key", []),
         "bench-b": ("bench-b-key", []),
     }
@@ -187,7 +191,7 @@ def server_toml(*, port: int, model_dir: Path, state_dir: Path, secret: str,
         lines += [f"[tenants.{name}]", f"api_key = {_toml_str(key)}",
                   "api_keys = [" + ", ".join(_toml_str(k) for k in extra) + "]", ""]
     lines += ["[security]", "probe_detection = true", "", "[security.probe]",
-              'exempt_tenants = ["victim", "bench-shared"]', ""]
+              'exempt_tenants = ["victim", "bench-shared", "attacker-solo"]', ""]
     return "\n".join(lines)
 
 
@@ -195,6 +199,7 @@ def server_toml(*, port: int, model_dir: Path, state_dir: Path, secret: str,
 _KEYS = {
     "defenses_off": ("attacker-shared-key", "victim-key", ("bench-s1-key", "bench-s2-key")),
     "defenses_on": ("attacker-key", "victim-key", ("bench-a-key", "bench-b-key")),
+    "salts_only": ("attacker-solo-key", "victim-key", ("bench-a-key", "bench-b-key")),
 }
 
 
@@ -257,7 +262,8 @@ class ServeProcess:
             self._log.close()
 
 
-MODES = ("defenses_off", "defenses_on")
+MODES = ("defenses_off", "defenses_on")  # the contract's two configurations
+EXTRA_MODES = ("salts_only",)  # one defense alone (``per_defense``)
 
 
 @contextmanager
@@ -433,7 +439,8 @@ def run_probe_harness(cfg: ProbeHarnessConfig | None = None, *, workdir: Path | 
         with _server(work, model_dir, cfg) as (proc, started):
             # off first: its victim prompts live in the victim's namespace, out of the
             # separate attacker tenant's reach; every trial uses a fresh form id anyway
-            attacks = {m: _attack_mode(m, proc, cfg, progress) for m in MODES}
+            order = ("defenses_off", *(EXTRA_MODES if cfg.per_defense else ()), "defenses_on")
+            attacks = {m: _attack_mode(m, proc, cfg, progress) for m in order}
             tput = _workloads(proc, cfg, random.Random(f"{cfg.seed}/workload"))
         off, on = (ModeReport(mode=m, attack=attacks[m], throughput_rps=tput[m][0],
                               workload_s=tput[m][1], server_start_s=started) for m in MODES)
@@ -450,7 +457,9 @@ def run_probe_harness(cfg: ProbeHarnessConfig | None = None, *, workdir: Path | 
         "throughput_rps_defenses_off": off.throughput_rps,
         "throughput_rps_defenses_on": on.throughput_rps,
         "throughput_cost": 1.0 - on.throughput_rps / off.throughput_rps if off.throughput_rps else math.nan,
+        **({"success_salts_only": attacks["salts_only"].success} if cfg.per_defense else {}),
         "modes": {m.mode: asdict(m) for m in (off, on)},
+        "attacks_per_defense": {m: asdict(a) for m, a in attacks.items() if m not in MODES},
         "config": asdict(cfg),
         "elapsed_s": time.perf_counter() - t0,
     }
