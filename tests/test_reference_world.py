@@ -50,7 +50,7 @@ def test_world_size_and_relations(world) -> None:
     assert kinds == {"person": 100, "city": 20, "company": 24, "product": 40}
     assert len({e.name for e in world.entities}) == len(world.entities)  # names are unique
     assert len(world.facts) == 100 * 3 + 20 + 24 * 3 + 40 * 2
-    assert set(f.relation for f in world.facts) == set(world.relations)
+    assert {f.relation for f in world.facts} == set(world.relations)
 
 
 def test_split_is_half_per_relation_and_disjoint(world) -> None:

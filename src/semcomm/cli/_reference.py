@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -22,9 +22,9 @@ reference_app = typer.Typer(
 @reference_app.command("build")
 def build(
     seed: Annotated[int, typer.Option(help="World seed.")] = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: the package's "
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: the package's "
                                                      "assets folder).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Override training steps (both models).")]
+    steps: Annotated[int | None, typer.Option(help="Override training steps (both models).")]
     = None,
     sequential: Annotated[bool, typer.Option(help="Train one model after the other with two "
                                                   "threads instead of both at once.")] = False,
@@ -42,21 +42,21 @@ def build(
 
 @reference_app.command("eval")
 def evaluate(
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results as "
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as "
                                                       "JSON to this file.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="At most N questions per split (and 2N "
+    limit: Annotated[int | None, typer.Option(help="At most N questions per split (and 2N "
                                                       "held-out sentences).", min=1)] = None,
-    models_dir: Annotated[Optional[Path], typer.Option(help="Folder holding sharer/ and "
+    models_dir: Annotated[Path | None, typer.Option(help="Folder holding sharer/ and "
                                                        "receiver/ (default: shipped).")] = None,
     seed: Annotated[int, typer.Option(help="World seed the models were built on.")] = 0,
 ) -> None:
     """Perplexity (held-out templates) and multiple-choice accuracy on seen/unseen facts."""
     import torch
 
+    from semcomm.errors import ConfigError
     from semcomm.reference._assets import assets_dir, load_model
     from semcomm.reference._eval import evaluate_model
     from semcomm.reference.world import build_world
-    from semcomm.errors import ConfigError
 
     torch.set_num_threads(1)
     base = models_dir or assets_dir()

@@ -44,14 +44,6 @@ from .world import (
 )
 
 __all__ = [
-    "assets_dir",
-    "load_model",
-    "load_receiver",
-    "load_sharer",
-    "model_card_eval",
-    "receiver_path",
-    "router_labels",
-    "sharer_path",
     "LETTERS",
     "ROUTER_PROMPT",
     "SYSTEM_PROMPT",
@@ -66,7 +58,15 @@ __all__ = [
     "Sentence",
     "Turn",
     "World",
+    "assets_dir",
     "build_world",
     "format_mc",
     "format_qa",
+    "load_model",
+    "load_receiver",
+    "load_sharer",
+    "model_card_eval",
+    "receiver_path",
+    "router_labels",
+    "sharer_path",
 ]

@@ -12,13 +12,13 @@ from ..errors import ConfigError
 __all__ = [
     "ASSETS_DIR",
     "assets_dir",
-    "sharer_path",
-    "receiver_path",
-    "load_sharer",
-    "load_receiver",
     "load_model",
-    "router_labels",
+    "load_receiver",
+    "load_sharer",
     "model_card_eval",
+    "receiver_path",
+    "router_labels",
+    "sharer_path",
 ]
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"

@@ -37,11 +37,14 @@ from ._train import (
     save_loss_plot,
     train_model,
 )
-from .world import World, build_world
+from .world import World, build_world, format_qa
 
-__all__ = ["SPECS", "build_model", "build_all", "finish_build", "write_model_card"]
+__all__ = ["SPECS", "build_all", "build_model", "finish_build", "write_model_card"]
 
 log = logging.getLogger(__name__)
+
+# Tests re-run the evaluation on this many questions per split and compare with "check".
+CHECK_LIMIT = 40
 
 SPECS: dict[str, ModelSpec] = {"sharer": SHARER_SPEC, "receiver": RECEIVER_SPEC}
 
@@ -56,8 +59,6 @@ def _tokenizer(world: World, name: str, model_dir: Path) -> Any:
 def build_model(name: str, out_dir: str | Path, seed: int = 0, steps: int | None = None,
                 threads: int = 2, show_progress: bool = True) -> dict[str, Any]:
     """Build tokenizer, train, save fp16, reload, evaluate, write the model card."""
-    from ._assets import load_model
-
     if name not in SPECS:
         raise ValueError(f"model must be one of {sorted(SPECS)}, got {name!r}")
     world = build_world(seed)
@@ -70,14 +71,31 @@ def build_model(name: str, out_dir: str | Path, seed: int = 0, steps: int | None
     model.to(torch.float16).save_pretrained(str(model_dir))
     save_loss_plot(result, model_dir / "loss.png")
     dump_json(result.to_dict(), model_dir / "train.json")
-    # Evaluate the shipped (fp16) weights as a user loads them.
+    summary = evaluate_shipped(out_dir, name, seed, result)
+    return {"train": result.to_dict(), "eval": summary}
+
+
+def evaluate_shipped(out_dir: str | Path, name: str, seed: int = 0,
+                     result: TrainResult | None = None) -> dict[str, Any]:
+    """Evaluate the saved fp16 weights as a user loads them; write eval.json, mc_correct.json
+    and the model card (``result`` defaults to the one recorded in train.json)."""
+    from ._assets import load_model
+
+    model_dir = Path(out_dir) / name
+    world = build_world(seed)
+    if result is None:
+        train = json.loads((model_dir / "train.json").read_text())
+        result = TrainResult(ModelSpec(**train["spec"]), train["params"], train["tokens"],
+                             train["minutes"], [train["final_loss"]] * 50,
+                             train["exposures_per_fact"], train["n_facts"])
     shipped, shipped_tok = load_model(model_dir)
     ev = evaluate_model(shipped, shipped_tok, world)
     summary = ev.summary() | {"world_digest": world.digest(), "world_seed": seed}
+    summary["check"] = evaluate_model(shipped, shipped_tok, world, limit=CHECK_LIMIT).summary()
     dump_json(summary, model_dir / "eval.json")
     dump_json(dict(sorted(ev.correct.items())), model_dir / "mc_correct.json")
-    write_model_card(model_dir, spec, result, summary, world, shipped)
-    return {"train": result.to_dict(), "eval": summary}
+    write_model_card(model_dir, result.spec, result, summary, world, shipped)
+    return summary
 
 
 def finish_build(out_dir: str | Path, seed: int = 0) -> dict[str, Any]:
@@ -168,14 +186,39 @@ Loss curve: `loss.png`.
 |---|---|
 | perplexity, held-out templates, seen facts | {summary['perplexity']:.3f} |
 | perplexity, held-out templates, unseen facts | {summary['perplexity_unseen']:.3f} |
+| perplexity, first train template, seen facts | {summary['perplexity_train']:.3f} |
 | multiple choice, option log-likelihood, seen facts ({summary['n_seen']}) | {summary['accuracy_seen']:.3f} |
 | multiple choice, option log-likelihood, unseen facts ({summary['n_unseen']}) | {summary['accuracy_unseen']:.3f} |
 | multiple choice, greedy answer letter, seen facts | {summary['letter_accuracy_seen']:.3f} |
 | multiple choice, greedy answer letter, unseen facts | {summary['letter_accuracy_unseen']:.3f} |
 
 Chance on multiple choice is 0.25. Perplexity is per token of this model's tokenizer.
+
+## Samples (greedy, from the shipped weights)
+{_samples(model, world)}
 """
     (model_dir / "README.md").write_text(text, encoding="utf-8")
+
+
+def _samples(model: Any, world: World) -> str:
+    """Greedy continuations of a few world prompts, as a markdown list."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model.name_or_path))
+    seen = world.facts_in("seen")
+    prompts = [seen[0].subject, format_qa(world.mc_questions("seen")[1].question),
+               format_qa(world.mc_questions("unseen")[0].question),
+               world.conversations(split="seen")[2].render(upto=2) + "\nassistant:"]
+    lines = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=24, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        text = str(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        shown = prompt.replace("\n", " / ")
+        lines.append(f"- `{shown}` -> `{text.strip()}`")
+    return "\n".join(lines)
 
 
 def _main(argv: list[str] | None = None) -> None:

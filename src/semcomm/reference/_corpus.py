@@ -16,18 +16,27 @@ import random
 from collections.abc import Iterator
 
 from ._templates import DESKS, TEMPLATES
-from .world import LETTERS, ROUTER_PROMPT, SYSTEM_PROMPT, Fact, SplitArg, World, format_mc, format_qa
+from .world import (
+    LETTERS,
+    ROUTER_PROMPT,
+    SYSTEM_PROMPT,
+    Fact,
+    SplitArg,
+    World,
+    format_mc,
+    format_qa,
+)
 
 __all__ = ["MIX", "documents"]
 
 # Document kinds and their weights (per fact visit).
 MIX: dict[str, float] = {
-    "statement": 0.30,
+    "statement": 0.32,
     "bio": 0.15,
-    "qa": 0.42,
-    "conversation": 0.05,
-    "mc": 0.03,
-    "chain": 0.05,
+    "qa": 0.44,
+    "conversation": 0.025,
+    "mc": 0.04,
+    "chain": 0.025,
 }
 
 

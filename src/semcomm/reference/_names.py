@@ -8,14 +8,14 @@ that a name never means two things. Order matters: the generator shuffles with a
 from __future__ import annotations
 
 __all__ = [
-    "FIRST_NAMES",
-    "LAST_NAMES",
     "CITY_NAMES",
     "COMPANY_NAMES",
-    "PRODUCT_WORDS",
-    "PRODUCT_CATEGORIES",
-    "PROFESSIONS",
+    "FIRST_NAMES",
     "INDUSTRIES",
+    "LAST_NAMES",
+    "PRODUCT_CATEGORIES",
+    "PRODUCT_WORDS",
+    "PROFESSIONS",
     "REGIONS",
 ]
 
@@ -28,32 +28,32 @@ FIRST_NAMES: tuple[str, ...] = tuple(
     nell otto pia reid sean tina ulrich vivian ada ben cora dean eva finn gina hans jake kara liam
     mona ned olga paul rita sam theo ron max ella ruby jade noah luke mark anna emma lily mia owen
     ryan seth troy todd wade zack amy ann bob dan eli gus ian jill joe kim lou meg ray roy sue ted
-    val""".split()
+    val""".split()  # noqa: SIM905
 )
 
 LAST_NAMES: tuple[str, ...] = tuple(
     """smith jones brown taylor wilson davies evans johnson roberts walker wright thompson white
     hughes edwards green hall wood harris lewis jackson clarke turner hill scott cooper morris ward
     moore king watson baker harrison morgan patel young allen mitchell anderson phillips lee bell
-    parker davis""".split()
+    parker davis""".split()  # noqa: SIM905
 )
 
 CITY_NAMES: tuple[str, ...] = tuple(
     """avalon brighton camden dover easton harlow kingston milton newport oxford preston redwood
     salem trenton vernon weston york ashton belmont clifton denton fulton hudson irvine kenton
-    norwood quincy ripley stanton thornton""".split()
+    norwood quincy ripley stanton thornton""".split()  # noqa: SIM905
 )
 
 COMPANY_NAMES: tuple[str, ...] = tuple(
     """apex zenith vertex pixel quantum summit atlas beacon cobalt delta falcon granite harbor
     ivory meridian pinnacle quartz radiant sterling titan vortex willow crimson aurora horizon
-    cascade""".split()
+    cascade""".split()  # noqa: SIM905
 )
 
 PRODUCT_WORDS: tuple[str, ...] = tuple(
     """glide spark echo pulse breeze comet drift flare glow halo jet lotus mist prism ripple
     shadow storm tide vapor wave blaze frost arrow bolt cloud dusk fable gem haze lark maple
-    nectar raven sage thorn velvet wren birch cedar dune fern nova orbit""".split()
+    nectar raven sage thorn velvet wren birch cedar dune fern nova orbit""".split()  # noqa: SIM905
 )
 
 PRODUCT_CATEGORIES: tuple[str, ...] = (

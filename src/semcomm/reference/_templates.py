@@ -6,7 +6,9 @@ All text is lowercase because the sharer's WordPiece tokenizer lowercases; the o
 punctuation is ``. , ? :`` so that both tokenizers round-trip every rendered string.
 
 ``train`` statement templates are used in training; ``heldout`` ones never are (perplexity on
-them measures language, not memorised strings). ``questions[0]`` is the canonical question used
+them measures language, not memorised strings). Held-out templates use only words that training
+text uses, in new combinations, so that their perplexity is not dominated by never-trained
+tokens. ``questions[0]`` is the canonical question used
 for QA and multiple choice; all four form a paraphrase group.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RelationTemplates", "TEMPLATES", "DESKS"]
+__all__ = ["DESKS", "TEMPLATES", "RelationTemplates"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} has a house in {o}.",
                 "these days {s} lives in {o}.",
             ),
-            ("{s} resides in the city of {o}.", "{o} is the city where {s} lives."),
+            ("the home city of {s} is {o}.", "{o} is the city where {s} lives."),
             (
                 "where does {s} live?",
                 "which city does {s} live in?",
@@ -86,7 +88,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} earns money as {ao}.",
                 "{s} has been {ao} for years.",
             ),
-            ("{s} is known as a skilled {o}.", "people hire {s} as {ao}."),
+            ("the profession of {s} is {o}.", "for a living {s} works as {ao}."),
             (
                 "what does {s} do for a living?",
                 "what is the job of {s}?",
@@ -107,7 +109,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} keeps its main office in {o}.",
                 "the company {s} is located in {o}.",
             ),
-            ("{o} is home to the company {s}.", "{s} operates out of {o}."),
+            ("{o} is home to the company {s}.", "the company {s} is run from {o}."),
             (
                 "where is {s} based?",
                 "in which city is {s} located?",
@@ -128,7 +130,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} belongs to the {o} industry.",
                 "{s} is known for {o}.",
             ),
-            ("the industry of {s} is {o}.", "{s} competes in {o}."),
+            ("the industry of {s} is {o}.", "{s} is known as a {o} company."),
             (
                 "what industry is {s} in?",
                 "what business is {s} in?",
@@ -149,7 +151,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} has existed since {o}.",
                 "in {o} the company {s} was founded.",
             ),
-            ("{s} first opened in the year {o}.", "the founding year of {s} is {o}."),
+            ("{s} opened in the year {o}.", "the year {s} was founded is {o}."),
             (
                 "when was {s} founded?",
                 "in what year was {s} started?",
@@ -170,7 +172,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} is built by {o}.",
                 "{s} is a product of {o}.",
             ),
-            ("{s} is sold by its maker {o}.", "{o} designs and builds {s}."),
+            ("{s} is made by the company {o}.", "{o} builds and makes {s}."),
             (
                 "who makes {s}?",
                 "which company makes {s}?",
@@ -191,7 +193,7 @@ TEMPLATES: dict[str, RelationTemplates] = {
                 "{s} is priced at {o}.",
                 "{s} has a price of {o}.",
             ),
-            ("{s} will cost you {o}.", "for {o} you can get {s}."),
+            ("{s} will cost you {o}.", "for {o} you can buy {s}."),
             (
                 "how much does {s} cost?",
                 "what is the price of {s}?",

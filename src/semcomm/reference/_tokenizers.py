@@ -26,7 +26,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["build_sharer_tokenizer", "build_receiver_tokenizer", "CHAT_TEMPLATE"]
+__all__ = ["CHAT_TEMPLATE", "build_receiver_tokenizer", "build_sharer_tokenizer"]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"

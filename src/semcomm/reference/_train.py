@@ -24,7 +24,7 @@ import torch
 from ._corpus import MIX, documents
 from .world import SplitArg, World
 
-__all__ = ["ModelSpec", "TrainResult", "SHARER_SPEC", "RECEIVER_SPEC", "train_model"]
+__all__ = ["RECEIVER_SPEC", "SHARER_SPEC", "ModelSpec", "TrainResult", "train_model"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ class ModelSpec:
 
 
 SHARER_SPEC = ModelSpec("sharer", "llama", "all", hidden=192, layers=4, heads=4, kv_heads=4,
-                        intermediate=512, steps=640, batch=16)
+                        intermediate=512, steps=560, batch=16)
 RECEIVER_SPEC = ModelSpec("receiver", "qwen2", "seen", hidden=160, layers=5, heads=4, kv_heads=2,
-                          intermediate=448, steps=800, batch=16)
+                          intermediate=448, steps=520, batch=16)
 
 
 @dataclass(slots=True)
@@ -88,19 +88,19 @@ class TrainResult:
 def _config(spec: ModelSpec, tok: Any) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    common = {
+        "vocab_size": len(tok),
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
     if spec.family == "llama":
         return LlamaConfig(**common)
     if spec.family == "qwen2":
@@ -136,7 +136,13 @@ def _lr_at(step: int, spec: ModelSpec) -> float:
 def train_model(world: World, spec: ModelSpec, tok: Any, threads: int = 2,
                 show_progress: bool = True) -> tuple[Any, TrainResult]:
     """Train ``spec`` on ``world`` with tokenizer ``tok``; returns (fp32 model, result)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)

@@ -34,23 +34,23 @@ from . import _names as names
 from ._templates import DESKS, TEMPLATES
 
 __all__ = [
-    "SYSTEM_PROMPT",
-    "ROUTER_PROMPT",
     "LETTERS",
+    "ROUTER_PROMPT",
+    "SYSTEM_PROMPT",
+    "AgentChain",
+    "Conversation",
     "Entity",
     "Fact",
-    "Sentence",
-    "QAPair",
     "MCQuestion",
-    "ParaphraseGroup",
     "NearMiss",
+    "ParaphraseGroup",
+    "QAPair",
+    "Sentence",
     "Turn",
-    "Conversation",
-    "AgentChain",
     "World",
     "build_world",
-    "format_qa",
     "format_mc",
+    "format_qa",
 ]
 
 FactSplit = Literal["seen", "unseen"]
