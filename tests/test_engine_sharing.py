@@ -115,3 +115,22 @@ def test_two_processes_share_hits_through_redis(redis_url: str) -> None:
     ours = engine.generate(ids, max_new_tokens=6)
     assert ours.stats.hit_tokens == 44 and set(ours.stats.hit_tiers) == {"redis"}
     assert ours.token_ids == theirs["tokens"] == reference_greedy(model, ids, 6)
+
+
+@pytest.mark.redis
+def test_redis_outage_turns_into_misses(own_redis) -> None:  # type: ignore[no-untyped-def]
+    from semcomm.errors import BackendDownWarning
+    from semcomm.kv import RedisStore
+
+    model = tiny_model("qwen2")
+    store = RedisStore(own_redis.url, timeout_s=0.2, retry_interval_s=5.0)
+    engine = HFEngine(model, store=store, chunk_size=CHUNK, device="cpu")
+    ids = prompt_ids(40, seed=13)
+    ref = reference_greedy(model, ids, 4)
+    assert engine.generate(ids, max_new_tokens=4).stats.chunks_stored == 3
+    assert engine.generate(ids, max_new_tokens=4).stats.hit_tokens == 39
+    own_redis.stop()
+    with pytest.warns(BackendDownWarning):
+        down = engine.generate(ids, max_new_tokens=4)
+    assert down.token_ids == ref  # served, exactly, without the cache
+    assert down.stats.hit_tokens == 0

@@ -21,7 +21,13 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch
 
-from ..errors import CorruptEntryError, InvalidInputError, NamespaceMismatchError
+from ..errors import (
+    BackendUnavailableError,
+    CorruptEntryError,
+    InvalidInputError,
+    NamespaceMismatchError,
+    StoreError,
+)
 from ..kv._codecs import KVCodec, get_codec
 from ..kv._format import Chunk, decode_chunk, encode_chunk
 from ..kv._keys import ChunkKey, Namespace, NamespaceDigest, chunk_keys, chunk_spans
@@ -248,14 +254,22 @@ class HFEngine:
         if self.store is None:
             return [], [], []
         t0 = time.perf_counter()
-        match = self.store.lookup(keys)
+        try:
+            match = self.store.lookup(keys)
+        except (StoreError, BackendUnavailableError) as exc:  # a store failure is a miss
+            logger.warning("KV store lookup failed (%s); serving without reuse", exc)
+            return [], [], []
         stats.lookup_ms = (time.perf_counter() - t0) * 1e3
         spans = chunk_spans(len(ids), self.chunk_size)
         chunks: list[Chunk] = []
         tiers: list[str] = []
         raw: list[bytes] = []
         for i in range(match.num_chunks):
-            fetched = self.store.fetch(keys[i])
+            try:
+                fetched = self.store.fetch(keys[i])
+            except (StoreError, BackendUnavailableError) as exc:
+                logger.warning("KV store fetch failed (%s); the hit ends at chunk %d", exc, i)
+                break
             if fetched is None:  # evicted between lookup and fetch
                 break
             try:
@@ -371,7 +385,11 @@ class HFEngine:
         ids = pre.input_ids
         spans = chunk_spans(len(ids), self.chunk_size)
         first = stats.hit_chunks if not stats.hit_tiers or stats.hit_tiers[0] != "snapshot" else 0
-        todo = [i for i in range(first, len(keys)) if not self.store.contains(keys[i])]
+        try:
+            todo = [i for i in range(first, len(keys)) if not self.store.contains(keys[i])]
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store unavailable (%s); the prompt's chunks are not stored", exc)
+            todo = []
         if todo:
             lo = spans[todo[0]][0]
             with torch.no_grad():
@@ -381,7 +399,12 @@ class HFEngine:
                 s, e = spans[i]
                 data = self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
                                     v_all[:, :, s - lo : e - lo])
-                self.store.put(keys[i], data)
+                try:
+                    self.store.put(keys[i], data)
+                except (StoreError, BackendUnavailableError) as exc:
+                    logger.warning("KV store put failed (%s); stopping the store of this prompt",
+                                   exc)
+                    break
                 stats.bytes_stored += len(data)
                 stats.chunks_stored += 1
         stats.store_ms = (time.perf_counter() - t0) * 1e3
