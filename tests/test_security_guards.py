@@ -162,3 +162,21 @@ def test_timing_guard_pads_shared_hits_only() -> None:
         100, 0.05, reused_tokens=90, shared=False) == pytest.approx(0.15)
     assert TimingGuard("off", initial_s_per_token=1).pad_seconds(
         100, 0, reused_tokens=90, shared=True) == 0.0
+
+
+def test_security_cli_help_and_salt_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from semcomm.cli import app
+
+    runner = CliRunner()
+    for args in (["security", "--help"], ["security", "probe", "--help"],
+                 ["security", "salt-digest", "--help"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0 and "Usage" in r.output, args
+    assert "--json" in runner.invoke(app, ["security", "probe", "--help"]).output
+    monkeypatch.setenv("SEMCOMM_SECRET", "cli-test-secret-0123456789abcdef")
+    r = runner.invoke(app, ["security", "salt-digest", "acme"])
+    assert r.exit_code == 0
+    assert r.output.strip() == TenantSalter("cli-test-secret-0123456789abcdef").digest("acme")
+    assert r.output.strip() != TenantSalter("cli-test-secret-0123456789abcdef").digest("globex")
