@@ -19,7 +19,7 @@ def sim_table(results: Sequence[SimResult], title: str = "replica routing simula
     t = Table(title=title)
     for col in (
         "policy", "replicas", "rate x", "requests", "hit rate", "TTFT p50 s", "TTFT p90 s",
-        "TTFT p99 s", "queue p99 s", "load imb.", "decision p99 us",
+        "TTFT p99 s", "queue p99 s", "load imb.", "decision p99 us", "CPU p99 us",
     ):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
@@ -27,6 +27,7 @@ def sim_table(results: Sequence[SimResult], title: str = "replica routing simula
             r.policy, str(r.replicas), f"{r.rate_scale:g}", str(r.requests), f"{r.hit_rate:.3f}",
             f"{r.ttft_p50_s:.3f}", f"{r.ttft_p90_s:.3f}", f"{r.ttft_p99_s:.3f}",
             f"{r.queue_p99_s:.3f}", f"{r.load_imbalance:.2f}", f"{r.decision_p99_us:.0f}",
+            f"{r.decision_cpu_p99_us:.0f}",
         )
     return t
 
