@@ -42,8 +42,8 @@ def _model(path: str | None) -> tuple[Any, str]:
         p = receiver_path()
         if (Path(p) / "config.json").is_file():
             return str(p), "reference receiver"
-    except Exception:  # noqa: BLE001 - any failure means: fall back to a config-built model
-        pass
+    except Exception as exc:  # noqa: BLE001 - any failure means: fall back to a config-built model
+        console.print(f"reference receiver unavailable ({exc}); using a config-built model")
     import transformers as T
 
     torch.manual_seed(0)
