@@ -27,7 +27,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ._backends import BackendStatus, Completion, GenRequest, LocalBackend, StreamItem, collect
+from ._backends import BackendStatus, Completion, GenRequest, StreamItem, collect
 from ._batching import Started
 from ._config import PipelineConfig
 
@@ -70,7 +70,7 @@ class PipelineBackend:
         b = self._backend(i)
         want = self.cfg.handoff
         same = prev.model == cur.model
-        kv_ok = same and isinstance(b, LocalBackend) and b.kv_reuse
+        kv_ok = same and bool(getattr(b, "kv_reuse", False))
         if want in ("auto", "kv") and kv_ok:
             return "kv"
         if want in ("auto", "c2c") and not same and self._fusion(i) is not None:

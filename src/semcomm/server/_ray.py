@@ -1,0 +1,199 @@
+"""Scale-out: in-process models become Ray Serve replicas behind semcomm's replica router.
+
+The gateway (auth, admission, semantic cache, model router, pipelines, metrics, dashboard)
+stays one process; each ``kind = "hf"`` model becomes a Ray Serve deployment of
+``ray.replicas`` :class:`EngineReplica` s. Every replica runs the same KV-reusing engine over a
+KV store whose shared tier is Redis (``ray.redis_url``, or ``kv.redis_url``), so a prefix
+computed on one replica is a hit on every other one. Requests carry their rendered prompt's
+token ids, from which :class:`semcomm.integrations.ray_serve.SemcommRequestRouter` computes the
+KV chunk keys and picks the replica most likely to hold the prefix, balanced against load.
+
+Replica streams are not forwarded token by token: a streaming client gets the replica's answer
+as one chunk (the first-token time includes the whole generation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..errors import ConfigError, require
+from ._backends import BackendStatus, Completion, GenRequest, StreamItem, render_prompt
+from ._batching import Delta, Started
+from ._config import ServerConfig
+
+__all__ = ["EngineReplica", "RayBackend", "deploy_models", "serve_ray"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    """One Ray Serve replica: a model, its KV-reusing engine and a batching worker."""
+
+    def __init__(self, name: str, config_json: str) -> None:
+        from ._backends import LocalBackend
+        from ._config import ServerConfig
+        from ._gateway import Gateway
+        from ._wiring import _local_backend, build_kv_store
+
+        cfg = ServerConfig.model_validate_json(config_json)
+        gw = Gateway(cfg)  # salts and notes only; this replica serves one model
+        gw.kv_store, note = build_kv_store(cfg)
+        self.backend: LocalBackend = _local_backend(name, cfg.models[name], cfg, gw.kv_store, gw)
+        self.name = name
+        self.note = note
+        try:
+            from ray import serve
+
+            self.replica = serve.get_replica_context().replica_id.to_full_id_str()
+        except Exception:  # outside Serve (tests of the class itself)
+            self.replica = "local"
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        req = GenRequest(model=self.name, messages=request.get("messages"),
+                         prompt=request.get("prompt"), max_tokens=int(request["max_tokens"]),
+                         temperature=float(request.get("temperature", 0.0)),
+                         top_p=float(request.get("top_p", 1.0)),
+                         stop=list(request.get("stop") or []), seed=request.get("seed"),
+                         tenant=request.get("tenant"), request_id=request.get("request_id", ""))
+        final: Completion | None = None
+        async for item in self.backend.stream(req):
+            if isinstance(item, Completion):
+                final = item
+        assert final is not None
+        return {"text": final.text, "finish_reason": final.finish_reason,
+                "prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+                "hit_tokens": final.hit_tokens, "ttft_s": final.ttft_s,
+                "meta": {**final.meta, "replica": self.replica}}
+
+    def stats(self) -> dict[str, Any]:
+        st = self.backend.status()
+        out: dict[str, Any] = {"replica": self.replica, "queue_depth": st.queue_depth,
+                               "kv": self.note}
+        engine_of = getattr(self.backend.runner, "engine", None)
+        if callable(engine_of):
+            eng = engine_of(None)
+            out["namespace"] = eng.namespace_digest.hex()
+            out["store"] = repr(eng.store.stats()) if eng.store is not None else None
+            out["namespace_fields"] = {k: str(getattr(eng.namespace, k)) for k in
+                                       ("model", "tokenizer", "dtype", "codec", "tenant")}
+        return out
+
+
+class RayBackend:
+    """A model served by Ray Serve replicas (a :class:`~semcomm.server.ModelBackend`)."""
+
+    kind = "hf"
+    kv_reuse = True  # every replica reuses KV prefixes through the shared store
+
+    def __init__(self, name: str, handle: Any, tokenizer: Any, replicas: int) -> None:
+        self.name = name
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.replicas = replicas
+        self._in_flight = 0
+        self._up = True
+        self._detail = f"Ray Serve, {replicas} replicas"
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(up=self._up, detail=self._detail, in_flight=self._in_flight)
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        # the router needs the rendered prompt's token ids (the KV chunk keys come from them)
+        ids = render_prompt(self.tokenizer, req)
+        body = {"token_ids": ids, "messages": req.messages, "prompt": req.prompt,
+                "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                "stop": req.stop, "seed": req.seed, "tenant": req.tenant,
+                "request_id": req.request_id}
+        self._in_flight += 1
+        try:
+            out = await self.handle.generate.remote(body)
+            self._up, self._detail = True, f"Ray Serve, {self.replicas} replicas"
+        except Exception as exc:
+            self._up, self._detail = False, f"Ray Serve failed: {exc.__class__.__name__}"
+            raise
+        finally:
+            self._in_flight -= 1
+        hits = [f"kv:{out['hit_tokens']}"] if out["hit_tokens"] else []
+        yield Started(prompt_tokens=out["prompt_tokens"], hit_tokens=out["hit_tokens"])
+        if out["text"]:
+            yield Delta(out["text"])
+        yield Completion(text=out["text"], finish_reason=out["finish_reason"],
+                         prompt_tokens=out["prompt_tokens"],
+                         completion_tokens=out["completion_tokens"], hits=hits,
+                         hit_tokens=out["hit_tokens"], ttft_s=out["ttft_s"], meta=out["meta"])
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _shared_kv(cfg: ServerConfig) -> ServerConfig:
+    """The replicas' config: a Redis tier shared by all replicas (required)."""
+    url = cfg.ray.redis_url or cfg.kv.redis_url
+    if not url:
+        raise ConfigError("serve --ray: set ray.redis_url (or kv.redis_url): the replicas share "
+                          "their KV prefix cache through Redis")
+    tiers = [t for t in cfg.kv.tiers if t != "disk"]  # replicas may live on other machines
+    if "redis" not in tiers:
+        tiers.append("redis")
+    return cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"tiers": tiers,
+                                                                 "redis_url": url})})
+
+
+def deploy_models(cfg: ServerConfig) -> dict[str, RayBackend]:
+    """Deploy every in-process model of ``cfg`` on Ray Serve; returns their backends."""
+    require("ray", "ray")
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from ..security import load_server_secret
+
+    rcfg = _shared_kv(cfg)
+    # every replica must derive the same salts and chunk authentication keys as the gateway:
+    # they share the server secret (through the replicas' environment, never the config file)
+    secret = cfg.server.secret or load_server_secret().hex()
+    actor_options: dict[str, Any] = {"num_cpus": cfg.ray.num_cpus_per_replica,
+                                     "runtime_env": {"env_vars": {"SEMCOMM_SECRET": secret}}}
+    backends: dict[str, RayBackend] = {}
+    for name, mcfg in cfg.models.items():
+        if mcfg.kind != "hf":
+            continue
+        from ._wiring import load_hf
+
+        _, tok, _ = load_hf(mcfg, name)  # the gateway only needs the tokenizer
+        chunk = mcfg.chunk_size or rcfg.kv.chunk_size or 256
+        dep = serve.deployment(EngineReplica).options(
+            name=f"semcomm-{name}", num_replicas=cfg.ray.replicas, max_ongoing_requests=64,
+            ray_actor_options=actor_options,
+            request_router_config=RequestRouterConfig(
+                request_router_class="semcomm.integrations.ray_serve.SemcommRequestRouter",
+                request_router_kwargs={"policy": rcfg.routing.replica_policy,
+                                       "chunk_size": chunk}))
+        handle = serve.run(dep.bind(name, rcfg.model_dump_json()), name=f"semcomm-{name}",
+                           route_prefix=None)
+        backends[name] = RayBackend(name, handle, tok, cfg.ray.replicas)
+        log.info("model %s deployed on Ray Serve: %d replicas", name, cfg.ray.replicas)
+    return backends
+
+
+def serve_ray(cfg: ServerConfig) -> None:
+    """``semcomm serve --ray``: start Ray (or join ``ray.address``), deploy, serve the gateway."""
+    ray = require("ray", "ray")
+    import uvicorn
+    from ray import serve
+
+    from ._app import create_app
+    from ._gateway import Gateway
+
+    ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="Disabled")
+    try:
+        gw = Gateway(cfg, backends=dict(deploy_models(cfg)))
+        gw.notes["ray"] = f"{cfg.ray.replicas} replicas per model, KV shared through Redis"
+        app = create_app(gateway=gw)
+        uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, access_log=False)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+

@@ -1,0 +1,104 @@
+"""`serve --ray`: two local Ray Serve replicas behind semcomm's replica router, KV shared in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from semcomm.server import create_app, load_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+LONG = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def ray_gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._ray import deploy_models
+
+    tmp = tmp_path_factory.mktemp("ray")
+    cfg = load_config(None, environ={}, defaults=False, overrides={
+        "server": {"state_dir": str(tmp), "max_tokens_limit": 8},
+        "models": {"tiny": {"path": "tiny"}},
+        "kv": {"tiers": ["memory"], "chunk_size": 32}, "semantic": {"enabled": False},
+        "ray": {"replicas": 2, "redis_url": redis_server.url, "num_cpus_per_replica": 0.1},
+    })
+    redis_server.flush()
+    mp = pytest.MonkeyPatch()
+    # the gateway, the replicas and this process share one server secret (salts, chunk MACs)
+    mp.setenv("SEMCOMM_SECRET", "5e" * 32)
+    mp.setenv("SEMCOMM_HOME", str(tmp / "home"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="Disabled")
+    try:
+        gw = Gateway(cfg, backends=dict(deploy_models(cfg)))
+        app = create_app(gateway=gw)
+        asyncio.run(gw.startup())
+        yield cfg, app
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        mp.undo()
+
+
+async def _chat(app: Any, messages: list[dict[str, str]]) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 timeout=120) as c:
+        r = await c.post("/v1/chat/completions",
+                         json={"model": "tiny", "max_tokens": 3, "messages": messages})
+        assert r.status_code == 200, r.text
+        return r
+
+
+def test_replicas_spread_load_and_keep_conversations_home(ray_gateway: Any) -> None:
+    _, app = ray_gateway
+
+    async def main() -> tuple[list[str], list[str]]:
+        spread = await asyncio.gather(*[
+            _chat(app, [{"role": "user", "content": f"distinct question {i} " * 8}])
+            for i in range(8)])
+        convo = [{"role": "system", "content": LONG}, {"role": "user", "content": "first"}]
+        homes = []
+        for turn in range(3):
+            r = await _chat(app, convo)
+            homes.append(r.json()["semcomm"]["replica"])
+            convo = [*convo, {"role": "assistant", "content": "ok"},
+                     {"role": "user", "content": f"follow-up {turn}"}]
+        return [r.json()["semcomm"]["replica"] for r in spread], homes
+
+    spread, homes = asyncio.run(main())
+    assert len(set(spread)) == 2  # both replicas served
+    assert len(set(homes)) == 1  # the conversation stayed where its prefix is
+
+
+def test_kv_prefix_is_shared_through_redis(ray_gateway: Any) -> None:
+    """A prefix computed by a Serve replica is a hit for another engine process via Redis."""
+    cfg, app = ray_gateway
+    from semcomm.server._ray import EngineReplica, _shared_kv
+
+    msgs = [{"role": "system", "content": LONG.replace("Order", "Warehouse").replace("shipped", "stored")},
+            {"role": "user", "content": "q"}]
+    first = asyncio.run(_chat(app, msgs))
+    assert first.headers["x-semcomm-hits"] == "none"
+    other = EngineReplica("tiny", _shared_kv(cfg).model_dump_json())  # another engine process
+    out = asyncio.run(other.generate({"messages": msgs, "max_tokens": 3}))
+    assert out["hit_tokens"] >= 64
+    assert out["text"] == first.json()["choices"][0]["message"]["content"]
+
+
+def test_ray_needs_a_shared_redis(tmp_path: Path) -> None:
+    from semcomm.errors import ConfigError
+    from semcomm.server._ray import _shared_kv
+
+    cfg = load_config(None, environ={}, overrides={"server": {"state_dir": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="redis_url"):
+        _shared_kv(cfg)
