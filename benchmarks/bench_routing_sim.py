@@ -46,12 +46,12 @@ console = Console(width=170)
 def other_traces(out: Path) -> dict[str, Path]:
     """Synthetic traces in the Mooncake format (written to disk and read back like any trace)."""
     specs: dict[str, dict[str, Any]] = {
-        # multi-turn chat: 48 system prompts, 3-turn conversations, mild skew
-        "conversation": {"groups": 48, "prompts_per_group": 24, "system_len": 3072, "question_len": 384,
-                         "output_len": 192, "turns": 3, "zipf_s": 0.6, "rate": 6.0, "seed": 11},
-        # tool agent: long shared tool preambles, short questions, strong reuse
-        "toolagent": {"groups": 16, "prompts_per_group": 160, "system_len": 12288, "question_len": 768,
-                      "output_len": 96, "turns": 1, "zipf_s": 0.9, "rate": 6.0, "seed": 12},
+        # multi-turn chat: 160 system prompts, 4-turn conversations, mild skew
+        "conversation": {"groups": 160, "prompts_per_group": 12, "system_len": 4096, "question_len": 512,
+                         "output_len": 256, "turns": 4, "zipf_s": 0.6, "rate": 8.0, "seed": 11},
+        # tool agent: 64 long tool preambles (16k tokens: 2048 blocks in all), skewed use
+        "toolagent": {"groups": 64, "prompts_per_group": 60, "system_len": 16384, "question_len": 1024,
+                      "output_len": 96, "turns": 1, "zipf_s": 1.0, "rate": 8.0, "seed": 12},
     }
     paths = {}
     for name, kw in specs.items():
