@@ -162,3 +162,17 @@ def test_cli_train_and_eval_with_the_local_embedder(tmp_path: Path) -> None:
     res = runner.invoke(app, ["route", "train", "--data", str(data), "--out", str(tmp_path / "x.json"),
                               "--cost", "small=1"])
     assert res.exit_code != 0 and "no --cost given" in str(res.exception)
+
+
+def test_message_objects_and_content_parts() -> None:
+    class Part:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+    class Msg:
+        def __init__(self, role: str, content: object) -> None:
+            self.role, self.content = role, content
+
+    last, whole = render_conversation([Msg("user", [Part("first")]), Msg("assistant", None),
+                                       {"role": "user", "content": [{"type": "text", "text": "second"}]}])
+    assert last == "second" and "first" in whole

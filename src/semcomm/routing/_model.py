@@ -62,8 +62,11 @@ class ModelChoice:
     cost_weight: float  # the lambda in use
 
 
-def render_conversation(prompt: str | Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """``(last user message, whole conversation)`` from a string or OpenAI-style messages."""
+def render_conversation(prompt: str | Sequence[Any]) -> tuple[str, str]:
+    """``(last user message, whole conversation)`` from a string or OpenAI-style messages.
+
+    Messages are dicts or objects with ``role`` and ``content`` (a string or text parts).
+    """
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidInputError("cannot route an empty prompt")
@@ -74,10 +77,16 @@ def render_conversation(prompt: str | Sequence[Mapping[str, Any]]) -> tuple[str,
     parts: list[str] = []
     last_user = ""
     for m in msgs:
-        role = str(m.get("role", "user"))
-        content = m.get("content", "")
+        if isinstance(m, Mapping):
+            role, content = str(m.get("role", "user")), m.get("content", "")
+        else:  # message objects (e.g. pydantic models) with role/content attributes
+            role, content = str(getattr(m, "role", "user")), getattr(m, "content", "")
+        if content is None:
+            content = ""
         if isinstance(content, list):  # content parts
-            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+            content = " ".join(
+                str(p.get("text", "") if isinstance(p, Mapping) else getattr(p, "text", "")) for p in content
+            )
         text = str(content)
         parts.append(f"{role}: {text}")
         if role == "user":
