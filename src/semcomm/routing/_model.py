@@ -189,6 +189,8 @@ class RouterEval:
     oracle_quality: float  # best achievable (any model correct)
     cpt: dict[str, float]  # cost share needed for 50% / 80% PGR ("cpt50", "cpt80")
     n: int  # prompts evaluated
+    cheapest: str = ""  # the PGR anchors: the cheapest and the costliest model
+    costliest: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -396,6 +398,7 @@ def evaluate_choices(models: Sequence[ModelSpec], q: np.ndarray, y: np.ndarray, 
         models=[m.name for m in models], budgets=budgets.tolist(), cost_share=shares, quality=quals,
         pgr=pgr, apgr=apgr, random_apgr=0.5, model_quality={m.name: float(v) for m, v in zip(models, model_q, strict=True)},
         oracle_quality=float(y.max(axis=1).mean()), cpt=cpt, n=len(y),
+        cheapest=models[cheap].name, costliest=models[strong].name,
     )
 
 

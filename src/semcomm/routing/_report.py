@@ -72,11 +72,9 @@ def plot_cost_quality(ev: RouterEval, path: str | Path, title: str = "model rout
     xs = np.asarray(ev.cost_share)[order]
     ys = np.asarray(ev.quality)[order]
     ax.plot(xs, ys, marker="o", ms=3, label=f"semcomm router (APGR {ev.apgr:.2f})")
-    names = list(ev.model_quality)
-    q = list(ev.model_quality.values())
-    lo, hi = q[0], q[-1]
-    if len(names) == 2:
-        ax.plot([0, 1], [lo, hi], ls="--", color="grey", label="random router")
+    if ev.cheapest and ev.costliest:  # a random mix of the two anchors lies on this line
+        lo, hi = ev.model_quality[ev.cheapest], ev.model_quality[ev.costliest]
+        ax.plot([0, 1], [lo, hi], ls="--", color="grey", label="random mix of cheapest and costliest")
     for n, v in ev.model_quality.items():
         ax.axhline(v, ls=":", lw=1, color="black")
         ax.text(0.01, v, f" {n} alone", va="bottom", fontsize=8)
