@@ -13,6 +13,9 @@ min/max over a group of ``g`` consecutive tokens), values *per token* (each toke
 a group of ``g`` channels), asymmetric (scale and minimum, both stored as float16 and rounded
 before use so the stored parameters are exactly the ones quantized against). Options:
 
+Value groups use the largest divisor of the head dim not above ``g`` (so a head dim of 40 gets
+groups of 20 channels rather than a padded group of 32).
+
 * ``r<N>`` keeps the last ``N`` tokens of every chunk in the native dtype (KIVI's full-precision
   residual; in a chunked store "most recent" means the end of each chunk).
 * ``o<F>`` keeps the fraction ``F`` of entries with the largest magnitude (per K and per V) in
@@ -317,6 +320,12 @@ def _pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([x, last.repeat(*reps)], dim=dim)
 
 
+def _value_group(group_size: int, dim: int) -> int:
+    """Channels per value group: the largest divisor of ``dim`` not above ``group_size``
+    (head dim 64 or 128 -> 32; head dim 40 -> 20), so no group is padded."""
+    return max(d for d in range(1, min(group_size, dim) + 1) if dim % d == 0)
+
+
 def _quant_groups(
     x: torch.Tensor, group_dim: int, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -411,7 +420,7 @@ class IntCodec(KVCodec):
             kp = _pad_dim(kq_in, 2, g)
             kq, ks, km = _quant_groups(kp.view(L, H, kp.shape[2] // g, g, Dk), 3, self.bits)
             # values: per token, groups of gv channels -> [L, H, T, D/gv, gv], reduce over channels
-            gv = min(g, Dv)
+            gv = _value_group(g, Dv)
             vq_in = self._split_outliers(v[:, :, :tq], "v", arrays, bf)
             vp = _pad_dim(vq_in, 3, gv)
             vq, vs, vm = _quant_groups(vp.view(L, H, tq, vp.shape[3] // gv, gv), 4, self.bits)
@@ -448,7 +457,7 @@ class IntCodec(KVCodec):
             vs = torch.from_numpy(np.array(arrays["v.scale"])).float()  # [L, H, tq, NGv]
             vm = torch.from_numpy(np.array(arrays["v.min"])).float()
             ngv = vs.shape[3]
-            gv = min(g, Dv)
+            gv = _value_group(g, Dv)
             vq = _unpack(arrays["v.q"], self.bits, L * H * tq * ngv * gv).view(L, H, tq, ngv, gv)
             v = vq.float().mul_(vs.unsqueeze(4)).add_(vm.unsqueeze(4)).view(L, H, tq, ngv * gv)
             v = v[..., :Dv]
