@@ -181,7 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--quick", action="store_true", help="2,000 pairs per split")
-    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--limit", type=int, default=None, help="pairs per split")
+    ap.add_argument("--test-limit", type=int, default=None, help="pairs of the test split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--emb-cache", type=Path, default=Path(tempfile.gettempdir()) / "semcomm-emb")
@@ -195,7 +196,8 @@ def main() -> None:
     guard = LexicalGuard()
     prot, emb = {}, {}
     for split in ("val", "test"):
-        p = build_protocol(args.data / f"meancache_{split}.csv", seed=args.seed, limit=limit)
+        lim = args.test_limit if split == "test" and args.test_limit else limit
+        p = build_protocol(args.data / f"meancache_{split}.csv", seed=args.seed, limit=lim)
         prot[split] = p
         emb[split] = embed_cached(p, f"{split}_s{args.seed}_n{len(p.stored)}", args.emb_cache)
     # tune on val

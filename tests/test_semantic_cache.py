@@ -306,3 +306,20 @@ async def test_async_twins(toy) -> None:
     assert all(h is not None and h.answer == "async answer" for h in hits)
     assert await cache.ainvalidate(scope="default") == 1
     assert await cache.alookup("async question here") is None
+
+
+def test_scorer_sees_best_and_runner_up(toy) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def scorer(query, best, runner_up) -> float:
+        seen.append((best.query, None if runner_up is None else runner_up.query))
+        return 0.0 if runner_up is not None and best.similarity - runner_up.similarity < 0.05 \
+            else 1.0
+
+    cache = SemanticCache(embedder=toy, policy=ThresholdPolicy(0.3, scorer=scorer), guard=False)
+    cache.store("alpha beta gamma delta", "1")
+    assert cache.lookup("alpha beta gamma delta") is not None  # alone: no runner-up
+    cache.store("alpha beta gamma epsilon", "2")
+    # now two near-identical candidates: too close to call, the scorer refuses
+    assert cache.lookup("alpha beta gamma") is None
+    assert seen[-1][1] is not None
