@@ -302,7 +302,7 @@ def main() -> None:
     table = Table(title="gateway overhead over a dummy upstream (loopback)")
     for col in ("path", "seq median ms", "p99 ms", "added ms", "16-client req/s",
                 "16-client median ms", "errors"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for name, row in P.items():
         table.add_row(name, f"{row['sequential']['median_ms']:.2f}",
                       f"{row['sequential']['p99_ms']:.2f}", f"{row['added_ms']:.2f}",

@@ -63,11 +63,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from semcomm.kv import MemoryStore
     from semcomm.server import BatchingWorker, Gateway, LocalBackend, create_app, load_config
     from semcomm.server._engine_runner import engine_runner
     from semcomm.server._tiny import build_tiny_model
-
-    from semcomm.kv import MemoryStore
 
     per = 2 if args.quick else 4
     model, tok = build_tiny_model(hidden_size=args.hidden, layers=args.layers,

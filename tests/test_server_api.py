@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
+import subprocess
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
 
 from .test_server_support import ADMIN_KEY, TENANTS, LiveServer, live_server, server_config
 
@@ -17,9 +24,15 @@ CHAT = [{"role": "system", "content": "You are the support desk of Nimbus Cloud.
         {"role": "user", "content": "How do I reset my account password?"}]
 
 
+MEMORY_BUDGET = 8 * 2**20  # bytes of the memory KV tier of the shared server
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(server_config(tmp_path_factory.mktemp("srv"))) as srv:
+    """One live server for every test of this module (API, dashboard, fuzzing, load)."""
+    cfg = server_config(tmp_path_factory.mktemp("srv"), max_queue=32, max_tokens_limit=16)
+    cfg.kv.memory_bytes = MEMORY_BUDGET
+    with live_server(cfg) as srv:
         yield srv
 
 
@@ -143,7 +156,7 @@ def test_tenant_cannot_pick_its_salt(server: LiveServer) -> None:
     ({"model": "tiny", "messages": CHAT, "temperature": 3}, 400, "temperature"),
     ({"model": "tiny", "messages": CHAT, "n": 2}, 400, "n"),
     ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "tiny", "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 17}, 400, "max_tokens"),
     ({"model": "tiny", "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "nope", "messages": CHAT}, 404, "model"),
@@ -176,7 +189,7 @@ def test_bounded_queue_answers_429_with_retry_after(server: LiveServer) -> None:
                                      headers={"Authorization": f"Bearer {ACME}"}) as c:
             return await asyncio.gather(*[
                 c.post("/v1/chat/completions", headers={"Cache-Control": "no-store"},
-                       json={"model": "tiny-q1", "max_tokens": 64,
+                       json={"model": "tiny-q1", "max_tokens": 16,
                              "messages": [{"role": "user", "content": f"queue test {i}"}]})
                 for i in range(8)])
 
@@ -277,3 +290,124 @@ def test_anonymous_default_server(tmp_path: Path) -> None:
         with httpx.Client(base_url=srv.url) as c:
             assert c.get("/v1/models").status_code == 200
             assert c.get("/health").json()["semantic"]["enabled"] is False
+
+
+# --- dashboard in headless Chromium ---------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM, "Debian's chromium is required (make system-deps installs it)"
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={tmp / 'profile'}",
+         *args],
+        capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.chromium
+def test_dashboard_shows_live_figures(server: LiveServer, tmp_path: Path) -> None:
+    with server.client(ACME) as c:
+        before = c.get("/dashboard/data").json()
+        body = {"model": "tiny", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Where is my invoice for March?"}]}
+        for _ in range(3):  # one miss, then semantic hits
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        data = c.get("/dashboard/data").json()
+        html = c.get("/dashboard")
+    assert data["requests"] == before["requests"] + 3
+    sem_hits = data["layers"]["semantic"]["hits"]
+    assert sem_hits == before["layers"].get("semantic", {"hits": 0})["hits"] + 2
+    assert "<script src" not in html.text and "http://" not in html.text.replace(
+        "http://www.w3.org", "")  # self-contained: no external scripts, fonts or styles
+    out = _chromium(tmp_path, "--virtual-time-budget=8000", "--dump-dom",
+                    f"{server.url}/dashboard")
+    dom = out.stdout
+    assert 'data-loaded="true"' in dom, out.stderr[-2000:]
+    assert re.search(rf'id="requests">{data["requests"]}<', dom)
+    row = re.search(rf"<tr><td>semantic</td><td>{sem_hits}</td><td>([0-9.]+)%</td>", dom)
+    assert row and float(row.group(1)) == pytest.approx(100 * sem_hits / data["requests"],
+                                                         abs=0.1)
+    assert "kv-memory" in dom  # the memory tier table is filled in
+    assert "invoice" not in dom  # prefixes appear as fingerprints, never as text
+
+
+@pytest.mark.chromium
+def test_dashboard_screenshot(server: LiveServer, tmp_path: Path) -> None:
+    from PIL import Image
+
+    png = tmp_path / "dash.png"
+    out = _chromium(tmp_path, "--virtual-time-budget=6000", f"--screenshot={png}",
+                    "--window-size=1200,800", f"{server.url}/dashboard")
+    assert png.exists(), out.stderr[-2000:]
+    img = Image.open(png).convert("RGB")
+    assert img.size == (1200, 800)
+    colors = img.getcolors(maxcolors=1_000_000) or []
+    assert len(colors) > 50  # text and tables were drawn, not a blank page
+    # the live-data JSON the page polls
+    data = httpx.get(f"{server.url}/dashboard/data").json()
+    assert {"layers", "tiers", "routing", "top_prefixes", "history"} <= set(data)
+
+
+# --- OpenAPI fuzzing and bounded load --------------------------------------------------------
+
+
+def test_openapi_fuzz_has_no_server_errors(server: LiveServer) -> None:
+    """Every operation of /openapi.json, a dozen generated cases each: never a 5xx."""
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 8
+    seen: Counter[int] = Counter()
+    for op in operations:
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=12, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case: schemathesis.Case) -> None:
+            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {ACME}"}
+            response = case.call(base_url=server.url, timeout=60)
+            seen[response.status_code] += 1
+            assert response.status_code < 500, (case.path, case.body, response.text[:500])
+            if response.status_code >= 400 and case.path.startswith("/v1/"):
+                assert {"message", "type", "param", "code"} <= set(response.json()["error"])
+
+        check()
+    assert seen[200] and any(400 <= s < 500 for s in seen)  # both paths were exercised
+
+
+def test_bounded_load_has_no_5xx(server: LiveServer) -> None:
+    """16 concurrent clients for a few seconds: only 200 or 429, memory inside its budget."""
+    clients, seconds = 16, 5.0
+    statuses: Counter[int] = Counter()
+    prompts = [f"Customer {i % 5} asks about order {i % 7}" for i in range(32)]
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {ACME}"}) as c:
+            end = time.monotonic() + seconds
+            n = i
+            while time.monotonic() < end:
+                stream = n % 3 == 0
+                body = {"model": "tiny", "max_tokens": 8, "stream": stream,
+                        "messages": [{"role": "system", "content": "Support desk."},
+                                     {"role": "user", "content": prompts[n % len(prompts)]}]}
+                r = await c.post("/v1/chat/completions", json=body)
+                statuses[r.status_code] += 1
+                if r.status_code == 429:
+                    await asyncio.sleep(min(1.0, float(r.headers["Retry-After"])))
+                n += clients
+
+    async def main() -> None:
+        await asyncio.gather(*[client(i) for i in range(clients)])
+
+    asyncio.run(main())
+    assert statuses[200] > clients, statuses
+    assert set(statuses) <= {200, 429}, statuses
+    stats = httpx.get(f"{server.url}/admin/stats",
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    mem = stats["stores"]["kv-memory"]
+    assert 0 < mem["bytes"] <= MEMORY_BUDGET
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["models"]["tiny"]["queue_depth"] == 0

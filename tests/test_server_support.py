@@ -14,7 +14,7 @@ import httpx
 
 from semcomm.server import ServerConfig, create_app, load_config
 
-__all__ = ["LiveServer", "live_server", "server_config", "TENANTS", "ADMIN_KEY"]
+__all__ = ["ADMIN_KEY", "TENANTS", "LiveServer", "live_server", "server_config"]
 
 ADMIN_KEY = "admin-secret-key"
 TENANTS = {"acme": "k-acme", "beta": "k-beta"}

@@ -56,8 +56,8 @@ class C2CHandoff:
         self.sharer = sharer
         self.receiver = receiver
         s_run, r_run = sharer.runner, receiver.runner
-        self._s_model, self._s_tok = getattr(s_run, "model"), s_run.tokenizer
-        self._r_model, self._r_tok = getattr(r_run, "model"), r_run.tokenizer
+        self._s_model, self._s_tok = s_run.model, s_run.tokenizer
+        self._r_model, self._r_tok = r_run.model, r_run.tokenizer
         s_side = ModelSide(self._s_model, self._s_tok)
         r_side = ModelSide(self._r_model, self._r_tok)
         self._s_spec, self._r_spec = s_side.spec, r_side.spec

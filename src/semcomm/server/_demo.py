@@ -24,7 +24,7 @@ from typing import Any
 
 from ._config import ServerConfig, load_config
 
-__all__ = ["run_demo", "demo_workload", "write_demo_report", "write_demo_chart"]
+__all__ = ["demo_workload", "run_demo", "write_demo_chart", "write_demo_report"]
 
 log = logging.getLogger(__name__)
 
