@@ -198,7 +198,7 @@ def _entry(**kw):  # type: ignore[no-untyped-def]
 
     base = {"id": "e1", "partition": "p" * 32, "query": "what is my diagnosis?",
             "answer": "asthma", "vector": np.ones(8, dtype=np.float32) / np.sqrt(8),
-            "model": "m", "tenant": "t" * 64, "metadata": {"k": 1}}
+            "model": "m", "tenant": "t" * 64, "metadata": {"k": 1}, "tags": ("staff",)}
     base.update(kw)
     return Entry(**base)
 
@@ -223,8 +223,9 @@ def test_semantic_entry_sealing_hides_query_and_answer(keyring: TenantKeyring) -
         {"tenant": "u" * 64},  # moved to another tenant
         {"partition": "q" * 32},  # moved to another scope/model partition
         {"vector": np.ones(8, dtype=np.float32)},  # re-aimed at other questions
+        {"tags": ()},  # stripped of the tags that restrict its readers
     ],
-    ids=["id", "tenant", "partition", "vector"],
+    ids=["id", "tenant", "partition", "vector", "tags"],
 )
 def test_semantic_entry_swaps_are_rejected(keyring: TenantKeyring, change: dict) -> None:
     import dataclasses

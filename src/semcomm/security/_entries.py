@@ -8,9 +8,10 @@ partition, tenant salt digest, model, scope, times, the embedding vector.
 
 The scope of the data key is the entry's partition (a digest over scope, tenant salt digest, model
 and context) prefixed by its tenant digest, so tenants never share a key. The associated data binds
-id, partition, tenant, model, scope, embedder and a digest of the vector: an entry copied under
-another id or tenant, or given another vector (to make a poisoned answer match other questions),
-fails authentication. :meth:`EntrySealer.open_entry` reverses it; a store given a sealer rejects
+id, partition, tenant, model, scope, embedder, tags, creation time and a digest of the vector: an
+entry copied under another id or tenant, stripped of the tags that restrict its readers, or given
+another vector (to make a poisoned answer match other questions), fails authentication. Hit
+counters and expiry times change on reads and are not bound. :meth:`EntrySealer.open_entry` reverses it; a store given a sealer rejects
 unsealed entries (written by someone without the server secret).
 """
 
@@ -81,6 +82,7 @@ class EntrySealer:
         ctx = json.dumps(
             {"id": entry.id, "partition": entry.partition, "tenant": entry.tenant,
              "model": entry.model, "scope": entry.scope, "embedder": entry.embedder,
+             "tags": sorted(entry.tags), "created_at": entry.created_at,
              "vector": hashlib.blake2b(vec, digest_size=32).hexdigest()},
             sort_keys=True, separators=(",", ":"),
         ).encode("utf-8")
@@ -99,7 +101,7 @@ class EntrySealer:
         payload = json.dumps({"q": e.query, "a": e.answer}, separators=(",", ":"),
                              ensure_ascii=False).encode("utf-8")
         blob = self._sealer.seal(payload, scope=scope, context=ctx)
-        return _with(e, query="", answer=base64.b64encode(blob).decode("ascii"),
+        return _with(entry, query="", answer=base64.b64encode(blob).decode("ascii"),
                      metadata={**e.metadata, _META_KEY: ENTRY_SEAL_ALG})
 
     def open_entry(self, entry: E) -> E:
@@ -117,4 +119,4 @@ class EntrySealer:
             raise SealedEntryError(f"semantic entry {e.id!r}: sealed answer is not base64") from None
         payload = json.loads(self._sealer.open(blob, scope=scope, context=ctx))
         meta = {k: v for k, v in e.metadata.items() if k != _META_KEY}
-        return _with(e, query=payload["q"], answer=payload["a"], metadata=meta)
+        return _with(entry, query=payload["q"], answer=payload["a"], metadata=meta)
