@@ -32,17 +32,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
+import torch
 
 # one intra-op thread: on a shared, small CPU, more threads mostly wait for each other
 torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
 
-from bench_semantic_common import DEFAULT_DATA, Protocol, build_protocol, curve, outcomes, pr_at  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from bench_semantic_common import DEFAULT_DATA, Protocol, build_protocol, curve, outcomes, pr_at
+from rich.console import Console
+from rich.table import Table
 
-from semcomm import SemanticCache  # noqa: E402
-from semcomm.semantic import (  # noqa: E402
+from semcomm import SemanticCache
+from semcomm.semantic import (
     DEFAULT_THRESHOLD,
     ErrorBoundedPolicy,
     LexicalGuard,
@@ -138,11 +138,11 @@ def error_bounded(p: Protocol, sv: np.ndarray, qv: np.ndarray, bound: float, see
 
 def gptcache_run(p: Protocol, sv: np.ndarray, qv: np.ndarray, cos_cut: float) -> dict:
     try:
+        import faiss  # noqa: F401
         from gptcache import Cache, Config
         from gptcache.adapter.api import get, put
         from gptcache.manager import CacheBase, VectorBase, get_data_manager
         from gptcache.similarity_evaluation.distance import SearchDistanceEvaluation
-        import faiss  # noqa: F401
     except ImportError as exc:
         return {"error": f"gptcache/faiss not importable: {exc}"}
     vec = {q: v for q, v in zip(p.stored, sv, strict=True)}

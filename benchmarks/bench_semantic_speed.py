@@ -24,16 +24,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
+import torch
 
 # one intra-op thread: on a shared, small CPU, more threads mostly wait for each other
 torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from semcomm import SemanticCache  # noqa: E402
-from semcomm.semantic import CallableEmbedder, FlatIndex, HNSWIndex, default_embedder  # noqa: E402
+from semcomm import SemanticCache
+from semcomm.semantic import CallableEmbedder, FlatIndex, HNSWIndex, default_embedder
 
 console = Console()
 DIM = 384

@@ -21,11 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_semantic_common import DEFAULT_DATA, build_protocol, outcomes  # noqa: E402
-from bench_semantic_quality import embed_cached  # noqa: E402
+from bench_semantic_common import DEFAULT_DATA, build_protocol, outcomes
+from bench_semantic_quality import embed_cached
 
-from semcomm.semantic import LexicalGuard  # noqa: E402
-from semcomm.semantic._verifier import FEATURE_NAMES, verifier_features  # noqa: E402
+from semcomm.semantic import LexicalGuard
+from semcomm.semantic._verifier import FEATURE_NAMES, verifier_features
 
 WEIGHTS_FILE = (Path(__file__).resolve().parents[1] / "src" / "semcomm" / "semantic"
                 / "_verifier_weights.py")

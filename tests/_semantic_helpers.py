@@ -33,7 +33,7 @@ class Clock:
         self.t += s
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

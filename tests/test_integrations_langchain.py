@@ -7,19 +7,19 @@ import pytest
 pytest.importorskip("langchain_core")
 pytest.importorskip("langchain_tests")
 
-from langchain_core.load import dumps  # noqa: E402
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
-from langchain_core.outputs import ChatGeneration, Generation  # noqa: E402
-from langchain_tests.integration_tests import (  # noqa: E402
+from langchain_core.load import dumps
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.outputs import ChatGeneration, Generation
+from langchain_tests.integration_tests import (
     AsyncCacheTestSuite,
     SyncCacheTestSuite,
 )
 
-from semcomm import SemanticCache  # noqa: E402
-from semcomm.integrations.langchain import SemcommCache, parse_prompt  # noqa: E402
-from semcomm.semantic import CallableEmbedder  # noqa: E402
+from semcomm import SemanticCache
+from semcomm.integrations.langchain import SemcommCache, parse_prompt
+from semcomm.semantic import CallableEmbedder
 
-from ._semantic_helpers import Clock, bow_embed, minilm  # noqa: E402, F401
+from ._semantic_helpers import Clock, bow_embed, minilm  # noqa: F401
 
 
 class TestSemcommCacheSync(SyncCacheTestSuite):

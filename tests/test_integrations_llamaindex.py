@@ -8,14 +8,14 @@ import pytest
 
 pytest.importorskip("llama_index.core")
 
-from llama_index.core.base.llms.types import ChatMessage, CompletionResponse  # noqa: E402
-from llama_index.core.llms import MockLLM  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, CompletionResponse
+from llama_index.core.llms import MockLLM
 
-from semcomm import SemanticCache  # noqa: E402
-from semcomm.integrations.llamaindex import SemcommLLM  # noqa: E402
-from semcomm.semantic import CallableEmbedder  # noqa: E402
+from semcomm import SemanticCache
+from semcomm.integrations.llamaindex import SemcommLLM
+from semcomm.semantic import CallableEmbedder
 
-from ._semantic_helpers import bow_embed  # noqa: E402
+from ._semantic_helpers import bow_embed
 
 
 class CountingLLM(MockLLM):

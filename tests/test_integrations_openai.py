@@ -11,11 +11,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from semcomm import SemanticCache  # noqa: E402
-from semcomm.integrations.openai import CachedAsyncOpenAI, CachedOpenAI  # noqa: E402
-from semcomm.semantic import CallableEmbedder  # noqa: E402
+from semcomm import SemanticCache
+from semcomm.integrations.openai import CachedAsyncOpenAI, CachedOpenAI
+from semcomm.semantic import CallableEmbedder
 
-from ._semantic_helpers import bow_embed  # noqa: E402
+from ._semantic_helpers import bow_embed
 
 
 class FakeAPI:
@@ -29,7 +29,7 @@ class FakeAPI:
             def log_message(self, *a: object) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 api.calls.append(body)
                 last = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ..errors import ConfigError, CorruptEntryError, InvalidInputError
 
-__all__ = ["register", "cache_app"]
+__all__ = ["cache_app", "register"]
 
 cache_app = typer.Typer(help="Semantic answer cache: inspect, calibrate, clear, export, import.",
                         no_args_is_help=True)

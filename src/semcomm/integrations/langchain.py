@@ -24,9 +24,9 @@ from ..semantic import Scope, SemanticCache
 
 require("langchain_core", "langchain")
 
-from langchain_core.caches import RETURN_VAL_TYPE, BaseCache  # noqa: E402
-from langchain_core.load import dumps, loads  # noqa: E402
-from langchain_core.messages import (  # noqa: E402
+from langchain_core.caches import RETURN_VAL_TYPE, BaseCache
+from langchain_core.load import dumps, loads
+from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     ChatMessage,
@@ -35,7 +35,7 @@ from langchain_core.messages import (  # noqa: E402
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.outputs import (  # noqa: E402
+from langchain_core.outputs import (
     ChatGeneration,
     ChatGenerationChunk,
     Generation,

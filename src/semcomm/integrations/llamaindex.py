@@ -19,7 +19,7 @@ from ..semantic import Scope, SemanticCache
 
 require("llama_index.core", "llamaindex")
 
-from llama_index.core.base.llms.types import (  # noqa: E402
+from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (  # noqa: E402
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.llms import LLM  # noqa: E402
-from pydantic import PrivateAttr  # noqa: E402
+from llama_index.core.llms import LLM
+from pydantic import PrivateAttr
 
 __all__ = ["SemcommLLM"]
 

@@ -23,7 +23,7 @@ from ..errors import require
 from ..semantic import Scope, SemanticCache
 from ..semantic._context import _content
 
-__all__ = ["CachedOpenAI", "CachedAsyncOpenAI", "request_key"]
+__all__ = ["CachedAsyncOpenAI", "CachedOpenAI", "request_key"]
 
 _NOT_IDENTITY = {"messages", "stream", "stream_options", "user", "metadata", "store",
                  "extra_headers", "extra_query", "extra_body", "timeout"}

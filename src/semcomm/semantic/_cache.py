@@ -23,7 +23,7 @@ from ._index import AutoIndex, FlatIndex, HNSWIndex, VectorIndex
 from ._policy import DEFAULT_THRESHOLD, Candidate, HitPolicy, ThresholdPolicy, make_policy
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
-__all__ = ["SemanticCache", "Hit", "CacheStats", "EVICTION_POLICIES", "open_store"]
+__all__ = ["EVICTION_POLICIES", "CacheStats", "Hit", "SemanticCache", "open_store"]
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +99,17 @@ class _Slot:
     last_access: float = 0.0
 
 
-def _lru_victims(slots: "OrderedDict[str, _Slot]", n: int) -> list[str]:
+def _lru_victims(slots: OrderedDict[str, _Slot], n: int) -> list[str]:
     return [k for k, _ in zip(slots, range(n), strict=False)]
 
 
-def _lfu_victims(slots: "OrderedDict[str, _Slot]", n: int) -> list[str]:
+def _lfu_victims(slots: OrderedDict[str, _Slot], n: int) -> list[str]:
     # fewest hits first, ties by least recent (OrderedDict order is recency)
     order = sorted(enumerate(slots.items()), key=lambda kv: (kv[1][1].hits, kv[0]))
     return [k for _, (k, _) in order[:n]]
 
 
-EVICTION_POLICIES: dict[str, Callable[["OrderedDict[str, _Slot]", int], list[str]]] = {
+EVICTION_POLICIES: dict[str, Callable[[OrderedDict[str, _Slot], int], list[str]]] = {
     "lru": _lru_victims,
     "lfu": _lfu_victims,
 }

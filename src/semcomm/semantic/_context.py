@@ -18,7 +18,7 @@ from typing import Any, Union
 
 from ..errors import InvalidInputError
 
-__all__ = ["Scope", "ContextLike", "context_window", "partition_key", "entry_id"]
+__all__ = ["ContextLike", "Scope", "context_window", "entry_id", "partition_key"]
 
 ContextLike = Union[str, Sequence[Mapping[str, Any]], Sequence[str], None]
 """A system prompt (str), a list of chat messages ({"role", "content"}), or a list of turns."""

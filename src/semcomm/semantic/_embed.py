@@ -22,11 +22,11 @@ import numpy as np
 from ..errors import ConfigError, InvalidInputError
 
 __all__ = [
-    "Embedder",
     "CallableEmbedder",
+    "Embedder",
     "SentenceTransformerEmbedder",
-    "default_embedder",
     "as_embedder",
+    "default_embedder",
 ]
 
 log = logging.getLogger(__name__)
@@ -158,9 +158,7 @@ class SentenceTransformerEmbedder(_CachingEmbedder):
     def dim(self) -> int:
         if self._dim is None:
             m = self._load()
-            getter = getattr(m, "get_embedding_dimension", None) or getattr(
-                m, "get_sentence_embedding_dimension"
-            )
+            getter = getattr(m, "get_embedding_dimension", None) or m.get_sentence_embedding_dimension
             self._dim = int(getter())
         return self._dim
 

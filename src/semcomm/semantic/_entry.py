@@ -24,7 +24,7 @@ import xxhash
 
 from ..errors import CorruptEntryError
 
-__all__ = ["ENTRY_FORMAT_VERSION", "Entry", "Row", "encode_entry", "decode_entry"]
+__all__ = ["ENTRY_FORMAT_VERSION", "Entry", "Row", "decode_entry", "encode_entry"]
 
 ENTRY_FORMAT_VERSION = 1
 

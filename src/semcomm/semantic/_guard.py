@@ -27,16 +27,12 @@ __all__ = ["GuardResult", "LexicalGuard", "TextFeatures", "text_features"]
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d+(?:[.,]\d+)*")
 
 _NEGATIONS = frozenset(
-    "not no never none nobody nothing neither nor without cannot cant can't won't wont dont "
-    "don't doesn't doesnt didn't didnt isn't isnt aren't arent wasn't wasnt weren't werent "
-    "shouldn't shouldnt wouldn't wouldnt couldn't couldnt hasn't hasnt haven't havent hadn't "
-    "mustn't neednt needn't nowhere unable".split()
+    ["not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "cant", "can't", "won't", "wont", "dont", "don't", "doesn't", "doesnt", "didn't", "didnt", "isn't", "isnt", "aren't", "arent", "wasn't", "wasnt", "weren't", "werent", "shouldn't", "shouldnt", "wouldn't", "wouldnt", "couldn't", "couldnt", "hasn't", "hasnt", "haven't", "havent", "hadn't", "mustn't", "neednt", "needn't", "nowhere", "unable"]
 )
 
 _NUMBER_WORDS = {
     w: i for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-        "fifteen sixteen seventeen eighteen nineteen twenty".split()
+        ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
     )
 }
 _NUMBER_WORDS.update({"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70,
@@ -44,12 +40,10 @@ _NUMBER_WORDS.update({"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seve
                       "million": 10**6, "billion": 10**9, "half": 0.5, "double": 2,
                       "twice": 2, "single": 1, "dozen": 12})
 _ORDINALS = {w: i + 1 for i, w in enumerate(
-    "first second third fourth fifth sixth seventh eighth ninth tenth".split())}
+    ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"])}
 
-_MONTHS = frozenset("january february march april may june july august september october "
-                    "november december jan feb mar apr jun jul aug sep sept oct nov dec".split())
-_DAYS = frozenset("monday tuesday wednesday thursday friday saturday sunday today tomorrow "
-                  "yesterday tonight weekend".split())
+_MONTHS = frozenset(["january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november", "december", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec"])
+_DAYS = frozenset(["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "today", "tomorrow", "yesterday", "tonight", "weekend"])
 # "may", "march" are often verbs: counted as dates only when capitalised mid-sentence.
 _AMBIGUOUS_MONTHS = frozenset({"may", "march", "jan", "mar", "dec", "sep"})
 
@@ -96,10 +90,7 @@ _ANTONYMS: tuple[tuple[frozenset[str], frozenset[str]], ...] = tuple(
 )
 
 _STOP_CAPS = frozenset(
-    "i i'm i've i'd i'll what how why when where which who whom whose is are was were do does did "
-    "can could should would will shall may might must the a an if in on at to for of and or "
-    "my your our their his her its it this that these those there here hi hello please "
-    "tell explain give quora".split()
+    ["i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "which", "who", "whom", "whose", "is", "are", "was", "were", "do", "does", "did", "can", "could", "should", "would", "will", "shall", "may", "might", "must", "the", "a", "an", "if", "in", "on", "at", "to", "for", "of", "and", "or", "my", "your", "our", "their", "his", "her", "its", "it", "this", "that", "these", "those", "there", "here", "hi", "hello", "please", "tell", "explain", "give", "quora"]
 )
 
 
@@ -144,7 +135,7 @@ def text_features(text: str) -> TextFeatures:
             dates.add(low[:3])
         is_cap = tok[0].isupper() and (not sentence_start or (len(tok) > 1 and tok.isupper()))
         if is_cap and low not in _STOP_CAPS and low not in _MONTHS and low not in _DAYS:
-            entities.add(low[:-2] if low.endswith("'s") else low)
+            entities.add(low.removesuffix("'s"))
         sentence_start = False
     # sentence boundaries inside the text reset "sentence-initial"
     for m in re.finditer(r"[.?!]\s+([A-Z][A-Za-z'\-]*)", text):

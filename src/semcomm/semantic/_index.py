@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["VectorIndex", "FlatIndex", "HNSWIndex", "AutoIndex", "make_index"]
+__all__ = ["AutoIndex", "FlatIndex", "HNSWIndex", "VectorIndex", "make_index"]
 
 
 class VectorIndex(Protocol):

@@ -32,18 +32,18 @@ import numpy as np
 from ..errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "DEFAULT_THRESHOLD",
+    "POLICIES",
+    "CalibrationResult",
     "Candidate",
     "Decision",
-    "HitPolicy",
-    "ThresholdPolicy",
     "ErrorBoundedPolicy",
-    "CalibrationResult",
-    "calibrate_threshold",
-    "POLICIES",
-    "make_policy",
-    "Verifier",
+    "HitPolicy",
     "Scorer",
-    "DEFAULT_THRESHOLD",
+    "ThresholdPolicy",
+    "Verifier",
+    "calibrate_threshold",
+    "make_policy",
 ]
 
 Scorer = Callable[..., float]

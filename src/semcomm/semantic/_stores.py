@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from ..errors import CorruptEntryError, StoreError
 from ._entry import ENTRY_FORMAT_VERSION, Entry, Row, decode_entry, encode_entry
 
-__all__ = ["EntryStore", "Sync", "MemoryEntryStore", "SQLiteEntryStore"]
+__all__ = ["EntryStore", "MemoryEntryStore", "SQLiteEntryStore", "Sync"]
 
 log = logging.getLogger(__name__)
 

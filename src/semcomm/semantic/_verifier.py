@@ -20,19 +20,13 @@ import numpy as np
 
 from ._policy import Candidate
 
-__all__ = ["LexicalVerifier", "verifier_features", "FEATURE_NAMES"]
+__all__ = ["FEATURE_NAMES", "LexicalVerifier", "verifier_features"]
 
 FEATURE_NAMES = ("cos", "margin", "jaccard", "q_missing", "c_missing", "trigram",
                  "len_ratio", "diff_words")
 
 _STOP = frozenset(
-    "a an the is are was were be been being am do does did doing have has had having i me my "
-    "we our you your he she it its they them their what which who whom whose when where why "
-    "how this that these those to of in on at by for with about as into from up down out over "
-    "under again then once here there all any both each few more most other some such only own "
-    "same so than too very can will just should would could may might must shall and or but if "
-    "because until while get got one ones someone something thing things way ways best good "
-    "really much many also know like want need make makes using use used s t".split()
+    ["a", "an", "the", "is", "are", "was", "were", "be", "been", "being", "am", "do", "does", "did", "doing", "have", "has", "had", "having", "i", "me", "my", "we", "our", "you", "your", "he", "she", "it", "its", "they", "them", "their", "what", "which", "who", "whom", "whose", "when", "where", "why", "how", "this", "that", "these", "those", "to", "of", "in", "on", "at", "by", "for", "with", "about", "as", "into", "from", "up", "down", "out", "over", "under", "again", "then", "once", "here", "there", "all", "any", "both", "each", "few", "more", "most", "other", "some", "such", "only", "own", "same", "so", "than", "too", "very", "can", "will", "just", "should", "would", "could", "may", "might", "must", "shall", "and", "or", "but", "if", "because", "until", "while", "get", "got", "one", "ones", "someone", "something", "thing", "things", "way", "ways", "best", "good", "really", "much", "many", "also", "know", "like", "want", "need", "make", "makes", "using", "use", "used", "s", "t"]
 )
 _TOK = re.compile(r"[a-z0-9]+")
 
