@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -21,7 +22,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from semcomm.routing import ModelRouter, ModelSpec, load_labelled, plot_cost_quality
+from semcomm.routing import (
+    ModelRouter,
+    ModelSpec,
+    QualityPredictor,
+    load_labelled,
+    plot_cost_quality,
+)
+from semcomm.routing._model import evaluate_choices
 
 console = Console(width=150)
 
@@ -33,6 +41,8 @@ def main() -> None:
     ap.add_argument("--cost", action="append", default=[], help="MODEL=COST (default sharer=2, receiver=1)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/routing"))
     ap.add_argument("--embedder", default=None, help="sentence-transformers path (default all-MiniLM-L6-v2)")
+    ap.add_argument("--group-field", default="relation",
+                    help="row field for a lookup-table baseline (per-group training accuracy); '' to skip")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -55,10 +65,43 @@ def main() -> None:
     # a router that ignores the prompt: the same budget sweep with random scores
     rng = np.random.default_rng(0)
     rand_q = rng.random(test.correct.shape)
-    from semcomm.routing._model import evaluate_choices
-
     rand = evaluate_choices(router.models, rand_q, test.correct, points=21, lambda_for=router._lambda_for,
                             choose=router._choose)
+
+    # 4-fold cross-validation over all rows (the test part above is small: APGR varies by a few points)
+    full = load_labelled(args.data, models=train.models, text_field=args.text_field, part="all")
+    feats = router.features(full.prompts)
+    fold = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") % 4
+                     for p in full.prompts])
+    cv = []
+    for k in range(4):
+        pred = QualityPredictor().fit(feats[fold != k], full.correct[fold != k])
+        cv.append(evaluate_choices(router.models, pred.predict(feats[fold == k]), full.correct[fold == k],
+                                   points=21, lambda_for=router._lambda_for, choose=router._choose).apgr)
+
+    # lookup-table baseline: each model's training accuracy within the row's group (e.g. relation)
+    group_apgr = float("nan")
+    if args.group_field and args.data is None:
+        from semcomm.reference import router_labels
+
+        group_of = {r["question"]: r.get(args.group_field) for r in router_labels()}
+    elif args.group_field:
+        group_of = {}
+        for line in args.data.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                group_of[row.get(args.text_field)] = row.get(args.group_field)
+    else:
+        group_of = {}
+    if group_of and all(group_of.get(p) is not None for p in train.prompts + test.prompts):
+        acc: dict[str, list[np.ndarray]] = {}
+        for p, y in zip(train.prompts, train.correct, strict=True):
+            acc.setdefault(group_of[p], []).append(y)
+        table = {g: np.mean(v, axis=0) for g, v in acc.items()}
+        prior = train.correct.mean(axis=0)
+        gq = np.array([table.get(group_of[p], prior) for p in test.prompts])
+        group_apgr = evaluate_choices(router.models, gq, test.correct, points=21,
+                                      lambda_for=router._lambda_for, choose=router._choose).apgr
 
     tab = Table(title=f"model router on {train.meta['source']}: train {len(train.prompts)}, test {ev.n}")
     for col in ("cost share", "quality", "PGR"):
@@ -70,13 +113,15 @@ def main() -> None:
     summary.add_column("metric")
     summary.add_column("value", justify="right")
     for k, v in [("APGR (semcomm router)", ev.apgr), ("APGR (random scores)", rand.apgr),
+                 ("APGR 4-fold CV mean", float(np.mean(cv))), ("APGR 4-fold CV std", float(np.std(cv))),
+                 (f"APGR ({args.group_field or 'group'} lookup table baseline)", group_apgr),
                  ("CPT50: cost share for 50% PGR", ev.cpt["cpt50"]), ("CPT80", ev.cpt["cpt80"]),
                  *[(f"quality, {m} alone", q) for m, q in ev.model_quality.items()],
                  ("oracle quality", ev.oracle_quality), ("fit seconds", fit_s), ("eval seconds", eval_s)]:
         summary.add_row(k, f"{v:.3f}")
     console.print(summary)
     plot_cost_quality(ev, args.out / "model_router_cost_quality.png")
-    doc = {"eval": ev.to_json(), "random": rand.to_json(), "costs": costs, "fit_s": fit_s, "eval_s": eval_s,
+    doc = {"eval": ev.to_json(), "random": rand.to_json(), "cv_apgr": cv, "group_table_apgr": group_apgr, "costs": costs, "fit_s": fit_s, "eval_s": eval_s,
            "train": len(train.prompts), "source": train.meta["source"]}
     (args.out / "bench_routing_model.json").write_text(json.dumps(doc, indent=1))
     console.print(f"wrote {args.out / 'bench_routing_model.json'} and model_router_cost_quality.png")
