@@ -254,8 +254,10 @@ def test_redis_restart_mid_load_service_continues_and_recovers(server: Any,
         redis_for_server.stop()
         t0 = time.monotonic()
         with pytest.warns(BackendDownWarning):  # loud, but not an error: the service continues
+            # distinct openings, so that this traffic is not a probe pattern for the detector
             down = [hits(_chat(c, t, max_tokens=4))
-                    for t in [f"outage {i}: " + prompt for i in range(3)] + [prompt]]
+                    for t in [f"{w} " * 12 + prompt for w in ("alpha", "bravo", "charlie")]
+                    + [prompt]]
         assert down == ["none"] * 4  # ... with misses
         assert time.monotonic() - t0 < 30
         redis_for_server.start()  # back, empty
