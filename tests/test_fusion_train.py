@@ -149,3 +149,34 @@ def test_qwen2_to_qwen3_end_to_end(qwen_pair) -> None:
         a_score = score_options(r.model, alone_layers, last, pos, [ans])[0]
         better += f_score > a_score
     assert better >= 6
+
+
+def test_validation_keeps_the_best_fuser(qwen_pair) -> None:
+    s, r = sides(qwen_pair)
+    scores = iter([0.5, 0.9, 0.1, 0.2])  # steps 0, 2, 4, 6: the best is step 2
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def metric(fuser) -> float:
+        seen.append({k: v.detach().clone() for k, v in fuser.state_dict().items()})
+        return next(scores)
+
+    cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, eval_every=2, checkpoint_every=0, fuser=FUSER)
+    tr = FusionTrainer(s, r, examples(8), cfg, val_metric=metric)
+    tr.train()
+    assert [st for st, _ in tr.val_losses] == [0, 2, 4, 6]
+    assert tr.meta["best_step"] == 2
+    for k, v in tr.fuser.state_dict().items():
+        assert torch.equal(v, seen[1][k])
+    assert not torch.equal(seen[1]["w_in"], seen[3]["w_in"])  # training did move on after step 2
+
+
+def test_validation_file_errors(tmp_path: Path) -> None:
+    from semcomm.fusion._reference import read_mc_items
+
+    bad = tmp_path / "val.jsonl"
+    bad.write_text('{"shared": "q", "options": ["a", "b"], "answer_index": 5}\n')
+    with pytest.raises(InvalidInputError, match="val.jsonl:1"):
+        read_mc_items(bad)
+    bad.write_text('{"shared": "q"}\n')
+    with pytest.raises(InvalidInputError, match="val.jsonl:1: expected"):
+        read_mc_items(bad)

@@ -70,6 +70,17 @@ def train(
     answer_mode: Annotated[
         str, typer.Option(help="How `fusion eval` should score with this fuser: loglik or letter.")
     ] = "loglik",
+    val_data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Validation JSONL: multiple choice {'shared','options','answer_index'} "
+            "(best C2C accuracy kept) or {'shared','answer'} (best loss kept)."
+        ),
+    ] = None,
+    eval_every: Annotated[
+        int, typer.Option(help="Validate every N steps (with --val-data).")
+    ] = 100,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.01,
     threads: Annotated[
         int,
         typer.Option(
@@ -81,7 +92,7 @@ def train(
     import torch
 
     from ..fusion import FusionTrainer, TrainConfig, read_examples
-    from ..fusion._reference import load_side
+    from ..fusion._reference import c2c_accuracy_metric, load_side, read_mc_items
 
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     mp: Any = (
@@ -99,13 +110,26 @@ def train(
         reduce=reduce,
         device=dev,
         threads=threads,
+        weight_decay=weight_decay,
+        eval_every=eval_every if val_data is not None else 0,
         fuser={"hidden_dim": hidden, "num_blocks": blocks, "dropout": dropout, "mapping": mp},
     )
     command = (
         f"semcomm fusion train --sharer {sharer} --receiver {receiver} --data {data} --out {out} "
         f"--steps {steps} --batch-size {batch_size} --lr {lr} --seed {seed} --hidden {hidden} "
-        f"--blocks {blocks} --mapping {mapping}"
+        f"--blocks {blocks} --mapping {mapping} --weight-decay {weight_decay}"
+        + (f" --val-data {val_data} --eval-every {eval_every}" if val_data is not None else "")
     )
+    val_examples = None
+    val_metric = None
+    if val_data is not None:
+        first = next(
+            (ln for ln in val_data.read_text(encoding="utf-8").splitlines() if ln.strip()), ""
+        )
+        if '"options"' in first:
+            val_metric = c2c_accuracy_metric(s_side, r_side, read_mc_items(val_data))
+        else:
+            val_examples = read_examples(val_data)
     trainer = FusionTrainer(
         s_side,
         r_side,
@@ -121,6 +145,8 @@ def train(
             "sharer": str(sharer),
             "receiver": str(receiver),
         },
+        val_examples=val_examples,
+        val_metric=val_metric,
     )
     n_r = sum(p.numel() for p in r_side.model.parameters())
     n_s = sum(p.numel() for p in s_side.model.parameters())
@@ -149,15 +175,36 @@ def data(
     answer_mode: Annotated[
         str, typer.Option(help="loglik (QA answers) or letter (also MC letters).")
     ] = "loglik",
+    val_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write validation questions here (15% of the training facts, then left "
+            "out of --out)."
+        ),
+    ] = None,
+    statements: Annotated[
+        bool, typer.Option(help="Also train on statements ending with the object.")
+    ] = False,
     seed: Annotated[int, typer.Option(help="World seed.")] = 0,
 ) -> None:
     """Write fuser training data from the reference world (training half of the facts)."""
-    from ..fusion._reference import reference_examples, write_examples
+    from ..fusion._reference import (
+        reference_examples,
+        validation_items,
+        write_examples,
+        write_mc_items,
+    )
     from ..reference import build_world
 
-    ex = reference_examples(build_world(seed=seed), answer_mode=answer_mode)
+    world = build_world(seed=seed)
+    part = "train" if val_out is not None else "all"
+    ex = reference_examples(world, answer_mode=answer_mode, part=part, statements=statements)
     write_examples(ex, out)
     console.print(f"wrote {len(ex)} examples to {out}")
+    if val_out is not None:
+        items = validation_items(world)
+        write_mc_items(items, val_out)
+        console.print(f"wrote {len(items)} validation questions to {val_out}")
 
 
 @fusion_app.command("eval")

@@ -79,22 +79,48 @@ def reference_items(world: Any, *, heldout: bool = True, limit: int | None = Non
     return out[:limit] if limit else out
 
 
-def reference_examples(world: Any, *, answer_mode: str = "loglik") -> list[FusionExample]:
+VAL_SALT = "semcomm-fusion-val-v1"
+
+
+def fact_is_validation(fact_id: str, fraction: float = 0.15) -> bool:
+    """Among training facts, those kept for validation (early stopping)."""
+    h = hashlib.sha256(f"{VAL_SALT}:{fact_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def reference_examples(
+    world: Any, *, answer_mode: str = "loglik", part: str = "all", statements: bool = False
+) -> list[FusionExample]:
     """Training examples from the training half of the facts (all question paraphrases).
 
     ``loglik``: ``"question: Q answer:"`` -> ``" object."`` (what option scoring reads);
-    ``letter``: also the multiple-choice prompt -> ``" c."``.
+    ``letter``: also the multiple-choice prompt -> ``" c."``. ``part``: ``"all"`` training
+    facts, or ``"train"``/``"val"`` (a fixed 15% of them kept for validation).
+    ``statements``: also the training statement templates that end with the object.
     """
     from ..reference import format_qa
 
+    def keep(fact_id: str) -> bool:
+        if fact_is_heldout(fact_id):
+            return False
+        if part == "all":
+            return True
+        return fact_is_validation(fact_id) == (part == "val")
+
     out: list[FusionExample] = []
     for qa in world.qa_pairs("all"):
-        if fact_is_heldout(qa.fact_id):
-            continue
-        out.append(FusionExample(shared=format_qa(qa.question), answer=f" {qa.answer}."))
+        if keep(qa.fact_id):
+            out.append(FusionExample(shared=format_qa(qa.question), answer=f" {qa.answer}."))
+    if statements:
+        facts = {f.id: f for f in world.facts}
+        for sent in world.sentences(heldout=False):
+            f = facts[sent.fact_id]
+            tail = f" {f.object}."
+            if keep(f.id) and sent.text.endswith(tail) and len(sent.text) > len(tail):
+                out.append(FusionExample(shared=sent.text[: -len(tail)], answer=tail))
     if answer_mode == "letter":
         for q in world.mc_questions("all"):
-            if not fact_is_heldout(q.fact_id):
+            if keep(q.fact_id):
                 out.append(FusionExample(shared=q.prompt, answer=f" {q.letter}."))
     return out
 
@@ -200,3 +226,96 @@ def run_eval(
         "fuser_meta": meta,
     }
     return doc
+
+
+def validation_items(world: Any) -> list[MCItem]:
+    """Multiple-choice items for the validation facts: every question paraphrase, scored
+    against the options of that fact's multiple-choice question (never a held-out fact)."""
+    from ..reference import format_qa
+
+    mcs = {q.fact_id: q for q in world.mc_questions("all")}
+    out: list[MCItem] = []
+    for qa in world.qa_pairs("all"):
+        if fact_is_heldout(qa.fact_id) or not fact_is_validation(qa.fact_id):
+            continue
+        mc = mcs[qa.fact_id]
+        out.append(
+            MCItem(
+                id=qa.id,
+                prompt=mc.prompt,
+                qa_prompt=format_qa(qa.question),
+                options=tuple(mc.options),
+                answer_index=int(mc.answer_index),
+                background_prompt=_background_prompt(qa.question),
+                split=qa.split,
+            )
+        )
+    return out
+
+
+def c2c_accuracy_metric(sharer: ModelSide, receiver: ModelSide, items: list[MCItem]) -> Any:
+    """A ``val_metric`` for :class:`FusionTrainer`: C2C option accuracy on ``items``."""
+    from ._eval import EvalSettings, evaluate
+    from ._pipeline import FusionPipeline
+
+    def metric(fuser: Any) -> float:
+        pipe = FusionPipeline(sharer, receiver, fuser, check=False)
+        res = evaluate(pipe, items, EvalSettings(methods=("c2c",)))
+        return float(res["c2c"]["accuracy"])
+
+    return metric
+
+
+def write_mc_items(items: list[MCItem], path: str | Path) -> Path:
+    """Write multiple-choice validation items as JSON Lines (``--val-data`` of ``fusion train``):
+    ``{"shared": prompt, "options": [...], "answer_index": k}``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", encoding="utf-8") as fh:
+        for it in items:
+            row = {
+                "shared": it.qa_prompt,
+                "options": list(it.options),
+                "answer_index": it.answer_index,
+            }
+            fh.write(json.dumps(row) + "\n")
+    return p
+
+
+def read_mc_items(path: str | Path) -> list[MCItem]:
+    """Read multiple-choice items written by :func:`write_mc_items` (errors name the line)."""
+    from ..errors import InvalidInputError
+
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInputError(f"validation data {p} does not exist")
+    out: list[MCItem] = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            shared, options, k = row["shared"], row["options"], int(row["answer_index"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise InvalidInputError(
+                f"{p}:{n}: expected {{'shared', 'options', 'answer_index'}} ({exc})"
+            ) from exc
+        if (
+            not isinstance(shared, str)
+            or not isinstance(options, list)
+            or not 0 <= k < len(options)
+        ):
+            raise InvalidInputError(f"{p}:{n}: bad 'shared', 'options' or 'answer_index'")
+        out.append(
+            MCItem(
+                id=f"val-{n}",
+                prompt=shared,
+                qa_prompt=shared,
+                options=tuple(map(str, options)),
+                answer_index=k,
+                background_prompt="",
+            )
+        )
+    if not out:
+        raise InvalidInputError(f"validation data {p} holds no items")
+    return out

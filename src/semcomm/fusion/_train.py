@@ -61,6 +61,7 @@ class TrainConfig:
     device: str = "cpu"
     max_prompt_tokens: int = 512
     threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
+    eval_every: int = 0  # with validation examples: validation loss every N steps, best kept
     fuser: dict[str, Any] = field(default_factory=dict)  # FuserConfig overrides
 
 
@@ -230,6 +231,8 @@ class FusionTrainer:
         out: str | Path | None = None,
         resume: bool = False,
         meta: dict[str, Any] | None = None,
+        val_examples: list[FusionExample] | None = None,
+        val_metric: Callable[[Fuser], float] | None = None,
     ):
         self.sharer, self.receiver = sharer, receiver
         self.config = config
@@ -281,6 +284,15 @@ class FusionTrainer:
         log.info("encoded %d examples in %.1fs", len(self.encoded), time.perf_counter() - t0)
         self._r_pad = _pad_id(receiver.tokenizer)
         self._s_pad = _pad_id(sharer.tokenizer)
+        self.val_encoded = [
+            encode_example(sharer, receiver, ex, reduce=config.reduce, append_eos=config.append_eos)
+            for ex in (val_examples or [])
+        ]
+        # validation: a score to maximise (val_metric, e.g. accuracy on validation questions),
+        # else minus the answer loss on val_examples; the best fuser state is kept
+        self.val_metric = val_metric
+        self.val_losses: list[tuple[int, float]] = []  # (step, validation score)
+        self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None
 
     # -- optimizer state without pickle -------------------------------------------------
     def _save_optimizer(self, path: Path) -> None:
@@ -322,6 +334,7 @@ class FusionTrainer:
                 "steps": self.step,
                 "last_loss": self.losses[-1] if self.losses else None,
                 "train_seconds": round(self.train_seconds, 1),
+                "val_losses": self.val_losses,
                 "train_config": asdict(self.config),
             }
         )
@@ -359,6 +372,27 @@ class FusionTrainer:
                 n += len(chunk)
         return total / max(n, 1)
 
+    @property
+    def _validating(self) -> bool:
+        return bool(self.config.eval_every) and (
+            bool(self.val_encoded) or self.val_metric is not None
+        )
+
+    def _validate(self) -> float:
+        """Validation score (higher is better); remembers the best fuser state seen so far."""
+        self.fuser.eval()
+        with torch.no_grad():
+            if self.val_metric is not None:
+                score = float(self.val_metric(self.fuser))
+            else:
+                score = -self.evaluate_loss(self.val_encoded)
+        self.val_losses.append((self.step, score))
+        if self.best is None or score > self.best[0]:
+            state = {k: v.detach().clone() for k, v in self.fuser.state_dict().items()}
+            self.best = (score, self.step, state)
+        log.info("step %d validation score %.4f", self.step, score)
+        return score
+
     def train(self, progress: Callable[[int, int, float], None] | None = None) -> TrainResult:
         """Run until ``config.steps``; ``progress(step, total, loss)`` is called each step."""
         c = self.config
@@ -366,6 +400,9 @@ class FusionTrainer:
         t0 = time.perf_counter()
         self.fuser.train()
         first = None
+        if self._validating and self.step == 0 and not self.val_losses:
+            self._validate()  # the starting point (zero-init: the receiver alone) is a candidate
+            self.fuser.train()
         while self.step < c.steps:
             self.fuser.set_step(self.step)
             for group in self.optimizer.param_groups:
@@ -382,11 +419,23 @@ class FusionTrainer:
             self.losses.append(value)
             if progress is not None:
                 progress(self.step, c.steps, value)
+            if self._validating and self.step % c.eval_every == 0:
+                self._validate()
+                self.fuser.train()
             if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                 self.train_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self.checkpoint()
         self.fuser.set_step(self.step)
+        if self._validating:
+            if not self.val_losses or self.val_losses[-1][0] != self.step:
+                self._validate()
+            assert self.best is not None
+            best_loss, best_step, state = self.best
+            log.info("keeping the fuser of step %d (validation score %.4f)", best_step, best_loss)
+            self.fuser.load_state_dict(state)
+            self.meta["best_step"] = best_step
+            self.meta["best_val_score"] = best_loss
         self.fuser.eval()
         self.train_seconds += time.perf_counter() - t0
         self.checkpoint()
