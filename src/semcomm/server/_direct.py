@@ -135,6 +135,7 @@ class DirectRunner:
             step = 0
             while any(active):
                 nxt = [self.pad_id] * bsz
+                greedy = logits.argmax(-1).tolist()  # one call for every greedy row
                 for row, job in enumerate(jobs):
                     if not active[row]:
                         continue
@@ -142,7 +143,8 @@ class DirectRunner:
                         active[row] = False
                         finish[row] = "cancelled"
                         continue
-                    tok = sample_next(logits[row], job.temperature, job.top_p, gens[row])
+                    tok = (greedy[row] if job.temperature <= 0 else
+                           sample_next(logits[row], job.temperature, job.top_p, gens[row]))
                     if step == 0:
                         ttft[row] = time.perf_counter() - t0
                     if tok in self.eos_ids:

@@ -162,13 +162,15 @@ class EngineRunner:
         with torch.inference_mode():
             while True:
                 nxt = [self.pad_id] * bsz
+                greedy = logits.argmax(-1).tolist()  # one call for every greedy row
                 for row, job in enumerate(jobs):
                     if not active[row]:
                         continue
                     if job.cancelled.is_set():
                         active[row], finish[row] = False, "cancelled"
                         continue
-                    tok = sample_next(logits[row], job.temperature, job.top_p, gens[row])
+                    tok = (greedy[row] if job.temperature <= 0 else
+                           sample_next(logits[row], job.temperature, job.top_p, gens[row]))
                     if step == 0:
                         ttft[row] = time.perf_counter() - t0
                     if tok in self.eos_ids:
