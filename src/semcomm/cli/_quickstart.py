@@ -272,11 +272,10 @@ def register(app: typer.Typer) -> None:
         ] = 1,
     ) -> None:
         """Run a shared-system-prompt, multi-turn workload cold then warm and show what the KV cache saved."""
+        import torch
         from rich.console import Console
 
         from ..security import semcomm_home
-
-        import torch
 
         home = semcomm_home()
         home.mkdir(parents=True, exist_ok=True)
