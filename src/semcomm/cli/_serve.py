@@ -29,7 +29,7 @@ def serve(
 
     With no --config it serves the embedded default offline (a local model, a SQLite semantic
     cache, memory + disk KV stores). Clients authenticate with 'Authorization: Bearer <key>'
-    using the keys of the [tenants] table.
+    using the api_key of a tenant from the config's tenants table.
     """
     from ..errors import require
     from ..server import load_config
