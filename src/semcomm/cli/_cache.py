@@ -178,11 +178,13 @@ def calibrate(
     sims = np.concatenate(vecs)
     g = LexicalGuard()
     vetoed = [not g(a, b) for a, b in zip(q1, q2, strict=True)] if guard else None
-    r = calibrate_threshold(sims, y, target_precision=target_precision, vetoed=vetoed)
-    _plot(r, plot)
-    status = "reached" if r.reached else "NOT reached (best precision shown)"
-    _out.print(f"threshold {r.threshold:.4f}  precision {r.precision:.4f}  recall {r.recall:.4f}"
-               f"  target {target_precision} {status}  pairs {r.n_pairs}  plot {plot}")
+    res = calibrate_threshold(sims.tolist(), y, target_precision=target_precision,
+                              vetoed=vetoed)
+    _plot(res, plot)
+    status = "reached" if res.reached else "NOT reached (best precision shown)"
+    _out.print(f"threshold {res.threshold:.4f}  precision {res.precision:.4f}  "
+               f"recall {res.recall:.4f}  target {target_precision} {status}  "
+               f"pairs {res.n_pairs}  plot {plot}")
 
 
 def _plot(r: Any, path: Path) -> None:

@@ -112,7 +112,7 @@ class SemcommCache(BaseCache):
     def _decode(answer: str) -> list[Generation]:
         with warnings.catch_warnings():  # `loads` is marked beta; its allow-list is what we need
             warnings.simplefilter("ignore")
-            gens = loads(answer, allowed_objects=_ALLOWED)
+            gens = loads(answer, allowed_objects=_ALLOWED)  # type: ignore[arg-type]
         return list(gens)
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:

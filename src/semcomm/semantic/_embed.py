@@ -115,7 +115,7 @@ class _CachingEmbedder:
                         if len(self._cache) > self._cache_size:
                             self._cache.popitem(last=False)
         if not rows:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, self._dim or 0), dtype=np.float32)
         return np.stack(rows).astype(np.float32, copy=False)  # type: ignore[arg-type]
 
 

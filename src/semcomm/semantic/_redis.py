@@ -142,8 +142,8 @@ class RedisEntryStore:
                         if delete:
                             for i in ids:
                                 pipe.delete(self._k("e", i))
-                        for key in clear_keys:
-                            pipe.delete(key)
+                        for ckey in clear_keys:
+                            pipe.delete(ckey)
                         for j, i in enumerate(ids):
                             pipe.xadd(self._k("log"),
                                       {"n": n0 + j + 1, "op": op, "id": i, "origin": self._origin},
