@@ -234,6 +234,9 @@ def test_metrics_and_health(server: LiveServer) -> None:
             if line.startswith('semcomm_cache_hits_total{layer="semantic"}')]
     assert hits and float(hits[0].split()[-1]) >= 1
     assert health["models"]["tiny"]["up"] and health["semantic"]["up"]
+    with httpx.Client(base_url=server.url) as c:  # every response names its cache hits
+        for path in ("/health", "/metrics", "/v1/models", "/dashboard", "/no-such-page"):
+            assert c.get(path).headers["x-semcomm-hits"] == "none", path
 
 
 def test_admin_endpoints(server: LiveServer) -> None:

@@ -121,6 +121,27 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _HitsHeader:
+    """ASGI middleware: every HTTP response carries ``x-semcomm-hits`` (``none`` unless set)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = message.setdefault("headers", [])
+                if not any(k.lower() == b"x-semcomm-hits" for k, _ in headers):
+                    headers.append((b"x-semcomm-hits", b"none"))
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | None = None
                ) -> FastAPI:
     """Build the app. ``config`` is a :class:`ServerConfig`, a TOML path, or None (defaults)."""
@@ -143,6 +164,7 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                   description="OpenAI-compatible gateway with semantic, KV-prefix and "
                               "cache-to-cache reuse inside tenant boundaries.")
     app.state.gateway = gw
+    app.add_middleware(_HitsHeader)
 
     # --- errors ----------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
