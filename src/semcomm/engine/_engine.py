@@ -584,6 +584,8 @@ class HFEngine:
         stats.total_s = time.perf_counter() - t_start
         if self.tokenizer is not None and finish != "stop":
             text = self.decode(out)
+            if text and text.startswith(emitted) and len(text) > len(emitted):
+                yield text[len(emitted):]  # a tail held back as incomplete UTF-8
         return GenerationResult(token_ids=out, text=text, stats=stats, prompt_ids=ids)
 
     # -------------------------------------------------------------- snapshots
