@@ -86,6 +86,7 @@ def test_evaluation_beats_random_and_recovers_quality(trained: ModelRouter) -> N
 def test_save_load_roundtrip(trained: ModelRouter, tmp_path: Path) -> None:
     path = trained.save(tmp_path / "r.json")
     back = ModelRouter.load(path, embedder=bow)
+    assert back.predictor.rank_ == trained.predictor.rank_ and trained.predictor.cv_logloss
     for prompt in ["name a fruit please now", "solve the riemann problem please soon"]:
         assert back.route(prompt) == trained.route(prompt)
     (tmp_path / "bad.json").write_text("{}")
@@ -176,3 +177,18 @@ def test_message_objects_and_content_parts() -> None:
     last, whole = render_conversation([Msg("user", [Part("first")]), Msg("assistant", None),
                                        {"role": "user", "content": [{"type": "text", "text": "second"}]}])
     assert last == "second" and "first" in whole
+
+
+def test_rank_selection_by_cross_validated_log_loss() -> None:
+    from semcomm.routing import QualityPredictor
+
+    p, y = dataset(240, seed=5)
+    q = QualityPredictor().fit(bow(p), y)
+    assert set(q.cv_logloss) == {"8", "16", "32", "None"}  # ranks below 64 features, and none
+    best = min(q.cv_logloss, key=q.cv_logloss.__getitem__)
+    assert q.rank_ == (None if best == "None" else int(best))  # the lowest validation log-loss wins
+    assert q.proj is None or q.proj.shape == (64, q.rank_)
+    fixed = QualityPredictor(rank=None).fit(bow(p), y)
+    assert fixed.rank_ is None and fixed.proj is None
+    with pytest.raises(ConfigError):
+        QualityPredictor(rank="best")

@@ -18,10 +18,11 @@ the PGR curve), as in RouteLLM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,23 +96,60 @@ def render_conversation(prompt: str | Sequence[Any]) -> tuple[str, str]:
     return (last_user or parts[-1]), whole
 
 
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """Run small dense algebra on one BLAS thread when ``threadpoolctl`` is available.
+
+    The matrices here are a few hundred rows; multi-threaded BLAS only adds spin-waiting, which
+    on a loaded host made a fit ~10x slower.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 class QualityPredictor:
     """Per-model logistic regressions on a shared feature vector (numpy, L2-regularised).
 
-    ``weights`` is (D, M), ``bias`` (M,). Features are centred on the training mean and divided
-    by one global scale (the RMS distance to the mean, so inputs have unit norm on average), then
-    fitted by full-batch Adam on the mean binary cross-entropy plus ``l2``.
+    Features are centred on the training mean, optionally projected on their top ``rank``
+    principal directions (``proj``, (D, k)), and divided by one global scale (the RMS distance to
+    the mean), then fitted by full-batch Adam on the mean binary cross-entropy plus ``l2``.
+    ``rank="auto"`` picks the rank among ``ranks`` (None = no projection) by ``folds``-fold
+    cross-validated log-loss on the training data: with a few hundred labelled prompts and 768
+    embedding dimensions, a low rank keeps what the prompts share (task, template) and drops what
+    identifies single prompts.
     """
 
-    def __init__(self, l2: float = 1e-3, steps: int = 400, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(
+        self,
+        l2: float = 1e-3,
+        steps: int = 400,
+        lr: float = 0.05,
+        seed: int = 0,
+        rank: int | str | None = "auto",
+        ranks: Sequence[int | None] = (8, 16, 32, 64, None),
+        folds: int = 4,
+    ) -> None:
+        if isinstance(rank, str) and rank != "auto":
+            raise ConfigError(f"rank must be an int, None or 'auto', got {rank!r}")
         self.l2 = l2
         self.steps = steps
         self.lr = lr
         self.seed = seed
-        self.weights: np.ndarray | None = None  # (D, M)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.folds = folds
+        self.rank_: int | None = None  # the rank in use after fit (None: no projection)
+        self.cv_logloss: dict[str, float] = {}  # rank -> mean validation log-loss (rank="auto")
+        self.weights: np.ndarray | None = None  # (k, M)
         self.bias: np.ndarray | None = None  # (M,)
         self.mean: np.ndarray | None = None  # (D,)
-        self.scale: np.ndarray | None = None  # (D,)
+        self.proj: np.ndarray | None = None  # (D, k) or None
+        self.scale: float = 1.0
 
     def fit(self, x: np.ndarray, y: np.ndarray) -> QualityPredictor:
         x = np.asarray(x, dtype=np.float64)
@@ -120,11 +158,50 @@ class QualityPredictor:
             raise InvalidInputError(f"features (N, D) and labels (N, M) must align, got {x.shape} and {y.shape}")
         if len(x) < 2:
             raise InvalidInputError("need at least two labelled prompts to train a model router")
+        with _one_blas_thread():
+            rank = self.rank
+            if rank == "auto":
+                rank = self._select_rank(x, y)
+            self._fit_fixed(x, y, rank if isinstance(rank, int) else None)
+        return self
+
+    def _select_rank(self, x: np.ndarray, y: np.ndarray) -> int | None:
+        n = len(x)
+        candidates = [r for r in self.ranks if r is None or r < min(n, x.shape[1])]
+        if n < 8 * self.folds or len(candidates) <= 1:
+            return None
+        fold = np.arange(n) % self.folds
+        best: tuple[float, int | None] | None = None
+        for r in candidates:
+            losses = []
+            for k in range(self.folds):
+                # fewer steps in the search: it ranks candidates, the final fit converges
+                part = QualityPredictor(self.l2, min(self.steps, 150), self.lr, self.seed, rank=r)
+                part._fit_fixed(x[fold != k], y[fold != k], r)
+                q = np.clip(part.predict(x[fold == k]), 1e-6, 1 - 1e-6)
+                yy = y[fold == k]
+                losses.append(float(-np.mean(yy * np.log(q) + (1 - yy) * np.log(1 - q))))
+            loss = float(np.mean(losses))
+            self.cv_logloss[str(r)] = loss
+            if best is None or loss < best[0] - 1e-9:
+                best = (loss, r)
+        assert best is not None
+        return best[1]
+
+    def _fit_fixed(self, x: np.ndarray, y: np.ndarray, rank: int | None) -> None:
         self.mean = x.mean(axis=0)
+        c = x - self.mean
+        if rank is not None:
+            _, _, vt = np.linalg.svd(c, full_matrices=False)
+            self.proj = vt[:rank].T.copy()  # (D, k)
+            c = c @ self.proj
+        else:
+            self.proj = None
+        self.rank_ = rank
         # one global scale, not per feature: a feature constant in training (std 0) must not
         # blow up when it moves at prediction time
-        self.scale = np.full(x.shape[1], float(np.sqrt(((x - self.mean) ** 2).sum(axis=1).mean())) + 1e-9)
-        z = (x - self.mean) / self.scale
+        self.scale = float(np.sqrt((c**2).sum(axis=1).mean())) + 1e-9
+        z = c / self.scale
         n, d = z.shape
         m = y.shape[1]
         rng = np.random.default_rng(self.seed)
@@ -148,29 +225,36 @@ class QualityPredictor:
             w -= self.lr * (mw / c1) / (np.sqrt(vw / c2) + eps)
             b -= self.lr * (mb / c1) / (np.sqrt(vb / c2) + eps)
         self.weights, self.bias = w, b
-        return self
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """(N, M) probabilities."""
-        if self.weights is None or self.bias is None or self.mean is None or self.scale is None:
+        if self.weights is None or self.bias is None or self.mean is None:
             raise RuntimeError("QualityPredictor used before fit()")
-        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.scale
-        return np.asarray(1.0 / (1.0 + np.exp(-(z @ self.weights + self.bias))))
+        c = np.asarray(x, dtype=np.float64) - self.mean
+        if self.proj is not None:
+            c = c @ self.proj
+        return np.asarray(1.0 / (1.0 + np.exp(-((c / self.scale) @ self.weights + self.bias))))
 
     def to_dict(self) -> dict[str, Any]:
-        if self.weights is None or self.bias is None or self.mean is None or self.scale is None:
+        if self.weights is None or self.bias is None or self.mean is None:
             raise RuntimeError("cannot save an untrained predictor")
         return {"l2": self.l2, "steps": self.steps, "lr": self.lr, "seed": self.seed,
-                "weights": self.weights.tolist(), "bias": self.bias.tolist(),
-                "mean": self.mean.tolist(), "scale": self.scale.tolist()}
+                "rank": self.rank_, "weights": self.weights.tolist(), "bias": self.bias.tolist(),
+                "mean": self.mean.tolist(), "scale": self.scale,
+                "proj": None if self.proj is None else self.proj.tolist(),
+                "cv_logloss": self.cv_logloss}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QualityPredictor:
-        p = cls(l2=float(d["l2"]), steps=int(d["steps"]), lr=float(d["lr"]), seed=int(d["seed"]))
+        p = cls(l2=float(d["l2"]), steps=int(d["steps"]), lr=float(d["lr"]), seed=int(d["seed"]),
+                rank=d.get("rank"))
+        p.rank_ = d.get("rank")
         p.weights = np.asarray(d["weights"], dtype=np.float64)
         p.bias = np.asarray(d["bias"], dtype=np.float64)
         p.mean = np.asarray(d["mean"], dtype=np.float64)
-        p.scale = np.asarray(d["scale"], dtype=np.float64)
+        p.scale = float(d["scale"])
+        p.proj = None if d.get("proj") is None else np.asarray(d["proj"], dtype=np.float64)
+        p.cv_logloss = dict(d.get("cv_logloss", {}))
         return p
 
 
@@ -254,6 +338,8 @@ class ModelRouter:
             raise InvalidInputError(
                 f"labels must be (prompts, models) = ({len(prompts)}, {len(self.models)}), got {y.shape}"
             )
+        if budget is not None and not 0.0 <= budget <= 1.0:
+            raise ConfigError(f"budget (cost share) must be within 0..1, got {budget}")
         x = self.features(prompts)
         self.predictor.fit(x, y)
         self.trained = True
