@@ -185,8 +185,8 @@ def test_rank_selection_by_cross_validated_log_loss() -> None:
     p, y = dataset(240, seed=5)
     q = QualityPredictor().fit(bow(p), y)
     assert set(q.cv_logloss) == {"8", "16", "32", "None"}  # ranks below 64 features, and none
-    best = min(q.cv_logloss, key=q.cv_logloss.__getitem__)
-    assert q.rank_ == (None if best == "None" else int(best))  # the lowest validation log-loss wins
+    assert q.cv_logloss[str(q.rank_)] <= min(q.cv_logloss.values()) + 1e-9  # lowest validation loss wins
+    assert q.rank_ is not None  # 64 hashed word buckets, ~30 words in use: a projection fits better
     assert q.proj is None or q.proj.shape == (64, q.rank_)
     fixed = QualityPredictor(rank=None).fit(bow(p), y)
     assert fixed.rank_ is None and fixed.proj is None
