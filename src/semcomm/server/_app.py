@@ -267,7 +267,7 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                                                                    item.hit_tokens)))
             except Exception as exc:
                 log.warning("stream %s failed: %s", rid, exc)
-                body_ = json.loads(_error_response(exc).body)
+                body_ = json.loads(bytes(_error_response(exc).body))
                 yield _sse(body_)
                 return
             yield b"data: [DONE]\n\n"
@@ -324,7 +324,7 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                                                                          item.hit_tokens)))
             except Exception as exc:
                 log.warning("stream %s failed: %s", rid, exc)
-                yield _sse(json.loads(_error_response(exc).body))
+                yield _sse(json.loads(bytes(_error_response(exc).body)))
                 return
             yield b"data: [DONE]\n\n"
 

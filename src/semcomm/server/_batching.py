@@ -197,7 +197,7 @@ class BatchingWorker:
                         if left <= 0:
                             break
                         self._cond.wait(left)
-                batch = []
+                batch: list[Job] = []
                 while self._queue and len(batch) < self.max_batch:
                     job = self._queue.popleft()
                     if job.cancelled.is_set():

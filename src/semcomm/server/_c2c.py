@@ -55,7 +55,8 @@ class C2CHandoff:
 
         self.sharer = sharer
         self.receiver = receiver
-        s_run, r_run = sharer.runner, receiver.runner
+        s_run: Any = sharer.runner
+        r_run: Any = receiver.runner
         self._s_model, self._s_tok = s_run.model, s_run.tokenizer
         self._r_model, self._r_tok = r_run.model, r_run.tokenizer
         s_side = ModelSide(self._s_model, self._s_tok)

@@ -193,14 +193,14 @@ class RayConfig(_Section):
 class ServerConfig(_Section):
     """The whole server configuration (see the module docstring for layering)."""
 
-    server: ServerSection = ServerSection()
+    server: ServerSection = ServerSection()  # type: ignore[call-arg]
     models: dict[str, ModelConfig] = {}
-    kv: KVConfig = KVConfig()
-    semantic: SemanticConfig = SemanticConfig()
+    kv: KVConfig = KVConfig()  # type: ignore[call-arg]
+    semantic: SemanticConfig = SemanticConfig()  # type: ignore[call-arg]
     routing: RoutingConfig = RoutingConfig()
     tenants: dict[str, TenantConfig] = {}
     pipelines: dict[str, PipelineConfig] = {}
-    ray: RayConfig = RayConfig()
+    ray: RayConfig = RayConfig()  # type: ignore[call-arg]
     security: dict[str, Any] = {}  # passed through to semcomm.security's server hooks
 
     @field_validator("models")

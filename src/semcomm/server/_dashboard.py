@@ -35,9 +35,9 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
                  reverse=True)[:10]
     models = {}
     for name, b in gw.backends.items():
-        st = b.status()
-        models[name] = {"kind": b.kind, "up": st.up, "queue_depth": st.queue_depth,
-                        "in_flight": st.in_flight}
+        bst = b.status()
+        models[name] = {"kind": b.kind, "up": bst.up, "queue_depth": bst.queue_depth,
+                        "in_flight": bst.in_flight}
     point = {"t": round(time.time() - s.started, 1), "requests": s.requests,
              "tokens_saved": sum(s.layer_tokens.values()),
              "ms_saved": round(sum(s.layer_ms.values()), 1)}

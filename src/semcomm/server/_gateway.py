@@ -45,7 +45,7 @@ class Served:
     model: str
     hits_header: str  # known before the first byte: "semantic", "kv:512", "none", ...
     items: AsyncIterator[StreamItem]
-    first: Started | Completion | None  # the first item, already taken from ``items``
+    first: StreamItem | None  # the first item, already taken from ``items``
 
 
 @dataclass(slots=True)

@@ -163,11 +163,12 @@ def deploy_models(cfg: ServerConfig) -> dict[str, RayBackend]:
 
         _, tok, _ = load_hf(mcfg, name)  # the gateway only needs the tokenizer
         chunk = mcfg.chunk_size or rcfg.kv.chunk_size or 256
-        dep = serve.deployment(EngineReplica).options(
+        deployment: Any = serve.deployment
+        dep = deployment(EngineReplica).options(
             name=f"semcomm-{name}", num_replicas=cfg.ray.replicas, max_ongoing_requests=64,
             ray_actor_options=actor_options,
             request_router_config=RequestRouterConfig(
-                request_router_class="semcomm.integrations.ray_serve.SemcommRequestRouter",
+                request_router_class="semcomm.integrations.ray_serve.SemcommRequestRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"policy": rcfg.routing.replica_policy,
                                        "chunk_size": chunk}))
         handle = serve.run(dep.bind(name, rcfg.model_dump_json()), name=f"semcomm-{name}",

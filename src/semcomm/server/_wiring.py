@@ -64,14 +64,14 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    dtype: Any = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"models.{name}.path: cannot load {path!r}: {exc}") from exc
     if cfg.device:
-        model.to(cfg.device)
+        model.to(cfg.device)  # type: ignore[arg-type]
     model.eval()
     return model, tok, path
 
@@ -85,7 +85,7 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
         from .. import kv as kvpkg
     except ImportError as exc:  # pragma: no cover
         return None, f"semcomm.kv unavailable: {exc}"
-    tiers = []
+    tiers: list[Any] = []
     missing = []
     sealer = _chunk_sealer(config)
     for tier in kv.tiers:
@@ -96,7 +96,7 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
             path.mkdir(parents=True, exist_ok=True)
             tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer))
         elif tier == "redis" and hasattr(kvpkg, "RedisStore"):
-            tiers.append(kvpkg.RedisStore(url=kv.redis_url, sealer=sealer))
+            tiers.append(kvpkg.RedisStore(url=str(kv.redis_url), sealer=sealer))
         else:
             missing.append(tier)
     if not tiers:
