@@ -65,6 +65,18 @@ def test_models_differ_in_family_width_depth_and_tokenizer(world) -> None:
     assert set(r_tok(text)) == {"input_ids", "attention_mask"}
 
 
+def test_autotokenizer_tokenizes_like_the_trained_tokenizer_json(world) -> None:
+    """transformers may rebuild a tokenizer from vocab and merges (Qwen2Tokenizer does): the
+    loaded tokenizer must still split the world's text exactly as training did."""
+    from tokenizers import Tokenizer
+
+    for path, (model, tok) in ((sharer_path(), load_sharer()), (receiver_path(), load_receiver())):
+        raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+        assert len(tok) == model.config.vocab_size == raw.get_vocab_size()
+        texts = world.texts()[::7]
+        assert [e.ids for e in raw.encode_batch(texts)] == tok(texts)["input_ids"]
+
+
 def test_tokenizers_round_trip_the_world_text(world) -> None:
     _, s_tok = load_sharer()
     _, r_tok = load_receiver()
@@ -145,3 +157,29 @@ def test_eval_cli_names_a_missing_model_folder(tmp_path) -> None:
     result = CliRunner().invoke(app, ["reference", "eval", "--models-dir", str(tmp_path)])
     assert result.exit_code != 0
     assert "no reference model" in str(result.exception)
+
+
+@pytest.mark.slow
+def test_build_cli_regenerates_loadable_models_with_contract_eval(tmp_path, world) -> None:
+    """A 3-step build (both models, the real pipeline) yields folders transformers loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from semcomm.cli import app
+
+    out = tmp_path / "assets"
+    result = CliRunner().invoke(app, ["reference", "build", "--out", str(out), "--steps", "3",
+                                      "--sequential", "--eval-limit", "4"])
+    assert result.exit_code == 0, result.output
+    for name, arch in (("sharer", "LlamaForCausalLM"), ("receiver", "Qwen2ForCausalLM")):
+        model = AutoModelForCausalLM.from_pretrained(str(out / name))
+        tok = AutoTokenizer.from_pretrained(str(out / name))
+        assert type(model).__name__ == arch
+        assert model.config.vocab_size == len(tok)
+        card = json.loads((out / name / "eval.json").read_text())
+        assert card["world_digest"] == world.digest() and card["n_seen"] == 4
+        assert (out / name / "README.md").read_text().startswith(f"# semcomm reference {name}")
+        assert (out / name / "loss.png").stat().st_size > 1000
+    combined = json.loads((out / "eval.json").read_text())
+    assert {"accuracy_seen", "accuracy_unseen", "perplexity"} <= set(combined["receiver"])
+    labels = (out / "router_labels.jsonl").read_text().splitlines()
+    assert len(labels) == 8  # 4 seen + 4 unseen questions were evaluated by both models

@@ -137,3 +137,16 @@ def test_bad_arguments_raise_clear_errors(world) -> None:
         world.facts_in("maybe")
     with pytest.raises(InvalidInputError, match="no fact"):
         world.fact("fact-9999")
+
+
+def test_world_cli_exports_the_same_jsonl(world, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from semcomm.cli import app
+
+    result = CliRunner().invoke(app, ["reference", "world", str(tmp_path / "cli")])
+    assert result.exit_code == 0, result.output
+    assert world.digest()[:16] in result.output
+    api = world.export_jsonl(tmp_path / "api")
+    for path in api:
+        assert (tmp_path / "cli" / path.name).read_bytes() == path.read_bytes()

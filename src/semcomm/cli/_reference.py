@@ -28,6 +28,9 @@ def build(
     = None,
     sequential: Annotated[bool, typer.Option(help="Train one model after the other with two "
                                                   "threads instead of both at once.")] = False,
+    eval_limit: Annotated[int | None, typer.Option(help="Evaluate on at most N questions per "
+                                                      "split (quick check builds).", min=1)]
+    = None,
 ) -> None:
     """Regenerate the world and retrain both reference models (CPU, seeded)."""
     from semcomm.reference._assets import ASSETS_DIR
@@ -35,7 +38,8 @@ def build(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target = out or ASSETS_DIR
-    evals = build_all(target, seed=seed, steps=steps, parallel=not sequential)
+    evals = build_all(target, seed=seed, steps=steps, parallel=not sequential,
+                      eval_limit=eval_limit)
     _print_eval(evals)
     Console().print(f"models written to {target}")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from ._eval import evaluate_model
 from ._tokenizers import build_receiver_tokenizer, build_sharer_tokenizer
@@ -32,6 +33,7 @@ from ._train import (
     SHARER_SPEC,
     ModelSpec,
     TrainResult,
+    _config,
     dump_json,
     mix_description,
     save_loss_plot,
@@ -57,8 +59,12 @@ def _tokenizer(world: World, name: str, model_dir: Path) -> Any:
 
 
 def build_model(name: str, out_dir: str | Path, seed: int = 0, steps: int | None = None,
-                threads: int = 2, show_progress: bool = True) -> dict[str, Any]:
-    """Build tokenizer, train, save fp16, reload, evaluate, write the model card."""
+                threads: int = 2, show_progress: bool = True,
+                eval_limit: int | None = None) -> dict[str, Any]:
+    """Build tokenizer, train, save fp16, reload, evaluate, write the model card.
+
+    ``eval_limit`` evaluates on fewer questions (quick check builds only).
+    """
     if name not in SPECS:
         raise ValueError(f"model must be one of {sorted(SPECS)}, got {name!r}")
     world = build_world(seed)
@@ -66,17 +72,26 @@ def build_model(name: str, out_dir: str | Path, seed: int = 0, steps: int | None
     spec = replace(spec, seed=seed)
     model_dir = Path(out_dir) / name
     model_dir.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(world, name, model_dir)
+    built = _tokenizer(world, name, model_dir)
+    # Train with the tokenizer exactly as users get it: AutoTokenizer on the finished folder
+    # (config.json decides the class it picks), checked against the one just built.
+    _config(spec, built).save_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = world.texts()
+    if len(tok) != len(built) or tok(texts)["input_ids"] != built(texts)["input_ids"]:
+        raise RuntimeError(f"{name}: AutoTokenizer ({type(tok).__name__}) does not reproduce the "
+                           "tokenizer that was built")
     model, result = train_model(world, spec, tok, threads=threads, show_progress=show_progress)
     model.to(torch.float16).save_pretrained(str(model_dir))
     save_loss_plot(result, model_dir / "loss.png")
     dump_json(result.to_dict(), model_dir / "train.json")
-    summary = evaluate_shipped(out_dir, name, seed, result)
+    summary = evaluate_shipped(out_dir, name, seed, result, limit=eval_limit)
     return {"train": result.to_dict(), "eval": summary}
 
 
 def evaluate_shipped(out_dir: str | Path, name: str, seed: int = 0,
-                     result: TrainResult | None = None) -> dict[str, Any]:
+                     result: TrainResult | None = None,
+                     limit: int | None = None) -> dict[str, Any]:
     """Evaluate the saved fp16 weights as a user loads them; write eval.json, mc_correct.json
     and the model card (``result`` defaults to the one recorded in train.json)."""
     from ._assets import load_model
@@ -89,9 +104,10 @@ def evaluate_shipped(out_dir: str | Path, name: str, seed: int = 0,
                              train["minutes"], [train["final_loss"]] * 50,
                              train["exposures_per_fact"], train["n_facts"])
     shipped, shipped_tok = load_model(model_dir)
-    ev = evaluate_model(shipped, shipped_tok, world)
+    ev = evaluate_model(shipped, shipped_tok, world, limit=limit)
     summary = ev.summary() | {"world_digest": world.digest(), "world_seed": seed}
-    summary["check"] = evaluate_model(shipped, shipped_tok, world, limit=CHECK_LIMIT).summary()
+    check = CHECK_LIMIT if limit is None else min(limit, CHECK_LIMIT)
+    summary["check"] = evaluate_model(shipped, shipped_tok, world, limit=check).summary()
     dump_json(summary, model_dir / "eval.json")
     dump_json(dict(sorted(ev.correct.items())), model_dir / "mc_correct.json")
     write_model_card(model_dir, result.spec, result, summary, world, shipped)
@@ -109,6 +125,8 @@ def finish_build(out_dir: str | Path, seed: int = 0) -> dict[str, Any]:
     evals = {n: json.loads((out / n / "eval.json").read_text()) for n in SPECS}
     with (out / "router_labels.jsonl").open("w", encoding="utf-8", newline="\n") as fh:
         for q in world.mc_questions():
+            if q.id not in correct["sharer"] or q.id not in correct["receiver"]:
+                continue  # a build evaluated with eval_limit labels only the questions it asked
             row = {"question_id": q.id, "fact_id": q.fact_id, "question": q.question,
                    "relation": q.relation, "split": q.split,
                    "sharer_correct": bool(correct["sharer"][q.id]),
@@ -119,7 +137,8 @@ def finish_build(out_dir: str | Path, seed: int = 0) -> dict[str, Any]:
 
 
 def build_all(out_dir: str | Path, seed: int = 0, steps: int | None = None,
-              parallel: bool = False, show_progress: bool = True) -> dict[str, Any]:
+              parallel: bool = False, show_progress: bool = True,
+              eval_limit: int | None = None) -> dict[str, Any]:
     """Build both models (in two processes of one thread each if ``parallel``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,13 +149,16 @@ def build_all(out_dir: str | Path, seed: int = 0, steps: int | None = None,
                    "--seed", str(seed), "--threads", "1", "--quiet"]
             if steps is not None:
                 cmd += ["--steps", str(steps)]
+            if eval_limit is not None:
+                cmd += ["--eval-limit", str(eval_limit)]
             procs.append(subprocess.Popen(cmd))
         codes = [p.wait() for p in procs]
         if any(codes):
             raise RuntimeError(f"model training failed (exit codes {codes})")
     else:
         for name in SPECS:
-            build_model(name, out, seed=seed, steps=steps, show_progress=show_progress)
+            build_model(name, out, seed=seed, steps=steps, show_progress=show_progress,
+                        eval_limit=eval_limit)
     return finish_build(out, seed)
 
 
@@ -229,10 +251,11 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--eval-limit", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     build_model(args.model, args.out_dir, seed=args.seed, steps=args.steps,
-                threads=args.threads, show_progress=not args.quiet)
+                threads=args.threads, show_progress=not args.quiet, eval_limit=args.eval_limit)
 
 
 if __name__ == "__main__":

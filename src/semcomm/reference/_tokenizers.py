@@ -7,7 +7,9 @@
   segments it (greedy longest-match over a subset vocabulary that contains every piece the
   original picked gives the same pieces). A 30,522-row output layer would dominate a 2M-parameter
   model; a few hundred rows do not.
-* Receiver: a byte-level BPE tokenizer trained with ``tokenizers`` on the world's text.
+* Receiver: a byte-level BPE tokenizer trained with ``tokenizers`` on the world's text, with the
+  normalizer and pre-tokenizer that transformers' ``Qwen2Tokenizer`` uses (``AutoTokenizer``
+  loads a Qwen2 folder with that class whatever ``tokenizer_config.json`` says).
 
 Both prepend a BOS token (``[CLS]`` / ``<s>``) and never append EOS (generation prompts must
 not end in EOS); documents in training end with EOS (``[SEP]`` / ``</s>``). Both return only
@@ -23,7 +25,16 @@ import string
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
 
 __all__ = ["CHAT_TEMPLATE", "build_receiver_tokenizer", "build_sharer_tokenizer"]
@@ -35,7 +46,13 @@ CHAT_TEMPLATE = (
 )
 
 _SHARER_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-_RECEIVER_SPECIALS = ("<pad>", "<s>", "</s>")
+# "<|endoftext|>" is Qwen2Tokenizer's default unk token: present in the vocabulary, it is not
+# appended past the model's embedding rows when the folder is loaded.
+_RECEIVER_SPECIALS = ("<pad>", "<s>", "</s>", "<|endoftext|>")
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def _minilm_tokenizer_json() -> Path:
@@ -96,7 +113,14 @@ def build_receiver_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of ``vocab_size`` on ``texts``; save to ``out_dir``."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Exactly the pipeline transformers' Qwen2Tokenizer rebuilds from vocab and merges (it
+    # ignores the pre-tokenizer saved in tokenizer.json): NFC, Qwen's split regex (digits one by
+    # one), byte-level without its own regex. Anything else tokenizes differently once loaded.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
