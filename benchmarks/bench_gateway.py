@@ -131,6 +131,7 @@ def start_semcomm(upstream: str, tmp: Path, env: dict[str, str], *, cache: bool)
 state_dir = "{tmp / ('state-c' if cache else 'state-n')}"
 max_queue = 4096
 max_tokens_limit = 4096
+torch_threads = 1
 [models.dummy]
 kind = "upstream"
 base_url = "{upstream}/v1"

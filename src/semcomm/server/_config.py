@@ -85,6 +85,9 @@ class ServerSection(_Section):
     request_timeout_s: float = Field(300.0, gt=0)
     state_dir: str | None = None  # default: $SEMCOMM_HOME/server
     secret: str | None = None  # server secret for tenant salts (default: SEMCOMM_SECRET / file)
+    # torch intra-op threads for this process (None: torch's default). 1 avoids oversubscription
+    # when the embedder and engine threads run at once on few cores (measured: docs/server.md)
+    torch_threads: int | None = Field(None, ge=1)
 
 
 class ModelConfig(_Section):

@@ -151,6 +151,10 @@ class Gateway:
             return
         from ._wiring import wire
 
+        if self.config.server.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.config.server.torch_threads)
         await asyncio.to_thread(wire, self)
         if self.semantic is not None:
             await asyncio.to_thread(self.semantic.warm)
