@@ -61,8 +61,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
     from semcomm.kv import MemoryStore
     from semcomm.server import BatchingWorker, Gateway, LocalBackend, create_app, load_config
     from semcomm.server._engine_runner import engine_runner
