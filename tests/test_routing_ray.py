@@ -42,8 +42,11 @@ def echo_handle() -> Iterator[Any]:
         ray.shutdown()
 
 
-def _prompt(tag: int, n: int = 64) -> list[int]:
-    return [tag * 1000 + i for i in range(n)]
+def _prompt(tag: int, n: int = 1024) -> list[int]:
+    # long enough that restoring the prefix (about 1k tokens of prefill) outweighs waiting behind
+    # one queued request (the cost model's 15 ms per prefill): the default policy then keeps
+    # affinity even if a completion has not reached the router yet
+    return [tag * 10_000 + i for i in range(n)]
 
 
 def test_concurrent_distinct_prompts_spread_over_both_replicas(echo_handle: Any) -> None:
@@ -69,10 +72,37 @@ def _decisions(handle: Any) -> str:
     """The semcomm router's recent decisions (diagnostics for a failure message)."""
     try:
         rr = handle._router._asyncio_router.request_router
-        return "\n".join(f"{d.replica[-8:]} matched={d.matched_chunks} ttft={d.predicted_ttft_s:.3f} "
-                         f"state={d.state.value}" for d in rr.decisions[-12:]) + f"\ninflight={rr._semcomm.inflight}"
+        return "\n".join(f"{d.replica[-8:]} n={d.num_tokens} key0={bytes(d.keys[0]).hex()[:6]} "
+                         f"matched={d.matched_chunks} ttft={d.predicted_ttft_s:.3f} state={d.state.value}"
+                         for d in rr.decisions[-16:]) + (f"\ninflight={rr._semcomm.inflight} "
+                                                         f"replica set changes={rr.replica_set_changes} fallbacks={rr.fallbacks} "
+                                                         f"cache={[rr.replica_queue_len_cache.get(r.replica_id) for r in rr._replicas_list]}")
     except AttributeError as exc:
         return f"(no router diagnostics: {exc})"
+
+
+def test_token_ids_and_namespace_extraction() -> None:
+    from semcomm.integrations.ray_serve import extract_namespace, extract_token_ids
+
+    assert extract_token_ids(({"token_ids": [5, 6]},), {}) == [5, 6]
+    assert extract_token_ids(([7, 8, 9],), {}) == [7, 8, 9]
+    assert extract_token_ids((), {"request": {"prompt_token_ids": [1]}}) == [1]
+    assert extract_token_ids(({"text": "hi"},), {}) is None
+    assert extract_namespace(({"namespace_hex": "ab01"},), {}) == b"\xab\x01"
+    assert extract_namespace(({"namespace_hex": "zz"},), {}) is None
+    assert extract_namespace(({},), {}) is None
+
+
+def test_tenant_namespaces_keep_separate_homes(echo_handle: Any) -> None:
+    time.sleep(1.0)
+    p = _prompt(9)
+    a, b = ("aa" * 32), ("bb" * 32)
+    first = [echo_handle.remote({"token_ids": p, "namespace_hex": ns, "sleep": 0.5}) for ns in (a, b)]
+    home_a, home_b = (r.result(timeout_s=60) for r in first)
+    assert home_a != home_b  # same tokens, other tenant: no shared prefix, so load decides
+    for i in range(3):
+        got = echo_handle.remote({"token_ids": p + _prompt(70 + i, 16), "namespace_hex": b}).result(timeout_s=60)
+        assert got == home_b, _decisions(echo_handle)
 
 
 def test_requests_without_token_ids_still_route(echo_handle: Any) -> None:

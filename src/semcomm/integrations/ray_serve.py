@@ -18,7 +18,8 @@ API, Ray >= 2.4x). Configure it on a deployment::
 
 Each request's first argument (or the ``request`` keyword) carries the full rendered prompt's
 token ids: a dict with ``token_ids`` (or ``prompt_token_ids``), an object with such an attribute,
-or a plain list of ints. The router computes the KV store's chunk keys for them (same namespace
+or a plain list of ints; an optional ``namespace_hex`` field gives the request's own KV
+namespace digest (per tenant), otherwise the router's ``namespace_hex`` is used. The router computes the KV store's chunk keys for them (same namespace
 and chunk size as the engines, so they equal the engines' keys), plans a replica with a
 :class:`semcomm.routing.ReplicaRouter` over the live replica set, and ranks the rest by load as
 fallbacks. The decision is recorded at once and moved if Ray reports that the request went
@@ -35,11 +36,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingDependencyError
+from ..kv import chunk_keys
 from ..routing import ReplicaRouter, RouteDecision
 
 try:
     from ray.serve.request_router import (
-        FIFOMixin,
         PendingRequest,
         ReplicaID,
         RequestRouter,
@@ -50,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "Ray Serve is not installed; install it with: pip install 'semcomm[ray]'"
     ) from exc
 
-__all__ = ["SemcommRequestRouter", "extract_token_ids"]
+__all__ = ["SemcommRequestRouter", "extract_namespace", "extract_token_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,19 @@ def _ids_from(obj: Any, fields: Sequence[str]) -> list[int] | None:
     return None
 
 
+def extract_namespace(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes | None:
+    """A per-request KV namespace digest (``namespace_hex``, e.g. per tenant), or None."""
+    for c in [*args[:1], kwargs.get("request"), kwargs]:
+        v = c.get("namespace_hex") if isinstance(c, dict) else getattr(c, "namespace_hex", None)
+        if isinstance(v, str) and v:
+            try:
+                return bytes.fromhex(v)
+            except ValueError:
+                logger.warning("ignoring a malformed namespace_hex in a request")
+                return None
+    return None
+
+
 def extract_token_ids(args: Sequence[Any], kwargs: dict[str, Any], fields: Sequence[str] = _TOKEN_FIELDS) -> list[int] | None:
     """Token ids of a Serve request (first positional argument or ``request=``), or None."""
     candidates = list(args[:1]) + [kwargs[k] for k in ("request", "body") if k in kwargs]
@@ -84,8 +98,12 @@ def extract_token_ids(args: Sequence[Any], kwargs: dict[str, Any], fields: Seque
     return None
 
 
-class SemcommRequestRouter(FIFOMixin, RequestRouter):
-    """A Ray Serve request router applying a semcomm replica policy (see the module docstring)."""
+class SemcommRequestRouter(RequestRouter):
+    """A Ray Serve request router applying a semcomm replica policy (see the module docstring).
+
+    No ``FIFOMixin``: a replica chosen for a request's prefix must serve that request, not the
+    oldest pending one (Ray's base router matches the replica to the request it was chosen for).
+    """
 
     def initialize_state(
         self,
@@ -120,6 +138,8 @@ class SemcommRequestRouter(FIFOMixin, RequestRouter):
         self._planned: dict[int, RouteDecision] = {}  # id(pending_request) -> plan
         self._inflight: dict[tuple[str, str], RouteDecision] = {}  # (replica, request id) -> decision
         self.decisions: list[RouteDecision] = []  # recent recorded decisions (bounded), for inspection
+        self.replica_set_changes = 0  # how often the live replica set changed (diagnostics)
+        self.fallbacks = 0  # requests Ray sent to a fallback rank instead of the planned replica
 
     # -- replica set ------------------------------------------------------------------------
     def _sync(self) -> ReplicaRouter | None:
@@ -132,7 +152,9 @@ class SemcommRequestRouter(FIFOMixin, RequestRouter):
                 capacity_chunks=self._capacity, slo_ttft_s=self._slo, policy_options=self._policy_options,
             )
         elif self._semcomm.names != names:
+            logger.info("replica set changed: %s -> %s", self._semcomm.names, names)
             self._semcomm.set_replicas(names)
+            self.replica_set_changes += 1
         return self._semcomm
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -161,7 +183,11 @@ class SemcommRequestRouter(FIFOMixin, RequestRouter):
         old = self._planned.pop(id(pending_request), None)
         if old is not None:  # a retry of the same request: release its previous plan
             router.complete(old)
-        plan = router.route(ids)
+        ns = extract_namespace(pending_request.args, pending_request.kwargs)
+        if ns is None:
+            plan = router.route(ids)
+        else:  # the request's own namespace (e.g. its tenant's): keys equal that tenant's KV keys
+            plan = router.route(keys=chunk_keys(ns, ids, router.chunk_size), num_tokens=len(ids))
         self._planned[id(pending_request)] = plan
         while len(self._planned) > 10_000:  # requests cancelled before routing: release the oldest
             router.complete(self._planned.pop(next(iter(self._planned))))
@@ -185,6 +211,8 @@ class SemcommRequestRouter(FIFOMixin, RequestRouter):
         if plan is None or router is None:
             return
         name = replica_id.to_full_id_str()
+        if name != plan.replica:
+            self.fallbacks += 1
         try:
             decision = router.reassign(plan, name)  # no-op when it went where planned
         except ValueError:
