@@ -55,10 +55,13 @@ console = Console()
 def embed_cached(p: Protocol, name: str, cache_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     f = cache_dir / f"{name}.npz"
-    if f.exists():
-        d = np.load(f)
-        if d["sv"].shape[0] == len(p.stored):
-            return d["sv"], d["qv"]
+    # a protocol with a pair limit is a prefix of the longer one (same seed): reuse its vectors
+    stem = name.rsplit("_n", 1)[0]
+    for g in sorted(cache_dir.glob(f"{stem}_n*.npz")):
+        d = np.load(g)
+        if d["sv"].shape[0] >= len(p.stored):
+            n = len(p.stored)
+            return d["sv"][:n], d["qv"][:n]
     emb = default_embedder()
     from rich.progress import Progress
 
@@ -155,7 +158,9 @@ def gptcache_run(p: Protocol, sv: np.ndarray, qv: np.ndarray, cos_cut: float) ->
                           max_size=len(p.stored) + 10)
     # GPTCache maps similarity_threshold tau to cos >= 2*tau - 1 with SearchDistanceEvaluation
     tau = (cos_cut + 1) / 2
-    c.init(embedding_func=lambda x, **_: vec[x], data_manager=dm,
+    from gptcache.processor.pre import get_prompt
+
+    c.init(pre_embedding_func=get_prompt, embedding_func=lambda x, **_: vec[x], data_manager=dm,
            similarity_evaluation=SearchDistanceEvaluation(),
            config=Config(similarity_threshold=tau))
     t0 = time.perf_counter()

@@ -7,6 +7,8 @@ the candidate differ in any of:
 - **negation**: one side negates (not, n't, never, no longer, without, ...) and the other not;
 - **numbers**: the sets of numbers (digits or number words, ordinals) differ;
 - **dates**: month names, weekdays or relative days (today, tomorrow, ...) differ;
+- **question type**: why / who / when / where asked on one side only ("Why is X humble?"
+  against "Is X humble?");
 - **named entities**: a capitalised word (not sentence-initial) or an acronym on one side does
   not occur on the other side at all (case-insensitively);
 - **antonyms**: one side uses one word of a known opposite pair (positive/negative, before/after,
@@ -35,6 +37,8 @@ _NUMBER_WORDS: dict[str, float] = {
         ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
     )
 }
+_NUMBER_WORDS.update({"teens": 10, "twenties": 20, "thirties": 30, "forties": 40, "fifties": 50,
+                      "sixties": 60, "seventies": 70, "eighties": 80, "nineties": 90})
 _NUMBER_WORDS.update({"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70,
                       "eighty": 80, "ninety": 90, "hundred": 100, "thousand": 1000,
                       "million": 10**6, "billion": 10**9, "half": 0.5, "double": 2,
@@ -94,6 +98,11 @@ _STOP_CAPS = frozenset(
 )
 
 
+# Question words whose presence changes what is asked ("Why is X humble?" is not "Is X
+# humble?"); how/what/which are left out because paraphrases swap them freely.
+_QWORDS = frozenset(["why", "who", "when", "where", "whom"])
+
+
 @dataclass(frozen=True, slots=True)
 class TextFeatures:
     """Lexical facts about one text that the guard compares."""
@@ -103,6 +112,7 @@ class TextFeatures:
     numbers: frozenset[str]  # normalised numbers ("2", "2.5", "ord:1")
     dates: frozenset[str]  # month/day names
     entities: frozenset[str]  # lower-cased capitalised words / acronyms, not sentence-initial
+    qwords: frozenset[str]  # why / who / when / where present
 
 
 @lru_cache(maxsize=65536)
@@ -148,6 +158,7 @@ def text_features(text: str) -> TextFeatures:
         numbers=frozenset(numbers),
         dates=frozenset(dates),
         entities=frozenset(entities),
+        qwords=frozenset(words & _QWORDS),
     )
 
 
@@ -156,7 +167,7 @@ class GuardResult:
     """Outcome of :meth:`LexicalGuard.check`: ``ok`` or the first ``reason`` that vetoed."""
 
     ok: bool
-    reason: str = ""  # "negation" | "number" | "date" | "entity" | "antonym" | ""
+    reason: str = ""  # "negation" | "number" | "date" | "question" | "entity" | "antonym" | ""
 
 
 _OK = GuardResult(True)
@@ -166,7 +177,8 @@ class LexicalGuard:
     """Veto near-miss hits (see the module docstring). Each check can be switched off."""
 
     def __init__(self, *, negation: bool = True, numbers: bool = True, dates: bool = True,
-                 entities: bool = True, antonyms: bool = True) -> None:
+                 entities: bool = True, antonyms: bool = True, question: bool = True) -> None:
+        self.question = question
         self.negation = negation
         self.numbers = numbers
         self.dates = dates
@@ -182,6 +194,8 @@ class LexicalGuard:
             return GuardResult(False, "number")
         if self.dates and a.dates != b.dates:
             return GuardResult(False, "date")
+        if self.question and a.qwords != b.qwords:
+            return GuardResult(False, "question")
         if self.entities and ((a.entities - b.words) or (b.entities - a.words)):
             return GuardResult(False, "entity")
         if self.antonyms:
