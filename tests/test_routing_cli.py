@@ -77,6 +77,6 @@ def test_errors_are_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_every_route_command_has_help() -> None:
-    for cmd in ("simulate", "synth"):
+    for cmd in ("simulate", "synth", "train", "eval"):
         res = runner.invoke(app, ["route", cmd, "--help"])
         assert res.exit_code == 0 and len(res.output) > 100
