@@ -193,3 +193,18 @@ def test_cli_train_then_eval_on_a_saved_pair(tmp_path: Path, world) -> None:
         ],
     )
     assert res.exit_code != 0 and "built for sharer" in str(res.exception)
+
+
+def test_contract_eval_on_the_shipped_pair(tmp_path: Path) -> None:
+    """`semcomm fusion eval --json FILE` defaults: shipped reference pair + shipped fuser.
+
+    Fails loudly if the reference models are retrained without retraining the fuser
+    (fingerprints differ): rerun the command in docs/fusion.md.
+    """
+    js = tmp_path / "c2c.json"
+    res = CliRunner().invoke(app, ["fusion", "eval", "--json", str(js), "--limit", "6", "--no-oracle"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    doc = json.loads(js.read_text())
+    for m in ("receiver", "sharer", "t2t", "c2c"):
+        assert 0.0 <= doc[m]["accuracy"] <= 1.0 and doc[m]["latency_s"] > 0
+    assert doc["setup"]["items"] == 6 and doc["t2t"]["tokens_generated"] > 0

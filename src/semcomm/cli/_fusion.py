@@ -224,7 +224,7 @@ def eval_(
     fuser: Annotated[
         Path | None, typer.Option(help="Fuser folder (default: the shipped reference fuser).")
     ] = None,
-    limit: Annotated[int, typer.Option(help="Held-out questions to evaluate (0: all).")] = 120,
+    limit: Annotated[int, typer.Option(help="Held-out questions to evaluate (0: all).")] = 0,
     answer_mode: Annotated[
         str, typer.Option(help="loglik or letter (default: the fuser's training mode).")
     ] = "",
