@@ -202,9 +202,38 @@ def test_contract_eval_on_the_shipped_pair(tmp_path: Path) -> None:
     (fingerprints differ): rerun the command in docs/fusion.md.
     """
     js = tmp_path / "c2c.json"
-    res = CliRunner().invoke(app, ["fusion", "eval", "--json", str(js), "--limit", "6", "--no-oracle"])
+    res = CliRunner().invoke(
+        app, ["fusion", "eval", "--json", str(js), "--limit", "6", "--no-oracle"]
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     doc = json.loads(js.read_text())
     for m in ("receiver", "sharer", "t2t", "c2c"):
         assert 0.0 <= doc[m]["accuracy"] <= 1.0 and doc[m]["latency_s"] > 0
     assert doc["setup"]["items"] == 6 and doc["t2t"]["tokens_generated"] > 0
+
+
+def test_score_options_batched_matches_one_by_one_and_keeps_the_cache(toy_sides) -> None:
+    from semcomm.fusion._eval import score_options
+    from semcomm.fusion._kvio import cache_to_layers, output_cache
+
+    _, r = toy_sides
+    ids = r.tokenizer("question: where is norwood? answer:")["input_ids"]
+    with torch.no_grad():
+        layers = cache_to_layers(
+            output_cache(r.model(input_ids=torch.tensor([ids[:-1]]), use_cache=True))
+        )
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    opts = [
+        r.tokenizer(f" {o}.", add_special_tokens=False)["input_ids"]
+        for o in ("west", "north east", "c")
+    ]
+    batched = score_options(r.model, layers, [ids[-1]], len(ids) - 1, opts)
+    single = [score_options(r.model, layers, [ids[-1]], len(ids) - 1, [o])[0] for o in opts]
+    assert batched == pytest.approx(single, abs=1e-4)
+    for (k, v), (k0, v0) in zip(layers, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    # and the scores are the plain model's log-probabilities of the full sequences
+    with torch.no_grad():
+        logp = torch.log_softmax(r.model(input_ids=torch.tensor([ids + opts[0]])).logits[0], -1)
+    ref = sum(float(logp[len(ids) - 1 + j, t]) for j, t in enumerate(opts[0]))
+    assert batched[0] == pytest.approx(ref, abs=1e-4)

@@ -133,7 +133,8 @@ def score_options(
     if layers:
         past = layers[0][0].shape[2]
         cache = layers_to_cache(
-            [(k.expand(n, -1, -1, -1).clone(), v.expand(n, -1, -1, -1).clone()) for k, v in layers]
+            # expanded views are only read: the cache concatenates new KV into new tensors
+            [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in layers]
         )
     full_mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=device), mask], dim=1)
     position_ids = torch.arange(start_pos, start_pos + t, device=device)[None].expand(n, -1)
