@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from semcomm.cli._quickstart import quickstart_model
+from semcomm.cli._quickstart import _config_built_model
 from semcomm.engine import HFEngine
 from semcomm.kv import MemoryStore
 
 
 @pytest.fixture(scope="module")
 def engine() -> HFEngine:
-    model, tokenizer, _ = quickstart_model()
+    model, tokenizer, _ = _config_built_model()
     return HFEngine(model, tokenizer, store=MemoryStore(), chunk_size=32, device="cpu")
 
 

@@ -1,10 +1,16 @@
-"""CLI: `semcomm quickstart` - the KV prefix cache on a small workload, cold then warm.
+"""CLI: `semcomm quickstart` - what each reuse layer saves, cold then warm.
 
+Part 1, the KV prefix cache through the engine:
 The workload is a shared system prompt and multi-turn follow-ups (6 requests). The cold pass
 starts from an empty TieredStore (memory + a disk directory); the warm pass is a fresh engine
 and a fresh memory tier over the same disk directory (a restart): its hits come from disk,
-then from memory once promoted. ``quickstart_model()`` picks the model; swap it for the
-reference model once that ships.
+then from memory once promoted. ``quickstart_model()`` picks the model (the shipped reference
+receiver by default).
+
+Part 2, the whole request path (``semcomm.server.run_demo``): the embedded default server
+configuration run in-process on a customer-support and agent-chain workload, cold then warm,
+reporting per stage (semantic cache, KV prefix cache, pipelines) what was saved, with a PNG and a
+self-contained HTML report.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import typer
 
 __all__ = ["quickstart_model", "quickstart_workload", "register", "run_quickstart"]
 
-QUICKSTART_CHUNK = 64  # prompts here are ~0.5-1k tokens; 64-token chunks show turn-level reuse
+QUICKSTART_CHUNK = 16  # reference-world prompts are 40-80 tokens; 16-token chunks show turn-level reuse
 
 _SYSTEM = (
     "You are the support assistant of Northwind Rail, a regional train operator. Answer in "
@@ -45,11 +51,22 @@ _OTHER_USER = [
 
 
 def quickstart_model() -> tuple[Any, Any, str]:
-    """(model, tokenizer, description) used by the quickstart: swap this for the reference model.
+    """(model, tokenizer, description) used by the quickstart.
 
-    Today: a config-built Qwen2-shaped model (random weights, 4 layers, hidden 256) with a
-    byte-level tokenizer built offline, so generated text is noise but timing and reuse are real.
+    The shipped reference receiver (a trained Qwen2-style model, loaded through the same
+    transformers path as any real model) when it is installed; otherwise a config-built
+    Qwen2-shaped model with random weights and a byte-level tokenizer built offline.
     """
+    try:
+        from ..reference import load_receiver, receiver_path
+
+        model, tokenizer = load_receiver()
+        return model, tokenizer, f"reference receiver (Qwen2-style, trained) from {receiver_path()}"
+    except (ImportError, OSError, FileNotFoundError):
+        return _config_built_model()
+
+
+def _config_built_model() -> tuple[Any, Any, str]:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
@@ -82,9 +99,27 @@ def quickstart_model() -> tuple[Any, Any, str]:
 
 
 def quickstart_workload() -> list[tuple[str, list[dict[str, str]]]]:
-    """(label, chat messages) for each request: multi-turn follow-ups and other users."""
-    reqs: list[tuple[str, list[dict[str, str]]]] = []
-    history: list[dict[str, str]] = [{"role": "system", "content": _SYSTEM}]
+    """(label, chat messages) for each request: one user's multi-turn follow-ups, then other
+    users under the same system prompt. Drawn from the reference world when it is installed."""
+    try:
+        from ..reference import build_world
+
+        convs = [c.messages() for c in build_world().conversations(n=12, turns=3)]
+    except ImportError:
+        convs = []
+    pairs = [c[1:3] for c in convs if len(c) >= 3]  # (user, assistant) exchanges
+    if len(pairs) >= 6:
+        system = convs[0][0]
+        reqs: list[tuple[str, list[dict[str, str]]]] = []
+        history = [system]
+        for i, (user, answer) in enumerate(pairs[:3]):  # one user's three turns
+            reqs.append((f"A{i + 1}", history + [user]))
+            history = history + [user, answer]
+        for j, (user, _) in enumerate(pairs[3:6]):  # other users, same system prompt
+            reqs.append((f"{'BCD'[j]}1", [system, user]))
+        return reqs
+    reqs = []
+    history = [{"role": "system", "content": _SYSTEM}]
     for i, (user, answer) in enumerate(_TURNS):
         reqs.append((f"A{i + 1}", history + [{"role": "user", "content": user}]))
         history = history + [{"role": "user", "content": user},
@@ -198,7 +233,7 @@ def _print(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     console.print(f"[bold]semcomm quickstart[/] - {report['model']} on {report['device']}, "
                   f"chunk {report['chunk_size']} tokens, {report['store']}")
     table = Table(title="KV prefix cache: cold pass, then warm pass after a restart")
@@ -220,6 +255,37 @@ def _print(report: dict[str, Any]) -> None:
     console.print("req: A1-A3 are one user's turns (each repeats the history), B1-D1 other users "
                   "with the same system prompt; prompt/hit in tokens; TTFT in ms; stored in bytes "
                   "written by the cold pass; same: warm output equals cold output token for token.")
+
+
+def _print_gateway(demo: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 110))
+    table = Table(title="Full request path (semcomm server, in-process): cold round, then warm round")
+    for col in ("", "cold", "warm"):
+        table.add_column(col, justify="left" if not col else "right")
+    c, w = demo["cold"], demo["warm"]
+    for key, label in (("requests", "requests"), ("prompt_tokens", "prompt tokens"),
+                       ("semantic_hits", "semantic hits"),
+                       ("kv_tokens_saved", "prompt tokens restored from KV"),
+                       ("share_not_recomputed", "share of prompt not recomputed"),
+                       ("latency_ms_total", "total latency (ms)"),
+                       ("ttft_ms_median", "median TTFT (ms)")):
+        if key in c:
+            table.add_row(label, f"{c[key]:,}" if isinstance(c[key], int) else f"{c[key]:,.3g}",
+                          f"{w[key]:,}" if isinstance(w[key], int) else f"{w[key]:,.3g}")
+    console.print(table)
+    stages = Table(title="Saved per stage (both rounds)")
+    for col in ("stage", "hits", "tokens saved", "ms saved (est.)"):
+        stages.add_column(col, justify="left" if col == "stage" else "right")
+    for layer, v in demo["stages"].items():
+        stages.add_row(layer, str(v["hits"]), f"{v['tokens_saved']:,}",
+                       f"{v['ms_saved_estimated']:,.0f}")
+    console.print(stages)
+    sp = demo["speedup"]
+    console.print(f"warm round vs cold on the same requests: total latency {sp['latency_total']}x "
+                  f"lower, median TTFT {sp['ttft_median']}x lower")
 
 
 def _chart(report: dict[str, Any], path: Path) -> None:
@@ -264,6 +330,17 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: Annotated[
             int, typer.Option("--max-new-tokens", help="Tokens to generate per request.")
         ] = 16,
+        full_path: Annotated[
+            bool,
+            typer.Option("--full-path/--kv-only",
+                         help="Also run the whole request path through the embedded server "
+                         "(semantic cache, model and replica routing, KV cache, pipelines)."),
+        ] = True,
+        html: Annotated[
+            Path | None,
+            typer.Option("--html", help="Write the full-path HTML report to FILE "
+                         "(default: $SEMCOMM_HOME/quickstart.html)."),
+        ] = None,
         threads: Annotated[
             int,
             typer.Option("--threads", help="torch CPU threads (0 = torch's default). The "
@@ -283,14 +360,27 @@ def register(app: typer.Typer) -> None:
         if threads > 0:
             torch.set_num_threads(threads)
         try:
-            with Console().status("running the workload cold, then warm..."):
+            with Console().status("KV prefix cache: running the workload cold, then warm..."):
                 report = run_quickstart(model, max_new_tokens=max_new_tokens, home=home)
+            _print(report)
+            png_path = png if png is not None else home / "quickstart.png"
+            _chart(report, png_path)
+            Console().print(f"chart: {png_path}")
+            if full_path:
+                from ..server import run_demo, write_demo_chart, write_demo_report
+
+                with Console().status("full request path: cold round, then warm round...") as st:
+                    demo = run_demo(max_tokens=max_new_tokens,
+                                    progress=lambda name: st.update(f"full request path: {name}"))
+                _print_gateway(demo)
+                html_path = html if html is not None else home / "quickstart.html"
+                gw_png = png_path.with_name(png_path.stem + "-gateway.png")
+                write_demo_report(demo, html_path)
+                write_demo_chart(demo, gw_png)
+                Console().print(f"report: {html_path}  chart: {gw_png}")
+                report["gateway"] = demo
         finally:
             torch.set_num_threads(prev_threads)
-        _print(report)
-        png_path = png if png is not None else home / "quickstart.png"
-        _chart(report, png_path)
-        Console().print(f"chart: {png_path}")
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(report, indent=2))
