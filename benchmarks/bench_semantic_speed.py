@@ -203,7 +203,7 @@ def main() -> None:
     if args.sizes:
         sizes = [int(x) for x in args.sizes.split(",")]
     rng = np.random.default_rng(0)
-    vecs = unit(rng, max(sizes))
+    vecs = unit(rng, max(max(sizes), 20_000))
     res: dict = {"dim": DIM, "queries": args.queries, "sizes": {}}
     t1 = Table(title="lookup latency without embedding (ms)")
     for col in ("entries", "flat p50/p99", "HNSW p50/p99", "HNSW recall@1",

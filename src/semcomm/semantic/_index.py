@@ -171,7 +171,7 @@ class HNSWIndex:
 class AutoIndex:
     """Flat until ``hnsw_min`` vectors, then HNSW (migrated once, in place)."""
 
-    def __init__(self, dim: int, *, hnsw_min: int = 5_000) -> None:
+    def __init__(self, dim: int, *, hnsw_min: int = 20_000) -> None:
         self.dim = dim
         self.hnsw_min = hnsw_min
         self._impl: FlatIndex | HNSWIndex = FlatIndex(dim)
