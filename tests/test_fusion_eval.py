@@ -140,6 +140,8 @@ def test_cli_train_then_eval_on_a_saved_pair(tmp_path: Path, world) -> None:
             "2",
             "--hidden",
             "8",
+            "--receiver-template",
+            "context: {shared}\\nanswer:",
             "--blocks",
             "1",
             "--checkpoint-every",
@@ -237,3 +239,12 @@ def test_score_options_batched_matches_one_by_one_and_keeps_the_cache(toy_sides)
         logp = torch.log_softmax(r.model(input_ids=torch.tensor([ids + opts[0]])).logits[0], -1)
     ref = sum(float(logp[len(ids) - 1 + j, t]) for j, t in enumerate(opts[0]))
     assert batched[0] == pytest.approx(ref, abs=1e-4)
+
+
+def test_prompt_templates() -> None:
+    from semcomm.errors import ConfigError
+    from semcomm.fusion._reference import split_template
+
+    assert split_template("<u>\\n{shared}</u>") == ("<u>\n", "</u>")
+    with pytest.raises(ConfigError, match="exactly once"):
+        split_template("no placeholder")

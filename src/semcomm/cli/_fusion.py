@@ -67,6 +67,17 @@ def train(
     no_special_tokens: Annotated[
         bool, typer.Option(help="Do not add BOS/special tokens to prompts.")
     ] = False,
+    sharer_template: Annotated[
+        str,
+        typer.Option(
+            help="The sharer's prompt around the shared text, e.g. a chat template "
+            "'<|im_start|>user\\n{shared}<|im_end|>\\n<|im_start|>assistant\\n'."
+        ),
+    ] = "{shared}",
+    receiver_template: Annotated[
+        str,
+        typer.Option(help="The receiver's prompt around the shared text (as --sharer-template)."),
+    ] = "{shared}",
     answer_mode: Annotated[
         str, typer.Option(help="How `fusion eval` should score with this fuser: loglik or letter.")
     ] = "loglik",
@@ -98,8 +109,10 @@ def train(
     mp: Any = (
         [int(x) for x in mapping.split(",")] if "," in mapping or mapping.isdigit() else mapping
     )
-    s_side = load_side(sharer, add_special_tokens=not no_special_tokens)
-    r_side = load_side(receiver, add_special_tokens=not no_special_tokens)
+    s_side = load_side(sharer, add_special_tokens=not no_special_tokens, template=sharer_template)
+    r_side = load_side(
+        receiver, add_special_tokens=not no_special_tokens, template=receiver_template
+    )
     examples = read_examples(data)
     cfg = TrainConfig(
         steps=steps,
@@ -119,6 +132,8 @@ def train(
         f"--steps {steps} --batch-size {batch_size} --lr {lr} --seed {seed} --hidden {hidden} "
         f"--blocks {blocks} --mapping {mapping} --weight-decay {weight_decay}"
         + (f" --val-data {val_data} --eval-every {eval_every}" if val_data is not None else "")
+        + (f" --sharer-template '{sharer_template}'" if sharer_template != "{shared}" else "")
+        + (f" --receiver-template '{receiver_template}'" if receiver_template != "{shared}" else "")
     )
     val_examples = None
     val_metric = None

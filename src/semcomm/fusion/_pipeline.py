@@ -227,6 +227,7 @@ class FusionPipeline:
             stats["fused_tokens"] = 0
             return r_layers, stats
         s_layers, s_info = self.sharer_layers(fp.sharer.input_ids)
+        s_layers = [(k.to(device), v.to(device)) for k, v in s_layers]  # engine may sit elsewhere
         stats.update(s_info)
         t1 = time.perf_counter()
         with torch.no_grad():

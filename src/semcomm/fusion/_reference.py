@@ -135,8 +135,25 @@ def write_examples(examples: list[FusionExample], path: str | Path) -> Path:
     return p
 
 
-def load_side(path: str | Path, *, add_special_tokens: bool = True) -> ModelSide:
-    """A model folder (config.json + weights + tokenizer) as a :class:`ModelSide` in fp32."""
+def split_template(template: str) -> tuple[str, str]:
+    """``"PREFIX{shared}SUFFIX"`` -> ``(PREFIX, SUFFIX)``; the placeholder must appear once."""
+    from ..errors import ConfigError
+
+    if template.count("{shared}") != 1:
+        raise ConfigError(f"prompt template {template!r} must contain '{{shared}}' exactly once")
+    prefix, suffix = template.split("{shared}")
+    return prefix.replace("\\n", "\n"), suffix.replace("\\n", "\n")
+
+
+def load_side(
+    path: str | Path, *, add_special_tokens: bool = True, template: str = "{shared}"
+) -> ModelSide:
+    """A model folder (config.json + weights + tokenizer) as a :class:`ModelSide` in fp32.
+
+    ``template`` wraps the shared text in this model's own prompt, e.g. a chat template
+    ``"<|im_start|>user\\n{shared}<|im_end|>\\n<|im_start|>assistant\\n"`` (a literal
+    ``\\n`` becomes a newline).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,7 +164,10 @@ def load_side(path: str | Path, *, add_special_tokens: bool = True) -> ModelSide
         raise ConfigError(f"no model at {p} (config.json missing)")
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(p))
-    return ModelSide(model, tok, add_special_tokens=add_special_tokens)
+    prefix, suffix = split_template(template)
+    return ModelSide(
+        model, tok, prefix=prefix, suffix=suffix, add_special_tokens=add_special_tokens
+    )
 
 
 def load_reference_sides() -> tuple[ModelSide, ModelSide]:
