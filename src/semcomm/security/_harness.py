@@ -86,7 +86,7 @@ class ProbeHarnessConfig:
     hidden_size: int = 96  # config-built target model: big enough that prefill shows
     layers: int = 3
     chunk_size: int = 32  # KV chunk size of the target model
-    hit_ratio: float = 0.35  # a probe faster than this x the trial's median latency is a hit
+    hit_ratio: float = 0.6  # a probe faster than this x the trial's median latency is a hit
     workload_requests: int = 12  # benign requests per user for the throughput figure
     per_defense: bool = False  # also attack with salts alone (no probe detection)
     seed: int = 0
