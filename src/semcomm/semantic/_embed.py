@@ -10,6 +10,7 @@ same text is never embedded twice while it is hot.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import logging
 import threading
@@ -62,7 +63,7 @@ def _normalise(arr: Any, n: int) -> np.ndarray:
     return np.ascontiguousarray(out / norms, dtype=np.float32)
 
 
-class _CachingEmbedder:
+class _CachingEmbedder(abc.ABC):
     """Base: batching + bounded LRU cache keyed by a hash of the text. Thread-safe."""
 
     _self_batching = False  # True: _encode receives all uncached texts at once
@@ -76,8 +77,9 @@ class _CachingEmbedder:
         self._lock = threading.Lock()
         self._dim: int | None = None
 
-    def _encode(self, texts: list[str]) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """Embed ``texts`` (uncached) as a float32 ``[n, dim]`` array."""
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if isinstance(texts, str):
