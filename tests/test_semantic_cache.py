@@ -323,3 +323,30 @@ def test_scorer_sees_best_and_runner_up(toy) -> None:
     # now two near-identical candidates: too close to call, the scorer refuses
     assert cache.lookup("alpha beta gamma") is None
     assert seen[-1][1] is not None
+
+
+def test_sensitive_scopes_serve_only_verified_hits() -> None:
+    calls: list[tuple[str, str]] = []
+
+    def verifier(query: str, cached: str) -> bool:
+        calls.append((query, cached))
+        return "refund" in query  # the model agrees only for refund questions
+
+    cache = SemanticCache(embedder=CallableEmbedder(bow_embed, name="bow64"), threshold=0.5,
+                          verifier=verifier, verify_scopes={"medical"})
+    for scope in ("medical", "support"):
+        cache.store("what is the refund policy for tickets", "24 hours", scope=scope)
+        cache.store("what is the dosage policy for tickets", "ask a doctor", scope=scope)
+    # an ordinary scope serves on similarity alone, without calling the verifier
+    assert cache.lookup("what is the refund policy for my tickets", scope="support") is not None
+    assert calls == []
+    # a sensitive scope serves only what the verifier confirms
+    hit = cache.lookup("what is the refund policy for my tickets", scope="medical")
+    assert hit is not None and hit.verified and hit.answer == "24 hours"
+    assert cache.lookup("what is the dosage policy for my tickets", scope="medical") is None
+    assert len(calls) == 2 and cache.stats().verifier_rejections == 1
+
+
+def test_verify_scopes_without_a_verifier_is_refused() -> None:
+    with pytest.raises(ConfigError, match="verifier"):
+        SemanticCache(embedder=CallableEmbedder(bow_embed, name="bow64"), verify_scopes={"x"})

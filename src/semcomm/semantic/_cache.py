@@ -60,6 +60,7 @@ class CacheStats:
     expired: int = 0
     guarded: int = 0  # candidates vetoed by the lexical guard
     verifications: int = 0
+    verifier_rejections: int = 0  # hits refused by the verifier of a sensitive scope
     invalidated: int = 0
     corrupt: int = 0
     errors: int = 0  # backend errors (lookups degraded to misses)
@@ -165,7 +166,9 @@ class SemanticCache:
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
     entry's TTL; default False: an answer expires ``ttl`` seconds after it was stored however
     often it is read), ``index`` ("auto", "flat" or "hnsw"), ``salter`` (a
-    :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup).
+    :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup),
+    ``verifier`` (``f(query, cached_query) -> bool``) with ``verify_scopes`` (scope names whose
+    hits are served only after the verifier confirms them: for high-stakes scopes).
     """
 
     def __init__(
@@ -188,6 +191,8 @@ class SemanticCache:
         candidates: int = 8,
         sync_interval_s: float = 0.0,
         clock: Callable[[], float] = time.time,
+        verifier: Callable[[str, str], bool] | None = None,
+        verify_scopes: Iterable[str] = (),
     ) -> None:
         if threshold is not None and policy is not None:
             raise ConfigError("pass either threshold= or policy=, not both")
@@ -205,6 +210,12 @@ class SemanticCache:
             raise ConfigError(f"ttl must be positive seconds or None, got {ttl!r}")
         if context_turns < 0:
             raise ConfigError(f"context_turns must be >= 0, got {context_turns!r}")
+        self.verify_scopes = frozenset(verify_scopes)
+        if self.verify_scopes and verifier is None:
+            raise ConfigError("verify_scopes needs a verifier: pass verifier=f(query, cached_query)")
+        if verifier is not None and not callable(verifier):
+            raise ConfigError(f"verifier must be callable, got {type(verifier).__name__}")
+        self.verifier = verifier
         self.embedder: Embedder = as_embedder(embedder)
         self.backend: EntryStore = open_store(store, path)
         self.guard: LexicalGuard | None = (LexicalGuard() if guard is True or guard is None
@@ -435,7 +446,7 @@ class SemanticCache:
         ``embedding`` skips the embedder (a precomputed vector for ``query``).
         """
         self._check_query(query)
-        part, _, _, _ = self._resolve(scope, context, model, tenant)
+        part, scope_name, _, _ = self._resolve(scope, context, model, tenant)
         reader = frozenset(tags)
         self._ensure_loaded()
         self._maybe_sync()
@@ -470,6 +481,18 @@ class SemanticCache:
         decision = self.policy.decide(query, cands, threshold=threshold)
         self._stats.verifications += decision.verifications
         c = decision.candidate
+        verified = decision.verified
+        if c is not None and scope_name in self.verify_scopes and not verified:
+            # sensitive scope: nothing is served that the verifier has not confirmed
+            assert self.verifier is not None
+            with self._lock:
+                self._stats.verifications += 1
+            if self.verifier(query, c.query):
+                verified = True
+            else:
+                with self._lock:
+                    self._stats.verifier_rejections += 1
+                c = None
         if c is None:
             with self._lock:
                 self._stats.misses += 1
@@ -499,7 +522,7 @@ class SemanticCache:
         return Hit(answer=entry.answer, similarity=c.similarity, entry_id=entry.id,
                    age_s=max(0.0, now - entry.created_at), query=entry.query, scope=entry.scope,
                    model=entry.model, tags=entry.tags, metadata=dict(entry.metadata),
-                   verified=decision.verified)
+                   verified=verified)
 
     def store(self, query: str, answer: str, *, scope: ScopeLike = "default",
               context: ContextLike = None, model: str | None = None, tenant: str | None = None,
