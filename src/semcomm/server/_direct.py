@@ -10,11 +10,12 @@ returns is passed back opaquely: this module never reads or edits KV tensors.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._batching import Delta, Finished, GenOutput, Job, Started
 
-__all__ = ["DirectRunner", "TextStream", "sample_next"]
+__all__ = ["BatchDecode", "DirectRunner", "TextStream", "pad_id_for", "sample_next"]
 
 
 class TextStream:
@@ -80,6 +81,97 @@ def sample_next(logits: Any, temperature: float, top_p: float, generator: Any) -
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator).item())
 
 
+def pad_id_for(tokenizer: Any, eos_ids: set[int]) -> int:
+    """The tokenizer's pad id, else the smallest end-of-sequence id, else 0."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None else (min(eos_ids) if eos_ids else 0)
+
+
+class BatchDecode:
+    """Per-row sampling, stopping and streaming state of one batched decode loop.
+
+    The runners own the forward passes; each step they hand the last logits to
+    :meth:`select`, which picks every active row's next token, streams its text and decides
+    whether the row stops. :meth:`finish` then flushes the streams and emits the results.
+    """
+
+    def __init__(self, jobs: list[Job], tokenizer: Any, *, prompt_lens: list[int],
+                 eos_ids: set[int], pad_id: int, max_positions: int, t0: float) -> None:
+        import torch
+
+        self.jobs = jobs
+        self.prompt_lens = prompt_lens
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.max_positions = max_positions
+        self.t0 = t0
+        self.gens: list[Any] = []
+        for job in jobs:
+            g = None
+            if job.temperature > 0:
+                g = torch.Generator(device="cpu")
+                g.manual_seed(job.seed if job.seed is not None else int(time.time_ns() % 2**63))
+            self.gens.append(g)
+        bsz = len(jobs)
+        self.streams = [TextStream(tokenizer, j.stop) for j in jobs]
+        self.active = [True] * bsz
+        self.finish_reasons = ["length"] * bsz
+        self.ttft = [0.0] * bsz
+        self.step = 0
+
+    @property
+    def done(self) -> bool:
+        return not any(self.active)
+
+    def select(self, logits: Any) -> list[int]:
+        """Pick each active row's next token from ``logits`` ([B, V]); pad for the others."""
+        jobs, streams, active, finish = self.jobs, self.streams, self.active, self.finish_reasons
+        nxt = [self.pad_id] * len(jobs)
+        greedy = logits.argmax(-1).tolist()  # one call for every greedy row
+        for row, job in enumerate(jobs):
+            if not active[row]:
+                continue
+            if job.cancelled.is_set():
+                active[row], finish[row] = False, "cancelled"
+                continue
+            tok = (greedy[row] if job.temperature <= 0 else
+                   sample_next(logits[row], job.temperature, job.top_p, self.gens[row]))
+            if self.step == 0:
+                self.ttft[row] = time.perf_counter() - self.t0
+            if tok in self.eos_ids:
+                active[row], finish[row] = False, "stop"
+                continue
+            nxt[row] = tok
+            delta = streams[row].push(tok)
+            if delta:
+                job.emit(Delta(delta))
+            if streams[row].stopped:
+                active[row], finish[row] = False, "stop"
+            elif (len(streams[row].ids) >= job.max_new_tokens
+                  or self.prompt_lens[row] + len(streams[row].ids) >= self.max_positions):
+                active[row], finish[row] = False, "length"
+        self.step += 1
+        return nxt
+
+    def finish(self, fields: Callable[[int], dict[str, Any]]) -> None:
+        """Flush and emit ``Finished`` for every row not cancelled.
+
+        ``fields(row)`` gives the runner's own ``GenOutput`` fields (``prompt_tokens`` and
+        any cache statistics); tokens, text, finish reason and TTFT come from the decode.
+        """
+        for row, job in enumerate(self.jobs):
+            if self.finish_reasons[row] == "cancelled":
+                continue
+            stream = self.streams[row]
+            tail = stream.flush()
+            if tail:
+                job.emit(Delta(tail))
+            job.emit(Finished(GenOutput(
+                token_ids=list(stream.ids), text=stream.text,
+                finish_reason=self.finish_reasons[row], ttft_s=self.ttft[row], **fields(row),
+            )))
+
+
 def _cache_of(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -97,8 +189,7 @@ class DirectRunner:
         if eos is None:
             eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.pad_id = pad_id_for(tokenizer, self.eos_ids)
 
     def run(self, jobs: list[Job]) -> None:
         import torch
@@ -115,55 +206,19 @@ class DirectRunner:
             mask[row, width - n:] = 1
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = []
-        for job in jobs:
-            g = None
-            if job.temperature > 0:
-                g = torch.Generator(device="cpu")
-                g.manual_seed(job.seed if job.seed is not None else int(time.time_ns() % 2**63))
-            gens.append(g)
-        streams = [TextStream(self.tokenizer, j.stop) for j in jobs]
-        active = [True] * bsz
-        finish = ["length"] * bsz
-        ttft = [0.0] * bsz
+        dec = BatchDecode(jobs, self.tokenizer, prompt_lens=[len(j.prompt_ids) for j in jobs],
+                          eos_ids=self.eos_ids, pad_id=self.pad_id,
+                          max_positions=self.max_positions, t0=t0)
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
             cache = _cache_of(out)
             logits = out.logits[:, -1, :]
             for job in jobs:
                 job.emit(Started(prompt_tokens=len(job.prompt_ids), hit_tokens=0))
-            step = 0
-            while any(active):
-                nxt = [self.pad_id] * bsz
-                greedy = logits.argmax(-1).tolist()  # one call for every greedy row
-                for row, job in enumerate(jobs):
-                    if not active[row]:
-                        continue
-                    if job.cancelled.is_set():
-                        active[row] = False
-                        finish[row] = "cancelled"
-                        continue
-                    tok = (greedy[row] if job.temperature <= 0 else
-                           sample_next(logits[row], job.temperature, job.top_p, gens[row]))
-                    if step == 0:
-                        ttft[row] = time.perf_counter() - t0
-                    if tok in self.eos_ids:
-                        active[row] = False
-                        finish[row] = "stop"
-                        continue
-                    nxt[row] = tok
-                    delta = streams[row].push(tok)
-                    if delta:
-                        job.emit(Delta(delta))
-                    if streams[row].stopped:
-                        active[row] = False
-                        finish[row] = "stop"
-                    elif len(streams[row].ids) >= job.max_new_tokens or len(job.prompt_ids) + len(streams[row].ids) >= self.max_positions:
-                        active[row] = False
-                        finish[row] = "length"
-                if not any(active):
+            while not dec.done:
+                nxt = dec.select(logits)
+                if dec.done:
                     break
-                step += 1
                 mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], 1)
                 pos = pos[:, -1:] + 1
                 step_ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
@@ -171,16 +226,4 @@ class DirectRunner:
                                  cache=cache, use_cache=True)
                 cache = _cache_of(out)
                 logits = out.logits[:, -1, :]
-        for row, job in enumerate(jobs):
-            if finish[row] == "cancelled":
-                continue
-            tail = streams[row].flush()
-            if tail:
-                job.emit(Delta(tail))
-            job.emit(Finished(GenOutput(
-                token_ids=list(streams[row].ids),
-                text=streams[row].text,
-                finish_reason=finish[row],
-                prompt_tokens=len(job.prompt_ids),
-                ttft_s=ttft[row],
-            )))
+        dec.finish(lambda row: {"prompt_tokens": len(jobs[row].prompt_ids)})

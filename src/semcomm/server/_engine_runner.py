@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ._batching import Delta, Finished, GenOutput, Job, Started
-from ._direct import TextStream, sample_next
+from ._direct import BatchDecode, pad_id_for
 
 __all__ = ["EngineRunner", "engine_runner"]
 
@@ -45,6 +45,13 @@ def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salt
                     f"{runner.codec}, store {getattr(store, 'name', type(store).__name__)}")
 
 
+def _kv_extra(st: Any) -> dict[str, Any]:
+    """The engine's per-request KV statistics, as reported in ``GenOutput.extra["kv"]``."""
+    return {"hit_tokens": st.hit_tokens, "tier": st.tier,
+            "bytes_loaded": st.bytes_loaded, "bytes_stored": st.bytes_stored,
+            "load_ms": round(st.load_ms, 3), "prefill_ms": round(st.prefill_ms, 3)}
+
+
 class EngineRunner:
     """Runs batches of jobs on per-tenant ``HFEngine`` s over one shared model (see module doc)."""
 
@@ -63,8 +70,7 @@ class EngineRunner:
         first = self.engine(None)  # validates the model family once, up front
         self.max_positions = int(first.max_positions or 2048)
         self.eos_ids = set(first.eos_token_ids)
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.pad_id = pad_id_for(tokenizer, self.eos_ids)
 
     def engine(self, tenant: str | None) -> Any:
         with self._lock:
@@ -99,9 +105,7 @@ class EngineRunner:
             token_ids=list(res.token_ids), text=res.text or "", finish_reason=finish,
             prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens, hit_tiers=st.hit_tiers,
             ttft_s=st.ttft_s,
-            extra={"kv": {"hit_tokens": st.hit_tokens, "tier": st.tier,
-                          "bytes_loaded": st.bytes_loaded, "bytes_stored": st.bytes_stored,
-                          "load_ms": round(st.load_ms, 3), "prefill_ms": round(st.prefill_ms, 3)}},
+            extra={"kv": _kv_extra(st)},
         )))
 
     # ------------------------------------------------------------------ a batch
@@ -145,49 +149,15 @@ class EngineRunner:
         for row, n in enumerate(lens):
             mask[row, width - n:] = 1
         pos = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=device)
-        gens = []
-        for job in jobs:
-            g = None
-            if job.temperature > 0:
-                g = torch.Generator(device="cpu")
-                g.manual_seed(job.seed if job.seed is not None else int(time.time_ns() % 2**63))
-            gens.append(g)
-        streams = [TextStream(self.tokenizer, j.stop) for j in jobs]
-        active = [True] * bsz
-        finish = ["length"] * bsz
-        ttft = [0.0] * bsz
+        dec = BatchDecode(jobs, self.tokenizer, prompt_lens=lens, eos_ids=self.eos_ids,
+                          pad_id=self.pad_id, max_positions=self.max_positions, t0=t0)
         logits = torch.stack([p.last_logits for p in pres])
         kw_name = "cache"
-        step = 0
         with torch.inference_mode():
             while True:
-                nxt = [self.pad_id] * bsz
-                greedy = logits.argmax(-1).tolist()  # one call for every greedy row
-                for row, job in enumerate(jobs):
-                    if not active[row]:
-                        continue
-                    if job.cancelled.is_set():
-                        active[row], finish[row] = False, "cancelled"
-                        continue
-                    tok = (greedy[row] if job.temperature <= 0 else
-                           sample_next(logits[row], job.temperature, job.top_p, gens[row]))
-                    if step == 0:
-                        ttft[row] = time.perf_counter() - t0
-                    if tok in self.eos_ids:
-                        active[row], finish[row] = False, "stop"
-                        continue
-                    nxt[row] = tok
-                    delta = streams[row].push(tok)
-                    if delta:
-                        job.emit(Delta(delta))
-                    if streams[row].stopped:
-                        active[row], finish[row] = False, "stop"
-                    elif (len(streams[row].ids) >= job.max_new_tokens
-                          or lens[row] + len(streams[row].ids) >= self.max_positions):
-                        active[row], finish[row] = False, "length"
-                if not any(active):
+                nxt = dec.select(logits)
+                if dec.done:
                     break
-                step += 1
                 mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], 1)
                 pos = pos + 1
                 ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
@@ -199,20 +169,10 @@ class EngineRunner:
                     out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                      use_cache=True, **{kw_name: cache})
                 logits = out.logits[:, -1, :].float()
-        for row, job in enumerate(jobs):
-            if finish[row] == "cancelled":
-                continue
-            tail = streams[row].flush()
-            if tail:
-                job.emit(Delta(tail))
+
+        def fields(row: int) -> dict[str, Any]:
             st = pres[row].stats
-            job.emit(Finished(GenOutput(
-                token_ids=list(streams[row].ids), text=streams[row].text,
-                finish_reason=finish[row], prompt_tokens=st.prompt_tokens,
-                hit_tokens=st.hit_tokens, hit_tiers=st.hit_tiers, ttft_s=ttft[row],
-                extra={"kv": {"hit_tokens": st.hit_tokens, "tier": st.tier,
-                              "bytes_loaded": st.bytes_loaded, "bytes_stored": st.bytes_stored,
-                              "load_ms": round(st.load_ms, 3),
-                              "prefill_ms": round(st.prefill_ms, 3)},
-                       "batch": bsz},
-            )))
+            return {"prompt_tokens": st.prompt_tokens, "hit_tokens": st.hit_tokens,
+                    "hit_tiers": st.hit_tiers, "extra": {"kv": _kv_extra(st), "batch": bsz}}
+
+        dec.finish(fields)
