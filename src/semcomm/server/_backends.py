@@ -294,6 +294,33 @@ class UpstreamBackend:
                 pass
         await asyncio.sleep(delay)
 
+    def _transport_error(self, exc: Exception, attempt: int) -> UpstreamError:
+        """Mark the upstream and name a transport failure that is not retried (any more)."""
+        import httpx
+
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            self._mark(False, f"unreachable: {exc.__class__.__name__}")
+            return UpstreamError(
+                f"upstream model {self.name!r} at {self.base_url} is unreachable "
+                f"({exc.__class__.__name__}) after {attempt + 1} attempts",
+                status=502, retryable=True)
+        if isinstance(exc, httpx.TimeoutException):
+            self._mark(False, "timed out")
+            return UpstreamError(
+                f"upstream model {self.name!r} timed out ({exc.__class__.__name__})",
+                status=504)
+        self._mark(False, f"broken reply: {exc.__class__.__name__}")
+        return UpstreamError(
+            f"upstream model {self.name!r} broke off its reply "
+            f"({exc.__class__.__name__}: {exc})", status=502)
+
+    def _status_error(self, status: int, message: str) -> UpstreamError:
+        """Mark the upstream and name an HTTP error answer that is not retried (any more)."""
+        self._mark(status < 500, f"HTTP {status}")
+        return UpstreamError(
+            f"upstream model {self.name!r} answered HTTP {status}: {message}", status=status,
+            retryable=status in _RETRY_STATUSES)
+
     async def _complete(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         """One JSON call (the client is not streaming): same retry rules as streams."""
         import httpx
@@ -313,31 +340,15 @@ class UpstreamBackend:
                         await self._backoff(attempt, None)
                         attempt += 1
                         continue
-                    self._mark(False, f"unreachable: {exc.__class__.__name__}")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} at {self.base_url} is unreachable "
-                        f"({exc.__class__.__name__}) after {attempt + 1} attempts",
-                        status=502, retryable=True) from exc
-                except httpx.TimeoutException as exc:
-                    self._mark(False, "timed out")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} timed out ({exc.__class__.__name__})",
-                        status=504) from exc
+                    raise self._transport_error(exc, attempt) from exc
                 except httpx.HTTPError as exc:
-                    self._mark(False, f"broken reply: {exc.__class__.__name__}")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} broke off its reply "
-                        f"({exc.__class__.__name__}: {exc})", status=502) from exc
+                    raise self._transport_error(exc, attempt) from exc
                 if resp.status_code >= 400:
                     if resp.status_code in _RETRY_STATUSES and attempt < self.max_retries:
                         await self._backoff(attempt, resp.headers.get("retry-after"))
                         attempt += 1
                         continue
-                    self._mark(resp.status_code < 500, f"HTTP {resp.status_code}")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} answered HTTP {resp.status_code}: "
-                        f"{_error_message(resp)}", status=resp.status_code,
-                        retryable=resp.status_code in _RETRY_STATUSES)
+                    raise self._status_error(resp.status_code, _error_message(resp))
                 break
             text, finish, usage = parse_completion(self.name, resp.content)
             if not self._up:
@@ -379,11 +390,7 @@ class UpstreamBackend:
                                 await self._backoff(attempt, resp.headers.get("retry-after"))
                                 attempt += 1
                                 continue
-                            self._mark(resp.status_code < 500, f"HTTP {resp.status_code}")
-                            raise UpstreamError(
-                                f"upstream model {self.name!r} answered HTTP {resp.status_code}: "
-                                f"{msg}", status=resp.status_code,
-                                retryable=resp.status_code in _RETRY_STATUSES)
+                            raise self._status_error(resp.status_code, msg)
                         async for item in self._parse_sse(resp, req, t0):
                             yield item
                         if not self._up:
@@ -394,21 +401,9 @@ class UpstreamBackend:
                         await self._backoff(attempt, None)
                         attempt += 1
                         continue
-                    self._mark(False, f"unreachable: {exc.__class__.__name__}")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} at {self.base_url} is unreachable "
-                        f"({exc.__class__.__name__}) after {attempt + 1} attempts",
-                        status=502, retryable=True) from exc
-                except httpx.TimeoutException as exc:
-                    self._mark(False, "timed out")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} timed out ({exc.__class__.__name__})",
-                        status=504) from exc
+                    raise self._transport_error(exc, attempt) from exc
                 except httpx.HTTPError as exc:
-                    self._mark(False, f"broken reply: {exc.__class__.__name__}")
-                    raise UpstreamError(
-                        f"upstream model {self.name!r} broke off its reply "
-                        f"({exc.__class__.__name__}: {exc})", status=502) from exc
+                    raise self._transport_error(exc, attempt) from exc
         finally:
             self._in_flight -= 1
 

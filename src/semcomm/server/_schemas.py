@@ -139,6 +139,22 @@ def chat_response(rid: str, model: str, text: str, finish: str, usage: dict[str,
     }
 
 
+def _chunk(rid: str, object_: str, model: str, created: int, body: dict[str, Any], *,
+           finish: str | None, usage: dict[str, Any] | None, meta: dict[str, Any] | None,
+           empty: bool) -> dict[str, Any]:
+    """One streamed chunk: a single choice holding ``body`` (none when ``empty``)."""
+    out: dict[str, Any] = {
+        "id": rid, "object": object_, "created": created, "model": model,
+        "choices": [] if empty else [{"index": 0, **body, "finish_reason": finish,
+                                      "logprobs": None}],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    if meta is not None:
+        out["semcomm"] = meta
+    return out
+
+
 def chat_chunk(rid: str, model: str, created: int, *, content: str | None = None,
                role: bool = False, finish: str | None = None,
                usage: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
@@ -148,16 +164,8 @@ def chat_chunk(rid: str, model: str, created: int, *, content: str | None = None
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
-    out: dict[str, Any] = {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [] if empty else [{"index": 0, "delta": delta, "finish_reason": finish,
-                                      "logprobs": None}],
-    }
-    if usage is not None:
-        out["usage"] = usage
-    if meta is not None:
-        out["semcomm"] = meta
-    return out
+    return _chunk(rid, "chat.completion.chunk", model, created, {"delta": delta}, finish=finish,
+                  usage=usage, meta=meta, empty=empty)
 
 
 def completion_response(rid: str, model: str, text: str, finish: str, usage: dict[str, Any],
@@ -176,16 +184,8 @@ def completion_response(rid: str, model: str, text: str, finish: str, usage: dic
 def completion_chunk(rid: str, model: str, created: int, *, text: str = "",
                      finish: str | None = None, usage: dict[str, Any] | None = None,
                      meta: dict[str, Any] | None = None, empty: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [] if empty else [{"index": 0, "text": text, "finish_reason": finish,
-                                      "logprobs": None}],
-    }
-    if usage is not None:
-        out["usage"] = usage
-    if meta is not None:
-        out["semcomm"] = meta
-    return out
+    return _chunk(rid, "text_completion", model, created, {"text": text}, finish=finish,
+                  usage=usage, meta=meta, empty=empty)
 
 
 def error_body(message: str, type_: str, *, param: str | None = None,
