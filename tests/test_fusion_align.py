@@ -9,14 +9,7 @@ from semcomm.errors import InvalidInputError
 from semcomm.fusion import PromptParts, align_offsets, encode_prompt
 from semcomm.fusion._toy import toy_bpe_tokenizer, wordpiece_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,7 @@ from semcomm.fusion._reference import (
 from semcomm.fusion._toy import toy_pair
 from semcomm.reference import build_world
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.mark.parametrize(

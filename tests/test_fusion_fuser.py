@@ -25,14 +25,7 @@ from semcomm.fusion import (
     save_fuser,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
 
 
 def spec(layers: int, heads: int, dim: int, fp: str = "") -> ModelSpec:

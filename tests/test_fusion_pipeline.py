@@ -12,14 +12,7 @@ from semcomm.fusion._kvio import cache_to_layers, output_cache
 from semcomm.fusion._toy import toy_pair
 from semcomm.kv import MemoryStore
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

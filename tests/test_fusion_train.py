@@ -22,18 +22,11 @@ from semcomm.fusion import (
 from semcomm.fusion._eval import score_options
 from semcomm.fusion._toy import toy_pair
 
+from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+
 FUSER = {"hidden_dim": 32, "num_blocks": 1, "dropout": 0.0}
 
 WORDS = ["fox", "dog", "café", "東京", "river", "tower", "red", "blue"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on shared cores: one intra-op thread is ~40x faster than two under load
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def examples(n: int = 24) -> list[FusionExample]:
