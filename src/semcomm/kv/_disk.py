@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import ConfigError, CorruptEntryError
 from ._format import ChunkHeader, header_from_prefix, prefix_length
 from ._keys import ChunkKey
-from ._lru import ChainLru
+from ._lru import ChainLru, LruPinning
 from ._store import (
     KEY_SIZE,
     ChunkSealer,
@@ -69,7 +69,7 @@ def _key_from_name(name: str) -> ChunkKey | None:
     return ChunkKey(bytes.fromhex(stem))
 
 
-class DiskStore(StoreBase):
+class DiskStore(StoreBase, LruPinning):
     """Chunks as files under ``path``, bounded by ``capacity_bytes`` of file bytes.
 
     Guarantees:
@@ -486,22 +486,7 @@ class DiskStore(StoreBase):
                 corrupt=self._corrupt, errors=self._errors, pinned=self._lru.pinned,
             )
 
-    # ---- pinning (this process's view) -----------------------------------------------------
-    def pin(self, key: ChunkKey) -> bool:
-        """Keep ``key`` from this process's evictions (counted); False if not indexed."""
-        key = check_key(key)
-        with self._lock:
-            return self._lru.pin(key)
-
-    def unpin(self, key: ChunkKey) -> bool:
-        key = check_key(key)
-        with self._lock:
-            return self._lru.unpin(key)
-
-    def eviction_order(self) -> list[ChunkKey]:
-        """Indexed entries least recently used first (for diagnostics)."""
-        with self._lock:
-            return self._lru.order()
+    # pinning (this process's view): pin / unpin / eviction_order come from LruPinning
 
     def __len__(self) -> int:
         return len(self._lru)

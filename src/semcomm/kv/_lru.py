@@ -19,11 +19,13 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import threading
 from dataclasses import dataclass
 
 from ._keys import ChunkKey
+from ._store import check_key
 
-__all__ = ["ChainLru", "LruEntry"]
+__all__ = ["ChainLru", "LruEntry", "LruPinning"]
 
 
 @dataclass(slots=True)
@@ -154,3 +156,31 @@ class ChainLru:
     def order(self) -> list[ChunkKey]:
         """Entries least recently used first (diagnostics and tests; O(n log n))."""
         return [k for k, _ in sorted(self.entries.items(), key=lambda kv: kv[1].tick)]
+
+
+class LruPinning:
+    """Pinning and eviction order for a store whose bookkeeping is a :class:`ChainLru`.
+
+    Mixed into :class:`MemoryStore` and :class:`DiskStore`, which set ``_lru`` and ``_lock``.
+    For a ``DiskStore`` pins and order are this process's view of the folder.
+    """
+
+    _lru: ChainLru
+    _lock: threading.Lock | threading.RLock
+
+    def pin(self, key: ChunkKey) -> bool:
+        """Protect ``key`` from eviction (counted: pin twice, unpin twice). False if absent."""
+        key = check_key(key)
+        with self._lock:
+            return self._lru.pin(key)
+
+    def unpin(self, key: ChunkKey) -> bool:
+        """Undo one ``pin``; False if ``key`` is absent or not pinned."""
+        key = check_key(key)
+        with self._lock:
+            return self._lru.unpin(key)
+
+    def eviction_order(self) -> list[ChunkKey]:
+        """Entries least recently used first (ignores pins and chains; for diagnostics)."""
+        with self._lock:
+            return self._lru.order()

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from ._keys import ChunkKey
-from ._lru import ChainLru
+from ._lru import ChainLru, LruPinning
 from ._store import PrefixMatch, StoreBase, StoreStats, check_key, validate_chunk
 
 __all__ = ["DEFAULT_MEMORY_CAPACITY", "MemoryStore"]
@@ -17,7 +17,7 @@ logger = logging.getLogger("semcomm.kv")
 DEFAULT_MEMORY_CAPACITY = 1 << 30  # 1 GiB
 
 
-class MemoryStore(StoreBase):
+class MemoryStore(StoreBase, LruPinning):
     """Chunks in process memory, bounded by ``capacity_bytes`` of encoded chunk bytes.
 
     * ``put`` validates the whole chunk (header, key, checksum) and raises
@@ -158,23 +158,7 @@ class MemoryStore(StoreBase):
                 pinned=self._lru.pinned,
             )
 
-    # ---- pinning --------------------------------------------------------------------------
-    def pin(self, key: ChunkKey) -> bool:
-        """Protect ``key`` from eviction (counted: pin twice, unpin twice). False if absent."""
-        key = check_key(key)
-        with self._lock:
-            return self._lru.pin(key)
-
-    def unpin(self, key: ChunkKey) -> bool:
-        """Undo one ``pin``; False if ``key`` is absent or not pinned."""
-        key = check_key(key)
-        with self._lock:
-            return self._lru.unpin(key)
-
-    def eviction_order(self) -> list[ChunkKey]:
-        """Entries least recently used first (ignores pins and chains; for diagnostics)."""
-        with self._lock:
-            return self._lru.order()
+    # pinning: pin / unpin / eviction_order come from LruPinning
 
     def __len__(self) -> int:
         return len(self._data)
