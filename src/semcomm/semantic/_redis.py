@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import BackendDownWarning, CorruptEntryError, require
 from ._entry import Entry, Row, decode_entry, encode_entry
-from ._stores import Sync
+from ._stores import Sync, keep_valid
 
 __all__ = ["RedisEntryStore"]
 
@@ -193,19 +193,8 @@ class RedisEntryStore:
         res = self._call(run, None)
         if res is None:
             return []
-        out: list[Entry] = []
-        bad: list[str] = []
-        for i, h in zip(ids, res, strict=True):
-            if not h:
-                continue
-            e = self._decode(i, h)
-            if e is None:
-                bad.append(i)
-            else:
-                out.append(e)
-        if bad:
-            self.delete(bad)
-        return out
+        return keep_valid(
+            self, ((i, self._decode(i, h)) for i, h in zip(ids, res, strict=True) if h))
 
     def delete(self, ids: Sequence[str]) -> int:
         if not ids:

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from ..errors import CorruptEntryError, StoreError
 from ._entry import ENTRY_FORMAT_VERSION, Entry, Row, decode_entry, encode_entry
 
-__all__ = ["EntryStore", "MemoryEntryStore", "SQLiteEntryStore", "Sync"]
+__all__ = ["EntryStore", "MemoryEntryStore", "SQLiteEntryStore", "Sync", "keep_valid"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,24 @@ class EntryStore(Protocol):
     def poll(self) -> Sync: ...
     def clear(self) -> None: ...
     def close(self) -> None: ...
+
+
+def keep_valid(store: EntryStore, decoded: Iterable[tuple[str, Entry | None]]) -> list[Entry]:
+    """The entries of ``decoded`` (``(id, entry or None)`` pairs) that decoded.
+
+    The ids that did not (corrupt, already logged by the decoder) are deleted from ``store``
+    in one call once ``decoded`` is exhausted.
+    """
+    out: list[Entry] = []
+    bad: list[str] = []
+    for entry_id, e in decoded:
+        if e is None:
+            bad.append(entry_id)
+        else:
+            out.append(e)
+    if bad:
+        store.delete(bad)
+    return out
 
 
 class MemoryEntryStore:
@@ -210,24 +228,16 @@ class SQLiteEntryStore:
         return e
 
     def _get_many(self, ids: Sequence[str]) -> list[Entry]:
-        out: list[Entry] = []
-        bad: list[str] = []
-        for s in range(0, len(ids), 500):
-            part = list(ids[s : s + 500])
-            q = ",".join("?" * len(part))
-            with self._lock:
-                rows = self._db.execute(
-                    "SELECT id, version, header, vector, answer, checksum FROM entries "
-                    f"WHERE id IN ({q})", part).fetchall()
-            for r in rows:
-                e = self._decode(r)
-                if e is None:
-                    bad.append(r[0])
-                else:
-                    out.append(e)
-        if bad:
-            self.delete(bad)
-        return out
+        def rows() -> Iterator[Any]:
+            for s in range(0, len(ids), 500):
+                part = list(ids[s : s + 500])
+                q = ",".join("?" * len(part))
+                with self._lock:
+                    fetched = self._db.execute(
+                        "SELECT id, version, header, vector, answer, checksum FROM entries "
+                        f"WHERE id IN ({q})", part).fetchall()
+                yield from fetched
+        return keep_valid(self, ((r[0], self._decode(r)) for r in rows()))
 
     def delete(self, ids: Sequence[str]) -> int:
         if not ids:
@@ -249,17 +259,7 @@ class SQLiteEntryStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT id, version, header, vector, answer, checksum FROM entries").fetchall()
-        bad: list[str] = []
-        out: list[Entry] = []
-        for r in rows:
-            e = self._decode(r)
-            if e is None:
-                bad.append(r[0])
-            else:
-                out.append(e)
-        if bad:
-            self.delete(bad)
-        return iter(out)
+        return iter(keep_valid(self, ((r[0], self._decode(r)) for r in rows)))
 
     def poll(self) -> Sync:
         with self._lock:
