@@ -20,7 +20,6 @@ Usage: ``python benchmarks/bench_codecs.py [--quick] [--json FILE] [--model PATH
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
@@ -229,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     show(res)
     if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
-        console.print(f"wrote {args.json}")
+        write_json(args.json, res, console)
     return 0
 
 

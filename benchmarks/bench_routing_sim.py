@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import agg_figure
 from rich.console import Console
 from rich.table import Table
 
@@ -202,24 +206,16 @@ def main() -> None:
 
 
 def _plot_capacity(cap: dict[str, dict[str, float]], path: Path, slo: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(cap)
-    pols = list(next(iter(cap.values())))
-    w = 0.8 / len(pols)
-    for j, p in enumerate(pols):
-        ax.bar([i + j * w for i in range(len(names))], [cap[n][p] for n in names], w, label=p)
-    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(names))], names)
-    ax.set_ylabel(f"max rate scale with TTFT p90 <= {slo:g}s")
-    ax.set_title("capacity at TTFT SLO")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with agg_figure(path, (7, 4)) as ax:
+        names = list(cap)
+        pols = list(next(iter(cap.values())))
+        w = 0.8 / len(pols)
+        for j, p in enumerate(pols):
+            ax.bar([i + j * w for i in range(len(names))], [cap[n][p] for n in names], w, label=p)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(names))], names)
+        ax.set_ylabel(f"max rate scale with TTFT p90 <= {slo:g}s")
+        ax.set_title("capacity at TTFT SLO")
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

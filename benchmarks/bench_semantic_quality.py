@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
+from _common import agg_figure
 
 # one intra-op thread: on a shared, small CPU, more threads mostly wait for each other
 torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
@@ -268,30 +269,22 @@ def main() -> None:
 
 
 def _plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for key, label in (("curve_cosine_only", "cosine only"),
-                       ("curve_cosine_guard", "cosine + lexical guard")):
-        c = res["test"][key]
-        ax.plot([x[2] for x in c], [x[1] for x in c], marker=".", label=label)
-    d = res["test"]["default_semantic_cache"]
-    ax.scatter([d["recall"]], [d["precision"]], color="red", zorder=3, label="SemanticCache()")
-    g = res["test"].get("gptcache", {})
-    if "precision" in g:
-        ax.scatter([g["recall"]], [g["precision"]], color="black", marker="x", zorder=3,
-                   label="GPTCache, same cut")
-    ax.axhline(0.95, color="gray", ls=":")
-    ax.set_xlabel("recall (queries with a duplicate stored)")
-    ax.set_ylabel("hit precision")
-    ax.set_title("meancache_test, cache protocol")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with agg_figure(path, (6, 4.5)) as ax:
+        for key, label in (("curve_cosine_only", "cosine only"),
+                           ("curve_cosine_guard", "cosine + lexical guard")):
+            c = res["test"][key]
+            ax.plot([x[2] for x in c], [x[1] for x in c], marker=".", label=label)
+        d = res["test"]["default_semantic_cache"]
+        ax.scatter([d["recall"]], [d["precision"]], color="red", zorder=3, label="SemanticCache()")
+        g = res["test"].get("gptcache", {})
+        if "precision" in g:
+            ax.scatter([g["recall"]], [g["precision"]], color="black", marker="x", zorder=3,
+                       label="GPTCache, same cut")
+        ax.axhline(0.95, color="gray", ls=":")
+        ax.set_xlabel("recall (queries with a duplicate stored)")
+        ax.set_ylabel("hit precision")
+        ax.set_title("meancache_test, cache protocol")
+        ax.legend()
 
 
 if __name__ == "__main__":

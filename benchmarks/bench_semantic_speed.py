@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
+from _common import agg_figure
 
 # one intra-op thread: on a shared, small CPU, more threads mostly wait for each other
 torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
@@ -245,26 +246,18 @@ def main() -> None:
 
 
 def _plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ns = sorted(int(n) for n in res["sizes"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("flat", "flat (numpy)"), ("hnsw", "HNSW (usearch)")):
-        xs = [n for n in ns if key in res["sizes"][n]["index"]]
-        ax.plot(xs, [res["sizes"][n]["index"][key]["p50_ms"] for n in xs], marker="o", label=label)
-    ax.plot(ns, [res["sizes"][n]["cache"]["p50_ms"] for n in ns], marker="s",
-            label="SemanticCache.lookup (no embedding)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("entries")
-    ax.set_ylabel("p50 latency (ms)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with agg_figure(path, (6, 4)) as ax:
+        for key, label in (("flat", "flat (numpy)"), ("hnsw", "HNSW (usearch)")):
+            xs = [n for n in ns if key in res["sizes"][n]["index"]]
+            ax.plot(xs, [res["sizes"][n]["index"][key]["p50_ms"] for n in xs], marker="o", label=label)
+        ax.plot(ns, [res["sizes"][n]["cache"]["p50_ms"] for n in ns], marker="s",
+                label="SemanticCache.lookup (no embedding)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("entries")
+        ax.set_ylabel("p50 latency (ms)")
+        ax.legend()
 
 
 if __name__ == "__main__":
