@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: run test system-deps lint bench clean
 
 $(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(VENV) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch from local disk first, so that nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
