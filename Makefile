@@ -29,6 +29,7 @@ test: $(STAMP) system-deps
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy src
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

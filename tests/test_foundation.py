@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from semcomm.errors import CorruptEntryError, NamespaceMismatchError, TenantError
-from semcomm.kv import Namespace, chunk_key, chunk_keys, chunk_spans, decode_chunk, encode_chunk, read_header
+from semcomm.kv import (
+    Namespace,
+    chunk_key,
+    chunk_keys,
+    chunk_spans,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+)
 from semcomm.security import NO_TENANT_DIGEST, TenantSalter
 
 NS = Namespace(model="m", tokenizer="t", dtype="float32", codec="lossless", tenant=NO_TENANT_DIGEST)

@@ -25,22 +25,22 @@ Warnings derive from :class:`SemcommWarning`.
 from __future__ import annotations
 
 __all__ = [
-    "SemcommError",
-    "ConfigError",
-    "InvalidInputError",
-    "UnsupportedModelError",
-    "NamespaceMismatchError",
+    "BackendDownWarning",
+    "BackendUnavailableError",
     "CodecError",
-    "StoreError",
+    "ConfigError",
     "CorruptEntryError",
     "IntegrityError",
-    "TenantError",
-    "BackendUnavailableError",
-    "UpstreamError",
-    "OverloadedError",
+    "InvalidInputError",
     "MissingDependencyError",
+    "NamespaceMismatchError",
+    "OverloadedError",
+    "SemcommError",
     "SemcommWarning",
-    "BackendDownWarning",
+    "StoreError",
+    "TenantError",
+    "UnsupportedModelError",
+    "UpstreamError",
     "require",
 ]
 

@@ -112,11 +112,11 @@ def quickstart_workload() -> list[tuple[str, list[dict[str, str]]]]:
         system = convs[0][0]
         reqs: list[tuple[str, list[dict[str, str]]]] = []
         history = [system]
-        for i, (user, answer) in enumerate(pairs[:3]):  # one user's three turns
-            reqs.append((f"A{i + 1}", history + [user]))
-            history = history + [user, answer]
-        for j, (user, _) in enumerate(pairs[3:6]):  # other users, same system prompt
-            reqs.append((f"{'BCD'[j]}1", [system, user]))
+        for i, (u_msg, a_msg) in enumerate(pairs[:3]):  # one user's three turns
+            reqs.append((f"A{i + 1}", history + [u_msg]))
+            history = history + [u_msg, a_msg]
+        for j, (u_msg, _) in enumerate(pairs[3:6]):  # other users, same system prompt
+            reqs.append((f"{'BCD'[j]}1", [system, u_msg]))
         return reqs
     reqs = []
     history = [{"role": "system", "content": _SYSTEM}]

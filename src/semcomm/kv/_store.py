@@ -316,7 +316,7 @@ class StoreBase(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Release resources (nothing to do for most stores)."""
 
     # ---- async twins (thread offload; RedisStore overrides with native async) ------------

@@ -14,13 +14,13 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from ..errors import InvalidInputError
 
 __all__ = ["ContextLike", "Scope", "context_window", "entry_id", "partition_key"]
 
-ContextLike = Union[str, Sequence[Mapping[str, Any]], Sequence[str], None]
+ContextLike = str | Sequence[Mapping[str, Any]] | Sequence[str] | None
 """A system prompt (str), a list of chat messages ({"role", "content"}), or a list of turns."""
 
 
