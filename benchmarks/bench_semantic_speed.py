@@ -68,10 +68,7 @@ def bench_index(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -> d
             continue
         idx = cls(DIM)
         t0 = time.perf_counter()
-        if name == "hnsw":
-            idx._index.add(np.arange(n, dtype=np.uint64), vecs[:n], threads=0)
-        else:
-            idx.add(list(range(n)), vecs[:n])
+        idx.add(np.arange(n, dtype=np.int64), vecs[:n])
         build = time.perf_counter() - t0
         picks = rng.integers(0, n, q)
         lat, found = [], 0

@@ -2,8 +2,8 @@
 
 - :class:`FlatIndex`: exact, numpy, contiguous ``(n, dim)`` float32 matrix. Removal swaps the
   last row into the hole, so the matrix never holds a deleted vector.
-- :class:`HNSWIndex`: usearch HNSW (inner-product metric); removal deletes the node from the
-  graph. Used above ``hnsw_min`` vectors (see ``benchmarks/bench_semantic_speed.py`` for the
+- :class:`HNSWIndex`: usearch HNSW over int8-quantised vectors, candidates re-scored exactly
+  in float32; removal deletes the node from the graph and the float32 row. Used above ``hnsw_min`` vectors (see ``benchmarks/bench_semantic_speed.py`` for the
   cross-over measurement).
 - :class:`AutoIndex`: starts flat and migrates to HNSW once it grows past ``hnsw_min``.
 
@@ -119,53 +119,75 @@ class FlatIndex:
 
 
 class HNSWIndex:
-    """usearch HNSW graph, inner-product metric, float32 storage."""
+    """usearch HNSW graph for navigation, exact float32 similarities for the answer.
 
-    def __init__(self, dim: int, *, connectivity: int = 16, expansion_add: int = 64,
-                 expansion_search: int = 64, dtype: str = "f32") -> None:
+    The graph stores vectors quantised to int8 (``dtype="i8"``, cosine metric: the vectors are
+    unit, so cosine equals inner product); that makes inserts ~5x and searches ~4x faster than
+    float32 on AVX-512 and keeps recall@1 at least as high on 384-d vectors
+    (``benchmarks/bench_semantic_speed.py``). The ``oversample * k`` graph candidates are then
+    re-scored against an exact float32 copy (a :class:`FlatIndex`), so the similarities the hit
+    policies compare with thresholds are exact, not quantised. Batch adds run on ``threads``
+    threads (0: all cores)."""
+
+    def __init__(self, dim: int, *, connectivity: int = 16, expansion_add: int = 128,
+                 expansion_search: int = 128, dtype: str = "i8", threads: int = 0,
+                 oversample: int = 2) -> None:
         from usearch.index import Index
 
         self.dim = dim
-        self._index = Index(ndim=dim, metric="ip", dtype=dtype, connectivity=connectivity,
+        self.threads = threads
+        self.oversample = max(1, int(oversample))
+        self._index = Index(ndim=dim, metric="cos", dtype=dtype, connectivity=connectivity,
                             expansion_add=expansion_add, expansion_search=expansion_search)
+        self._exact = FlatIndex(dim)
 
     def __len__(self) -> int:
         return len(self._index)
 
     def __contains__(self, label: int) -> bool:
-        return bool(self._index.contains(int(label)))
+        return int(label) in self._exact
 
     def nbytes(self) -> int:
-        return int(self._index.memory_usage)
+        return int(self._index.memory_usage) + self._exact.nbytes()
 
     def add(self, labels: Sequence[int], vectors: np.ndarray) -> None:
         vectors = np.asarray(vectors, dtype=np.float32).reshape(-1, self.dim)
-        labs = np.asarray(labels, dtype=np.uint64)
+        labs = np.asarray(labels, dtype=np.uint64).reshape(-1)
         if len(self._index):
-            present = np.atleast_1d(np.asarray(self._index.contains(labs), dtype=bool))
+            present = np.fromiter((int(x) in self._exact for x in labs), dtype=bool,
+                                  count=len(labs))
             if present.any():
                 self._index.remove(labs[present])
-        # batch inserts use every core; single inserts stay on the caller's thread
-        self._index.add(labs, vectors, threads=0 if len(labs) > 256 else 1)
+        # batch inserts run in parallel; single inserts stay on the caller's thread
+        self._index.add(labs, vectors, threads=self.threads if len(labs) > 256 else 1)
+        self._exact.add(labs.astype(np.int64).tolist(), vectors)
 
     def remove(self, labels: Sequence[int]) -> int:
-        labs = [int(x) for x in labels if self._index.contains(int(x))]
+        labs = [int(x) for x in labels if int(x) in self._exact]
         if not labs:
             return 0
         self._index.remove(np.asarray(labs, dtype=np.uint64))
+        self._exact.remove(labs)
         return len(labs)
 
     def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if len(self._index) == 0 or k <= 0:
+        """Return ``(labels, similarities)`` of the ``k`` nearest, best first; similarities are
+        exact float32 inner products."""
+        n = len(self._index)
+        if n == 0 or k <= 0:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
-        m = self._index.search(np.asarray(vector, dtype=np.float32).reshape(self.dim),
-                               min(k, len(self._index)), threads=1)
-        keys = np.asarray(m.keys, dtype=np.int64)
-        sims = (1.0 - np.asarray(m.distances, dtype=np.float32))  # usearch "ip" distance = 1 - ip
-        return keys, sims
+        q = np.asarray(vector, dtype=np.float32).reshape(self.dim)
+        m = self._index.search(q, min(k * self.oversample, n), threads=1)
+        keys = np.asarray(m.keys, dtype=np.int64).reshape(-1)
+        pos = self._exact._pos
+        rows = np.fromiter((pos[int(x)] for x in keys), dtype=np.int64, count=len(keys))
+        sims = self._exact._vecs[rows] @ q
+        order = np.argsort(-sims, kind="stable")[:k]
+        return keys[order], sims[order].astype(np.float32)
 
     def vectors_of(self, labels: Sequence[int]) -> np.ndarray:
-        return np.asarray(self._index.get(np.asarray(labels, dtype=np.uint64)), dtype=np.float32)
+        pos = self._exact._pos
+        return self._exact._vecs[[pos[int(x)] for x in labels]].copy()
 
 
 class AutoIndex:
@@ -194,7 +216,7 @@ class AutoIndex:
         if isinstance(self._impl, FlatIndex) and len(self._impl) >= self.hnsw_min:
             flat = self._impl
             h = HNSWIndex(self.dim)
-            h._index.add(flat.labels().astype(np.uint64), flat.vectors(), threads=0)
+            h.add(flat.labels().tolist(), flat.vectors())
             self._impl = h
 
     def remove(self, labels: Sequence[int]) -> int:
