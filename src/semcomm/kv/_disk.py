@@ -69,6 +69,14 @@ def _key_from_name(name: str) -> ChunkKey | None:
     return ChunkKey(bytes.fromhex(stem))
 
 
+
+def _same_file(path: Path, ino: int) -> bool:
+    """True when ``path`` still names the file whose inode is ``ino``."""
+    try:
+        return os.stat(path).st_ino == ino
+    except OSError:
+        return False
+
 class DiskStore(StoreBase, LruPinning):
     """Chunks as files under ``path``, bounded by ``capacity_bytes`` of file bytes.
 
@@ -347,7 +355,9 @@ class DiskStore(StoreBase, LruPinning):
             self._hits += 1
             if key in self._lru:
                 self._lru.touch(key)
-            else:  # written by another process
+            elif _same_file(path, ino):  # written by another process, and still there
+                # (evictions unlink under this lock: a file evicted while we read it is not
+                # re-indexed, which would put the budget over its cap)
                 self._lru.add(key, len(data), parent)
                 added = True
         if added:
