@@ -10,6 +10,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -305,10 +306,8 @@ class DiskStore(StoreBase, LruPinning):
             if victim is None:
                 return False, evicted
             self._lru.remove(victim)
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another process evicted it already
                 os.unlink(self._path(victim))
-            except FileNotFoundError:
-                pass  # another process evicted it already
             self._evictions += 1
             evicted.append(victim)
         return True, evicted
