@@ -7,6 +7,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -60,3 +62,14 @@ class RedisServer:
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
             s.sendall(b"FLUSHALL\r\n")
             s.recv(16)
+
+
+@contextmanager
+def running_redis() -> Iterator[RedisServer]:
+    """A started redis-server, stopped on exit (for fixtures of any scope)."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ._redis import RedisServer
+from ._redis import RedisServer, running_redis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,12 +24,8 @@ def _semcomm_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server of the suite's own on a free loopback port (session-wide)."""
-    server = RedisServer()
-    server.start()
-    try:
+    with running_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -44,9 +40,5 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server for one test alone (outage tests stop and restart it)."""
-    server = RedisServer()
-    server.start()
-    try:
+    with running_redis() as server:
         yield server
-    finally:
-        server.stop()

@@ -186,14 +186,10 @@ def _chat(c: httpx.Client, text: str, **extra: Any) -> httpx.Response:
 @pytest.fixture(scope="module")
 def redis_for_server() -> Iterator[Any]:
     """A redis-server of this module's own: the outage test stops and restarts it."""
-    from ._redis import RedisServer
+    from ._redis import running_redis
 
-    server = RedisServer()
-    server.start()
-    try:
+    with running_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

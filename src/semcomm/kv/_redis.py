@@ -266,10 +266,7 @@ class RedisStore(StoreBase):
             return default
         try:
             out = fn()
-        except self._redis.exceptions.RedisError as exc:
-            self._failed(exc)
-            return default
-        except OSError as exc:
+        except (self._redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc)
             return default
         self._ok()
@@ -280,10 +277,7 @@ class RedisStore(StoreBase):
             return default
         try:
             out = await coro_fn()
-        except self._redis.exceptions.RedisError as exc:
-            self._failed(exc)
-            return default
-        except OSError as exc:
+        except (self._redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc)
             return default
         self._ok()
