@@ -59,8 +59,11 @@ def prompt_ids(n: int, seed: int = 1) -> list[int]:
 
 
 def reference_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The model's own greedy output without any cache (what the engine must match)."""
-    x = torch.tensor([ids])
+    """The model's own greedy output without any cache (what the engine must match).
+
+    Runs on the model's device (a CUDA model gets CUDA inputs).
+    """
+    x = torch.tensor([ids], device=next(model.parameters()).device)
     out = model.generate(
         x,
         attention_mask=torch.ones_like(x),
