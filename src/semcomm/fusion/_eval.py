@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._kvio import cache_to_layers, layers_to_cache, output_cache
+from ._kvio import cache_kwargs, cache_to_layers, layers_to_cache, output_cache
 from ._pipeline import FusionPipeline, ModelSide, greedy_decode
 
 __all__ = [
@@ -143,8 +143,8 @@ def score_options(
             input_ids=ids,
             attention_mask=full_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
+            **cache_kwargs(model, cache),
         )
     logp = torch.log_softmax(out.logits.float(), dim=-1)
     scores = []

@@ -24,6 +24,7 @@ from ._fuser import Fuser
 from ._kvio import (
     KVLayers,
     align_layers,
+    cache_kwargs,
     cache_to_layers,
     layers_to_cache,
     output_cache,
@@ -126,6 +127,7 @@ def greedy_decode(
     out_ids: list[int] = []
     ids = torch.tensor([feed_ids], device=device)
     pos = start_pos
+    (cache_kw,) = cache_kwargs(model, None)  # the forward's name for the cache argument
     with torch.no_grad():
         for _ in range(max_new_tokens):
             n = ids.shape[1]
@@ -133,9 +135,9 @@ def greedy_decode(
             out = model(
                 input_ids=ids,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_kw: cache},
             )
             cache = output_cache(out)
             pos += n

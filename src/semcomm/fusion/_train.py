@@ -30,7 +30,7 @@ from ..errors import ConfigError, InvalidInputError
 from ._align import align_offsets
 from ._fuser import Fuser, FuserConfig
 from ._io import atomic_write_json, load_fuser, save_fuser, save_tensors
-from ._kvio import align_layers, layers_to_cache, prefill_layers
+from ._kvio import align_layers, cache_kwargs, layers_to_cache, prefill_layers
 from ._pipeline import ModelSide
 
 __all__ = ["FusionExample", "FusionTrainer", "TrainConfig", "TrainResult", "read_examples"]
@@ -191,8 +191,8 @@ def fused_loss(
         input_ids=batch.c_ids,
         attention_mask=torch.cat([batch.r_mask, batch.c_mask], dim=1),
         position_ids=position_ids,
-        cache=cache,
         use_cache=True,
+        **cache_kwargs(receiver, cache),
     )
     logits = out.logits.float()
     return torch.nn.functional.cross_entropy(
