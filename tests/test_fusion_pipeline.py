@@ -53,13 +53,13 @@ def test_first_generated_token_sees_the_fused_cache(sides, open_fuser: Fuser) ->
     assert layers[0][0].shape[2] == len(fp.receiver.input_ids) - 1  # last prompt token not yet fed
     ids = fp.receiver.input_ids
     # first-token logits: last prompt token run on the fused cache, vs on the plain cache
-    from semcomm.fusion._kvio import layers_to_cache
+    from semcomm.fusion._kvio import cache_kwargs, layers_to_cache
 
     with torch.no_grad():
         out = r.model(
             input_ids=torch.tensor([ids[-1:]]),
             position_ids=torch.tensor([[len(ids) - 1]]),
-            cache=layers_to_cache([(k.clone(), v.clone()) for k, v in layers]),
+            **cache_kwargs(r.model, layers_to_cache([(k.clone(), v.clone()) for k, v in layers])),
         )
         plain = r.model(input_ids=torch.tensor([ids]))
     assert not torch.allclose(out.logits[0, -1], plain.logits[0, -1], atol=1e-3)

@@ -27,6 +27,7 @@ __all__ = [
     "KVLayout",
     "ModelRunner",
     "cache_from_stacks",
+    "cache_kwargs",
     "cache_length",
     "check_supported",
     "copy_cache",
@@ -93,6 +94,14 @@ def check_supported(model: Any) -> None:
         "past_key_values" not in inspect.signature(model.forward).parameters
     ):
         raise UnsupportedModelError(f"{mtype}: its forward() takes no KV cache")
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{"cache": cache}``, or ``{"past_key_values": cache}`` for a transformers version whose
+    forward still takes that name (5.x before the rename). A wrong name is not an error there:
+    ``**kwargs`` swallows it and the cache is silently ignored, so the name is inspected."""
+    params = inspect.signature(model.forward).parameters
+    return {("cache" if "cache" in params else "past_key_values"): cache}
 
 
 def new_cache() -> DynamicCache:

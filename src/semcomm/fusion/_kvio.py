@@ -9,11 +9,12 @@ that the first generated token already sees the fused context.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+from ..engine._cache_adapter import cache_kwargs
 
 __all__ = [
     "KVLayers",
@@ -66,14 +67,6 @@ def prefill_layers(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
             logits_to_keep=1,
         )
     return cache_to_layers(output_cache(out))
-
-
-def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """``{"cache": cache}``, or ``{"past_key_values": cache}`` for a transformers version whose
-    forward still takes that name (5.x before the rename). A wrong name is not an error there:
-    it is swallowed by ``**kwargs`` and the cache silently ignored."""
-    params = inspect.signature(model.forward).parameters
-    return {("cache" if "cache" in params else "past_key_values"): cache}
 
 
 def output_cache(out: Any) -> Any:

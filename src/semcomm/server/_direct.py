@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engine._cache_adapter import cache_kwargs
 from ._batching import Delta, Finished, GenOutput, Job, Started
 
 __all__ = ["BatchDecode", "DirectRunner", "TextStream", "pad_id_for", "sample_next"]
@@ -223,7 +224,7 @@ class DirectRunner:
                 pos = pos[:, -1:] + 1
                 step_ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                 cache=cache, use_cache=True)
+                                 use_cache=True, **cache_kwargs(self.model, cache))
                 cache = _cache_of(out)
                 logits = out.logits[:, -1, :]
         dec.finish(lambda row: {"prompt_tokens": len(jobs[row].prompt_ids)})

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ..engine._cache_adapter import cache_kwargs
 from ._batching import Delta, Finished, GenOutput, Job, Started
 from ._direct import BatchDecode, pad_id_for
 
@@ -152,7 +153,6 @@ class EngineRunner:
         dec = BatchDecode(jobs, self.tokenizer, prompt_lens=lens, eos_ids=self.eos_ids,
                           pad_id=self.pad_id, max_positions=self.max_positions, t0=t0)
         logits = torch.stack([p.last_logits for p in pres])
-        kw_name = "cache"
         with torch.inference_mode():
             while True:
                 nxt = dec.select(logits)
@@ -161,13 +161,8 @@ class EngineRunner:
                 mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], 1)
                 pos = pos + 1
                 ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
-                try:
-                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                     use_cache=True, **{kw_name: cache})
-                except TypeError:  # older transformers: past_key_values=
-                    kw_name = "past_key_values"
-                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                     use_cache=True, **{kw_name: cache})
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                 use_cache=True, **cache_kwargs(self.model, cache))
                 logits = out.logits[:, -1, :].float()
 
         def fields(row: int) -> dict[str, Any]:
