@@ -195,6 +195,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--no-gptcache", action="store_true")
     ap.add_argument("--gptcache-entries", type=int, default=10_000)
+    ap.add_argument("--lookup-only", action="store_true",
+                    help="only the per-size index and lookup rows (no SQLite, MiniLM or GPTCache "
+                         "rows): for a machine without the embedder")
+    ap.add_argument("--json-name", default="semantic_speed.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
@@ -219,6 +223,11 @@ def main() -> None:
                    f"{ca['p50_ms']:.3f}/{ca['p99_ms']:.3f}", ca["index"],
                    f"{ca['inserts_per_s']:,.0f}", f"{ca['bytes_per_entry_rss']:,.0f}")
     console.print(t1)
+    res["cpu_count"] = os.cpu_count()
+    if args.lookup_only:
+        (args.out / args.json_name).write_text(json.dumps(res, indent=1))
+        console.print(f"wrote {args.out / args.json_name}")
+        return
     res["sqlite"] = bench_sqlite_inserts(20_000, vecs)
     res["whole_hit_minilm"] = bench_whole_hit(min(args.queries, 200))
     w = res["whole_hit_minilm"]
@@ -237,9 +246,9 @@ def main() -> None:
                           f"{g['p50_ms']:.3f} ms p99 {g['p99_ms']:.3f} ms, inserts/s "
                           f"{g['inserts_per_s']:,.0f}; SemanticCache at {min(sizes):,}: p50 "
                           f"{ours['p50_ms']:.3f} ms ({g['p50_ms'] / ours['p50_ms']:.1f}x faster)")
-    (args.out / "semantic_speed.json").write_text(json.dumps(res, indent=1))
+    (args.out / args.json_name).write_text(json.dumps(res, indent=1))
     _plot(res, args.out / "semantic_speed.png")
-    console.print(f"wrote {args.out / 'semantic_speed.json'}")
+    console.print(f"wrote {args.out / args.json_name}")
 
 
 def _plot(res: dict, path: Path) -> None:

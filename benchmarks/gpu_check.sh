@@ -178,6 +178,30 @@ else
     note "bench_kv_ttft.py skipped: $(left)s left"
 fi
 
+# -- 5b. semantic-cache lookup latency at 1M entries on this machine's CPU cores -----------------
+# (no GPU involved: a quiet many-core host builds the 1M-entry HNSW graph in a few minutes;
+# output appended to bench.log, results in semantic_speed_1m.json)
+if [ "${GPU_CHECK_SEMANTIC:-1}" = 1 ] && [ "$(left)" -gt 150 ]; then
+    timeout "$(cap 240)" "$PY" benchmarks/bench_semantic_speed.py --sizes 1000000 --lookup-only \
+        --queries 1000 --out "$OUT" --json-name semantic_speed_1m.json >>"$OUT/bench.log" 2>&1
+    SEM_RC=$?
+    if [ -s "$OUT/semantic_speed_1m.json" ]; then
+        "$PY" - "$OUT/semantic_speed_1m.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for n, row in r["sizes"].items():
+    h, c = row["index"]["hnsw"], row["cache"]
+    print(f"semantic {int(n):,} entries ({r.get('cpu_count')} cores): HNSW p50 {h['p50_ms']:.3f} ms "
+          f"p99 {h['p99_ms']:.3f} recall@1 {h['recall@1']:.3f} build {h['build_s']:.0f}s; "
+          f"lookup() p50 {c['p50_ms']:.3f} ms p99 {c['p99_ms']:.3f}, {c['inserts_per_s']:,.0f} inserts/s")
+EOF
+    else
+        note "bench_semantic_speed.py wrote no JSON (rc $SEM_RC; see bench.log)"
+    fi
+else
+    note "semantic 1M lookup skipped: $(left)s left"
+fi
+
 # -- 6. the tests again with the image's own transformers (compatibility) ----------------------
 if [ "${#pinned[@]}" -gt 0 ] && [ "$(left)" -gt 100 ]; then
     PYTHONPATH="$BASE_PATH" run_tests "$OUT/pytest_image_transformers.log"
