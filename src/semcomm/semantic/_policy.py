@@ -133,6 +133,11 @@ class ThresholdPolicy:
                 return Decision(c, verified=True, verifications=spent, reason="verified")
         return Decision(None, verifications=spent, reason="rejected")
 
+    @property
+    def min_similarity(self) -> float:
+        """No candidate below this similarity can be served (the cache skips guarding them)."""
+        return self.threshold
+
     def forget(self, entry_ids: Sequence[str]) -> None:
         pass
 
