@@ -10,6 +10,7 @@ See docs/semantic.md.
 
 from ._cache import EVICTION_POLICIES, CacheStats, Hit, SemanticCache, open_store
 from ._context import Scope, context_window
+from ._cross import CrossEncoderVerifier
 from ._embed import (
     CallableEmbedder,
     Embedder,
@@ -47,6 +48,7 @@ __all__ = [
     "CalibrationResult",
     "CallableEmbedder",
     "Candidate",
+    "CrossEncoderVerifier",
     "Decision",
     "Embedder",
     "Entry",

@@ -168,7 +168,13 @@ class SemanticCache:
     often it is read), ``index`` ("auto", "flat" or "hnsw"), ``salter`` (a
     :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup),
     ``verifier`` (``f(query, cached_query) -> bool``) with ``verify_scopes`` (scope names whose
-    hits are served only after the verifier confirms them: for high-stakes scopes).
+    hits are served only after the verifier confirms them: for high-stakes scopes),
+    ``cross_encoder`` (default False; True: the best candidate at or above the threshold of
+    a policy the cache builds -- the default, ``threshold=`` or a policy name -- is served only
+    when the shipped :class:`~semcomm.semantic.CrossEncoderVerifier` gives it ``P >= 0.5``,
+    identical text needs no check; or any scorer ``f(query, best, runner_up) -> P``). The
+    cross-encoder learned QQP's strict notion of "duplicate": more precise hits on QQP-like
+    traffic, fewer hits on loose everyday paraphrases.
     """
 
     def __init__(
@@ -193,11 +199,24 @@ class SemanticCache:
         clock: Callable[[], float] = time.time,
         verifier: Callable[[str, str], bool] | None = None,
         verify_scopes: Iterable[str] = (),
+        cross_encoder: Any = False,
     ) -> None:
         if threshold is not None and policy is not None:
             raise ConfigError("pass either threshold= or policy=, not both")
         self.policy: HitPolicy = (ThresholdPolicy(threshold) if threshold is not None
                                   else make_policy(policy))
+        built_here = policy is None or isinstance(policy, str)
+        if cross_encoder is not None and cross_encoder is not False and built_here and \
+                isinstance(self.policy, ThresholdPolicy) and self.policy.scorer is None:
+            if cross_encoder is True:
+                from ._cross import default_cross_verifier
+
+                cross_encoder = default_cross_verifier()
+            if not callable(cross_encoder):
+                raise ConfigError("cross_encoder must be True, False or a scorer "
+                                  f"f(query, best, runner_up) -> P, got {type(cross_encoder).__name__}")
+            self.policy.scorer = cross_encoder
+            self.policy.min_score = float(getattr(cross_encoder, "threshold", 0.5))
         if eviction not in EVICTION_POLICIES:
             raise ConfigError(f"unknown eviction policy {eviction!r}; choose one of "
                               f"{sorted(EVICTION_POLICIES)}")

@@ -121,7 +121,8 @@ class ThresholdPolicy:
         if self.scorer is not None:
             best = above[0]
             runner = candidates[1] if len(candidates) > 1 else None
-            if self.scorer(query, best, runner) < self.min_score:
+            same_text = " ".join(best.query.lower().split()) == " ".join(query.lower().split())
+            if not same_text and self.scorer(query, best, runner) < self.min_score:
                 return Decision(None, reason="scored")
             above = [best]
         if self.verifier is None:
@@ -251,6 +252,11 @@ class ErrorBoundedPolicy:
         best = float(s[ok].min()) if ok.any() else 1.0
         self._threshold = best
         return best
+
+    @property
+    def min_similarity(self) -> float:
+        """Candidates below ``floor`` are never served or verified."""
+        return self.floor
 
     def _may_verify(self) -> bool:
         return self.verifications < self.budget * self._lookups + self.burst
