@@ -113,3 +113,27 @@ def test_bad_input_and_bad_files(tmp_path: Path, xv: CrossEncoderVerifier) -> No
     (d / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config"):
         CrossEncoderVerifier(d)
+
+
+def test_server_config_turns_the_verifier_on(tmp_path: Path) -> None:
+    """``[semantic] cross_encoder = true`` gives the gateway's cache the shipped scorer."""
+    from semcomm.server import load_config
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._wiring import build_semantic
+
+    def layer(flag: bool):  # type: ignore[no-untyped-def]
+        cfg = load_config(None, overrides={
+            "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
+            "semantic": {"backend": "memory", "threshold": 0.45, "cross_encoder": flag},
+        }, defaults=False, environ={})
+        sem, note = build_semantic(cfg, Gateway(cfg))
+        assert sem is not None, note
+        return sem.cache
+
+    on, off = layer(True), layer(False)
+    assert isinstance(on.policy, ThresholdPolicy) and on.policy.scorer is not None
+    assert off.policy.scorer is None  # type: ignore[attr-defined]
+    for cache in (on, off):
+        cache.store("How do I reset my password?", "Settings > Security")
+    assert off.lookup("How do I change my username?") is not None
+    assert on.lookup("How do I change my username?") is None

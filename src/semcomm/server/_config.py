@@ -147,6 +147,7 @@ class SemanticConfig(_Section):
     path: str | None = None  # sqlite file (default: <state_dir>/semantic.sqlite3)
     redis_url: str | None = None
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
+    cross_encoder: bool = False  # hits must also pass the shipped cross-encoder verifier
     ttl_s: float | None = Field(None, gt=0)
     context_turns: int = Field(4, ge=0)  # earlier turns that must match exactly
     only_greedy: bool = True  # cache answers only for temperature == 0 requests

@@ -154,6 +154,8 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
         kw["store"] = _redis_semantic_store(sc.redis_url, sealer)
     if sc.threshold is not None:
         kw["threshold"] = sc.threshold
+    if sc.cross_encoder:
+        kw["cross_encoder"] = True
     try:
         cache = SemanticCache(salter=gateway.salter, context_turns=sc.context_turns, **kw)
     except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
