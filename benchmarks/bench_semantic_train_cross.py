@@ -133,7 +133,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             prog.update(task, advance=1, loss=float(np.mean(losses[-50:])))
     train_s = time.perf_counter() - t0
 
