@@ -200,7 +200,8 @@ class HNSWIndex:
         q = np.asarray(vector, dtype=np.float32).reshape(self.dim)
         ef = self.auto_ef(n) if self.expansion_search == "auto" else int(self.expansion_search)
         if ef != self._ef:
-            self._index.expansion_search = self._ef = ef
+            # usearch defines the setter; its type information marks the property read-only
+            self._index.expansion_search = self._ef = ef  # type: ignore[misc]
         m = self._index.search(q, min(k * self.oversample, n), threads=1)
         keys = np.asarray(m.keys, dtype=np.int64).reshape(-1)
         pos = self._exact._pos
