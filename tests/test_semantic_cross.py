@@ -110,6 +110,12 @@ def test_bad_input_and_bad_files(tmp_path: Path, xv: CrossEncoderVerifier) -> No
     (d / "config.json").write_text(json.dumps({**cfg, "rank": cfg["rank"] * 2}))
     with pytest.raises(ConfigError, match="shape mismatch"):
         CrossEncoderVerifier(d).score("a question?", "another question?")
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "rank"}))
+    with pytest.raises(ConfigError, match="rank"):
+        CrossEncoderVerifier(d).score("a question?", "another question?")
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        CrossEncoderVerifier(d)
     (d / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config"):
         CrossEncoderVerifier(d)

@@ -95,7 +95,7 @@ class CrossEncoderVerifier:
     """``P(the cached question asks the same as the query)`` from a LoRA-tuned MiniLM.
 
     ``path``: a folder with ``adapter.safetensors`` and ``config.json`` (default: the shipped
-    one); ``threshold``: the probability at or above which :meth:`__call__` says yes;
+    one); ``threshold``: the probability at or above which :meth:`verify` says yes;
     ``device``: torch device for the encoder. Thread-safe; loads lazily on first use.
     """
 
@@ -110,6 +110,8 @@ class CrossEncoderVerifier:
             self.config: dict[str, Any] = json.loads(cfg_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cross-encoder verifier config {cfg_file}: {exc}") from exc
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"cross-encoder verifier config {cfg_file} is not a JSON object")
         if self.config.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"cross-encoder verifier format_version "
                               f"{self.config.get('format_version')!r} is not supported "
@@ -138,7 +140,11 @@ class CrossEncoderVerifier:
             tok = AutoTokenizer.from_pretrained(base)
             model = AutoModel.from_pretrained(base)
             tensors = load_file(str(self.path / "adapter.safetensors"))
-            rank, alpha = int(self.config["rank"]), float(self.config["alpha"])
+            try:
+                rank, alpha = int(self.config["rank"]), float(self.config["alpha"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"cross-encoder verifier config: bad or missing rank/alpha "
+                                  f"({exc})") from exc
             n_layers = len(model.encoder.layer)
             if int(self.config.get("layers", n_layers)) != n_layers:
                 raise ConfigError(f"cross-encoder adapter is for {self.config.get('layers')} "
@@ -147,8 +153,11 @@ class CrossEncoderVerifier:
                 for i, layer in enumerate(model.encoder.layer):
                     for target in LORA_TARGETS:
                         lin = _get(layer, target)
-                        a = tensors[f"layer{i}.{target}.lora_a"].float()
-                        b = tensors[f"layer{i}.{target}.lora_b"].float()
+                        name = f"layer{i}.{target}"
+                        if f"{name}.lora_a" not in tensors or f"{name}.lora_b" not in tensors:
+                            raise ConfigError(f"cross-encoder adapter lacks {name}")
+                        a = tensors[f"{name}.lora_a"].float()
+                        b = tensors[f"{name}.lora_b"].float()
                         if a.shape != (rank, lin.in_features) or b.shape != (lin.out_features, rank):
                             raise ConfigError(f"cross-encoder adapter shape mismatch at layer "
                                               f"{i} {target}: {tuple(a.shape)}, {tuple(b.shape)}")
