@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-__all__ = ["_one_thread"]
+from semcomm.fusion import FusionExample
+
+__all__ = ["WORDS", "_one_thread", "word_examples"]
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +22,16 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+WORDS = ["fox", "dog", "café", "東京", "river", "tower", "red", "blue"]
+
+
+def word_examples(n: int = 24) -> list[FusionExample]:
+    """Training examples whose answer is the context's 3rd word: learnable only by reading the
+    (fused) context."""
+    out = []
+    for i in range(n):
+        w = [WORDS[(i * 3 + k) % len(WORDS)] for k in range(4)]
+        out.append(FusionExample(shared=" ".join(w), answer=f" {w[2]}"))
+    return out

@@ -31,7 +31,6 @@ from semcomm.engine import _cache_adapter as ca
 from semcomm.fusion import (
     Fuser,
     FuserConfig,
-    FusionExample,
     FusionPipeline,
     FusionTrainer,
     ModelSide,
@@ -44,6 +43,7 @@ from semcomm.kv import DiskStore, MemoryStore, TieredStore
 from semcomm.kv._codecs import relative_error
 
 from ._engine_models import FAMILIES, prompt_ids, reference_greedy, tiny_model
+from ._fusion_helpers import word_examples
 
 DEVICE = os.environ.get("SEMCOMM_TEST_DEVICE", "cuda")
 DEV = torch.device(DEVICE)
@@ -312,17 +312,7 @@ def test_int8_chunks_from_cpu_give_the_cpu_answer_on_device(tmp_path: Path) -> N
 # ------------------------------------------------------------------------------ fusion
 
 FUSER = {"hidden_dim": 32, "num_blocks": 1, "dropout": 0.0}
-WORDS = ["fox", "dog", "café", "東京", "river", "tower", "red", "blue"]
 SHARED = "The Quick  brown fox — café 東京"
-
-
-def _examples(n: int = 24) -> list[FusionExample]:
-    # the answer is the context's 3rd word: learnable only by reading the (fused) context
-    out = []
-    for i in range(n):
-        w = [WORDS[(i * 3 + k) % len(WORDS)] for k in range(4)]
-        out.append(FusionExample(shared=" ".join(w), answer=f" {w[2]}"))
-    return out
 
 
 def _sides(seed: int = 0) -> tuple[ModelSide, ModelSide]:
@@ -350,7 +340,7 @@ def test_training_on_device_lowers_the_loss() -> None:
     s, r = _sides()
     cfg = TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup=5, checkpoint_every=0, fuser=FUSER,
                       device=DEVICE)
-    tr = FusionTrainer(s, r, _examples(), cfg)
+    tr = FusionTrainer(s, r, word_examples(), cfg)
     assert all(_on_device(p) for p in tr.fuser.parameters())
     alone = tr.evaluate_loss(fused=False)
     before = tr.evaluate_loss()
@@ -367,11 +357,11 @@ def test_checkpoint_and_resume_on_device(tmp_path: Path) -> None:
     s, r = _sides()
     cfg = TrainConfig(steps=4, batch_size=2, checkpoint_every=2, seed=3, fuser=FUSER,
                       device=DEVICE)
-    FusionTrainer(s, r, _examples(8), cfg, out=tmp_path).train()
+    FusionTrainer(s, r, word_examples(8), cfg, out=tmp_path).train()
     saved = load_fuser(tmp_path).state_dict()  # loads on the CPU
     cfg2 = TrainConfig(steps=6, batch_size=2, checkpoint_every=2, seed=3, fuser=FUSER,
                        device=DEVICE)
-    tr2 = FusionTrainer(s, r, _examples(8), cfg2, out=tmp_path, resume=True)
+    tr2 = FusionTrainer(s, r, word_examples(8), cfg2, out=tmp_path, resume=True)
     assert tr2.step == 4
     for k, v in tr2.fuser.state_dict().items():
         assert _on_device(v) and torch.equal(v.cpu(), saved[k])

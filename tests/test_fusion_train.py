@@ -11,7 +11,6 @@ import torch
 
 from semcomm.errors import ConfigError, InvalidInputError
 from semcomm.fusion import (
-    FusionExample,
     FusionPipeline,
     FusionTrainer,
     ModelSide,
@@ -22,20 +21,10 @@ from semcomm.fusion import (
 from semcomm.fusion._eval import score_options
 from semcomm.fusion._toy import toy_pair
 
-from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+from ._fusion_helpers import _one_thread, word_examples  # noqa: F401  (autouse fixture)
 
 FUSER = {"hidden_dim": 32, "num_blocks": 1, "dropout": 0.0}
 
-WORDS = ["fox", "dog", "café", "東京", "river", "tower", "red", "blue"]
-
-
-def examples(n: int = 24) -> list[FusionExample]:
-    # the answer is the context's 3rd word: learnable only by reading the (fused) context
-    out = []
-    for i in range(n):
-        w = [WORDS[(i * 3 + k) % len(WORDS)] for k in range(4)]
-        out.append(FusionExample(shared=" ".join(w), answer=f" {w[2]}"))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def test_short_training_lowers_the_loss(kind: str, qwen_pair, cross_pair) -> Non
     pair = qwen_pair if kind == "qwen" else cross_pair
     s, r = sides(pair)
     cfg = TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup=5, checkpoint_every=0, fuser=FUSER)
-    tr = FusionTrainer(s, r, examples(), cfg)
+    tr = FusionTrainer(s, r, word_examples(), cfg)
     alone = tr.evaluate_loss(fused=False)
     before = tr.evaluate_loss()
     assert before == pytest.approx(alone, abs=1e-5)  # zero-init projection: starts at the receiver
@@ -74,7 +63,7 @@ def test_short_training_lowers_the_loss(kind: str, qwen_pair, cross_pair) -> Non
 def test_checkpoint_and_resume(qwen_pair, tmp_path: Path) -> None:
     s, r = sides(qwen_pair)
     cfg = TrainConfig(steps=4, batch_size=2, checkpoint_every=2, seed=3, fuser=FUSER)
-    tr = FusionTrainer(s, r, examples(8), cfg, out=tmp_path)
+    tr = FusionTrainer(s, r, word_examples(8), cfg, out=tmp_path)
     tr.train()
     state = json.loads((tmp_path / "train_state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
@@ -85,7 +74,7 @@ def test_checkpoint_and_resume(qwen_pair, tmp_path: Path) -> None:
     }
     saved = load_fuser(tmp_path).state_dict()
     cfg2 = TrainConfig(steps=6, batch_size=2, checkpoint_every=2, seed=3, fuser=FUSER)
-    tr2 = FusionTrainer(s, r, examples(8), cfg2, out=tmp_path, resume=True)
+    tr2 = FusionTrainer(s, r, word_examples(8), cfg2, out=tmp_path, resume=True)
     assert tr2.step == 4 and tr2.losses == state["losses"]
     for k, v in tr2.fuser.state_dict().items():
         assert torch.equal(v, saved[k])
@@ -106,7 +95,7 @@ def test_bad_training_input(tmp_path: Path, qwen_pair) -> None:
         read_examples(tmp_path / "missing.jsonl")
     s, r = sides(qwen_pair)
     with pytest.raises(ConfigError, match="bad fuser setting"):
-        FusionTrainer(s, r, examples(2), TrainConfig(steps=1, fuser={"hidden": 3}))
+        FusionTrainer(s, r, word_examples(2), TrainConfig(steps=1, fuser={"hidden": 3}))
 
 
 def test_qwen2_to_qwen3_end_to_end(qwen_pair) -> None:
@@ -118,19 +107,19 @@ def test_qwen2_to_qwen3_end_to_end(qwen_pair) -> None:
         r.spec.head_dim,
     )
     cfg = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=3, checkpoint_every=0, fuser=FUSER)
-    tr = FusionTrainer(s, r, examples(), cfg)
+    tr = FusionTrainer(s, r, word_examples(), cfg)
     tr.train()
     with torch.no_grad():  # make sure every gate is open so fusion is exercised
         tr.fuser.gate_logit.clamp_(min=0.5)
     pipe = FusionPipeline(s, r, tr.fuser)
-    ex = examples()[0]
+    ex = word_examples()[0]
     fused = pipe.generate(ex.shared, max_new_tokens=3)
     alone = pipe.generate(ex.shared, max_new_tokens=3, fuse=False)
     assert fused.stats["fused_tokens"] > 0 and alone.stats["fused_tokens"] == 0
     assert fused.stats["sharer_source"] == "forward"
     # training made the answers likelier through the fused cache than for the receiver alone
     better = 0
-    for ex in examples()[:8]:
+    for ex in word_examples()[:8]:
         fp = pipe.encode(ex.shared)
         ans = r.tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
         last, pos = [fp.receiver.input_ids[-1]], len(fp.receiver.input_ids) - 1
@@ -154,7 +143,7 @@ def test_validation_keeps_the_best_fuser(qwen_pair) -> None:
         return next(scores)
 
     cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, eval_every=2, checkpoint_every=0, fuser=FUSER)
-    tr = FusionTrainer(s, r, examples(8), cfg, val_metric=metric)
+    tr = FusionTrainer(s, r, word_examples(8), cfg, val_metric=metric)
     tr.train()
     assert [st for st, _ in tr.val_losses] == [0, 2, 4, 6]
     assert tr.meta["best_step"] == 2
