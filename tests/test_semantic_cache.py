@@ -184,9 +184,9 @@ def test_hnsw_index_remove_and_auto_migration() -> None:
     labels, _ = h.search(v[7], 5)
     assert 7 not in labels.tolist()
     # the search breadth grows with the graph (recall at 1M), or stays where the user fixed it
-    assert h._index.expansion_search == 128
-    assert [HNSWIndex.auto_ef(n) for n in (10, 10**5, 3 * 10**5, 10**6, 10**8)] == [
-        128, 128, 352, 1024, 1024]
+    assert h._index.expansion_search == 64
+    assert [HNSWIndex.auto_ef(n) for n in (10, 10**5, 3 * 10**5, 10**6, 3 * 10**6, 10**9)] == [
+        64, 64, 64, 128, 240, 1024]
     fixed = HNSWIndex(32, expansion_search=24)
     fixed.add(list(range(300)), v)
     assert fixed.search(v[5], 1)[0][0] == 5 and fixed._index.expansion_search == 24
