@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_semantic_common import VectorModel
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from _common import agg_figure
