@@ -359,3 +359,32 @@ def test_sensitive_scopes_serve_only_verified_hits() -> None:
 def test_verify_scopes_without_a_verifier_is_refused() -> None:
     with pytest.raises(ConfigError, match="verifier"):
         SemanticCache(embedder=CallableEmbedder(bow_embed, name="bow64"), verify_scopes={"x"})
+
+
+def test_hnsw_options_reach_the_graph_and_bad_ones_are_refused() -> None:
+    rng = np.random.default_rng(1)
+    v = rng.standard_normal((120, 64)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    emb = CallableEmbedder(lambda t: v[[int(x.split()[-1]) for x in t]], name="table", dim=64)
+    cache = SemanticCache(embedder=emb, index="hnsw", guard=False, threshold=0.99,
+                          hnsw={"connectivity": 8, "expansion_search": 24})
+    cache.store_many([f"q {i}" for i in range(120)], [f"a {i}" for i in range(120)])
+    idx = next(iter(cache._indexes.values()))
+    assert isinstance(idx, HNSWIndex)
+    assert idx._index.connectivity == 8 and idx.expansion_search == 24
+    hit = cache.lookup("q 17")
+    assert hit is not None and hit.answer == "a 17"
+    assert idx._index.expansion_search == 24
+    # the auto index hands the options to the graph it migrates to
+    from semcomm.semantic import AutoIndex
+
+    a = AutoIndex(64, hnsw_min=50, hnsw={"connectivity": 12})
+    a.add(list(range(60)), v[:60])
+    assert a.kind == "hnsw" and a._impl._index.connectivity == 12
+    for bad, msg in (({"ef": 10}, "unknown hnsw option"), ({"connectivity": 0}, "connectivity"),
+                     ({"expansion_search": "wide"}, "expansion_search"),
+                     ({"dtype": "q3"}, "bad hnsw options"), ("fast", "must be a dict")):
+        with pytest.raises(ConfigError, match=msg):
+            SemanticCache(embedder=emb, hnsw=bad)  # type: ignore[arg-type]
+    # a refused configuration leaves an existing cache untouched
+    assert cache.lookup("q 3") is not None and cache.stats().entries == 120

@@ -19,7 +19,7 @@ from ._context import ContextLike, Scope, context_window, entry_id, partition_ke
 from ._embed import Embedder, as_embedder
 from ._entry import Entry
 from ._guard import LexicalGuard
-from ._index import AutoIndex, FlatIndex, HNSWIndex, VectorIndex
+from ._index import AutoIndex, FlatIndex, HNSWIndex, VectorIndex, check_hnsw_options
 from ._policy import DEFAULT_THRESHOLD, Candidate, HitPolicy, ThresholdPolicy, make_policy
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
@@ -165,7 +165,9 @@ class SemanticCache:
     disables it), ``context_turns``, ``max_entries`` / ``max_bytes`` with ``eviction``
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
     entry's TTL; default False: an answer expires ``ttl`` seconds after it was stored however
-    often it is read), ``index`` ("auto", "flat" or "hnsw"), ``salter`` (a
+    often it is read), ``index`` ("auto", "flat" or "hnsw") with ``hnsw`` (options for the
+    HNSW graph: ``connectivity``, ``expansion_search`` (int or "auto"), ``expansion_add``,
+    ``dtype``, ``oversample``, ``threads``), ``salter`` (a
     :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup),
     ``verifier`` (``f(query, cached_query) -> bool``) with ``verify_scopes`` (scope names whose
     hits are served only after the verifier confirms them: for high-stakes scopes),
@@ -200,6 +202,7 @@ class SemanticCache:
         verifier: Callable[[str, str], bool] | None = None,
         verify_scopes: Iterable[str] = (),
         cross_encoder: Any = False,
+        hnsw: dict[str, Any] | None = None,
     ) -> None:
         if threshold is not None and policy is not None:
             raise ConfigError("pass either threshold= or policy=, not both")
@@ -222,6 +225,7 @@ class SemanticCache:
                               f"{sorted(EVICTION_POLICIES)}")
         if index not in _INDEX_KINDS:
             raise ConfigError(f"unknown index kind {index!r}; choose one of {sorted(_INDEX_KINDS)}")
+        self.hnsw_options = check_hnsw_options(hnsw)
         for name, v in (("max_entries", max_entries), ("max_bytes", max_bytes)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -351,6 +355,13 @@ class SemanticCache:
         return vec.astype(np.float32, copy=False)
 
     # -- index maintenance (under lock) ---------------------------------------------------------
+    def _new_index(self) -> VectorIndex:
+        if self.index_kind == "hnsw":
+            return HNSWIndex(self.dim, **self.hnsw_options)
+        if self.index_kind == "auto":
+            return AutoIndex(self.dim, hnsw=self.hnsw_options)
+        return _INDEX_KINDS[self.index_kind](self.dim)
+
     def _index_entry(self, e: Entry) -> None:
         self._index_entries([e])
 
@@ -382,7 +393,7 @@ class SemanticCache:
         for part, (labs, vecs) in batches.items():
             idx = self._indexes.get(part)
             if idx is None:
-                idx = self._indexes[part] = _INDEX_KINDS[self.index_kind](self.dim)
+                idx = self._indexes[part] = self._new_index()
             idx.add(labs, np.stack(vecs))
 
     def _unindex(self, ids: Iterable[str]) -> list[str]:

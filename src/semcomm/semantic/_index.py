@@ -13,7 +13,7 @@ Labels are ints chosen by the caller (the cache maps them to entry ids).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -118,6 +118,35 @@ class FlatIndex:
         return self._labels[: self._n]
 
 
+HNSW_OPTIONS = ("connectivity", "expansion_search", "expansion_add", "dtype", "oversample",
+                "threads")
+
+
+def check_hnsw_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Validate HNSW graph options (names of :class:`HNSWIndex` keywords) by building a tiny
+    index with them; returns a copy. Unknown names or bad values raise ``ConfigError``."""
+    from ..errors import ConfigError
+
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ConfigError(f"hnsw options must be a dict, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(HNSW_OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown hnsw option(s) {unknown}; choose from {list(HNSW_OPTIONS)}")
+    for name in ("connectivity", "expansion_add", "oversample"):
+        v = options.get(name, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"hnsw option {name} must be a positive int, got {v!r}")
+    try:
+        HNSWIndex(4, **options)
+    except ConfigError:
+        raise
+    except Exception as exc:  # usearch rejects e.g. an unknown dtype
+        raise ConfigError(f"bad hnsw options {options!r}: {exc}") from exc
+    return dict(options)
+
+
 class HNSWIndex:
     """usearch HNSW graph for navigation, exact float32 similarities for the answer.
 
@@ -220,11 +249,14 @@ class HNSWIndex:
 
 
 class AutoIndex:
-    """Flat until ``hnsw_min`` vectors, then HNSW (migrated once, in place)."""
+    """Flat until ``hnsw_min`` vectors, then HNSW (migrated once, in place; ``hnsw``: its
+    :class:`HNSWIndex` options)."""
 
-    def __init__(self, dim: int, *, hnsw_min: int = 20_000) -> None:
+    def __init__(self, dim: int, *, hnsw_min: int = 20_000,
+                 hnsw: dict[str, Any] | None = None) -> None:
         self.dim = dim
         self.hnsw_min = hnsw_min
+        self.hnsw_options = dict(hnsw or {})
         self._impl: FlatIndex | HNSWIndex = FlatIndex(dim)
 
     @property
@@ -244,7 +276,7 @@ class AutoIndex:
         self._impl.add(labels, vectors)
         if isinstance(self._impl, FlatIndex) and len(self._impl) >= self.hnsw_min:
             flat = self._impl
-            h = HNSWIndex(self.dim)
+            h = HNSWIndex(self.dim, **self.hnsw_options)
             h.add(flat.labels().tolist(), flat.vectors())
             self._impl = h
 
