@@ -388,3 +388,21 @@ def test_hnsw_options_reach_the_graph_and_bad_ones_are_refused() -> None:
             SemanticCache(embedder=emb, hnsw=bad)  # type: ignore[arg-type]
     # a refused configuration leaves an existing cache untouched
     assert cache.lookup("q 3") is not None and cache.stats().entries == 120
+
+
+def test_server_config_passes_hnsw_options_and_refuses_bad_ones(tmp_path) -> None:
+    from semcomm.server import load_config
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._wiring import build_semantic
+
+    def cfg(hnsw):  # type: ignore[no-untyped-def]
+        return load_config(None, overrides={
+            "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
+            "semantic": {"backend": "memory", "hnsw": hnsw}}, defaults=False, environ={})
+
+    c = cfg({"expansion_search": 256, "connectivity": 24})
+    sem, note = build_semantic(c, Gateway(c))
+    assert sem is not None, note
+    assert sem.cache.hnsw_options == {"expansion_search": 256, "connectivity": 24}
+    with pytest.raises(ConfigError, match="unknown hnsw option"):
+        cfg({"ef_search": 256})

@@ -148,9 +148,22 @@ class SemanticConfig(_Section):
     redis_url: str | None = None
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
     cross_encoder: bool = False  # hits must also pass the shipped cross-encoder verifier
+    hnsw: dict[str, int | str] | None = None  # HNSW graph options (SemanticCache(hnsw=...))
     ttl_s: float | None = Field(None, gt=0)
     context_turns: int = Field(4, ge=0)  # earlier turns that must match exactly
     only_greedy: bool = True  # cache answers only for temperature == 0 requests
+
+    @field_validator("hnsw")
+    @classmethod
+    def _check_hnsw(cls, v: dict[str, int | str] | None) -> dict[str, int | str] | None:
+        from ..semantic._index import check_hnsw_options
+
+        if v is None:
+            return None
+        try:
+            return check_hnsw_options(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _check_redis(self) -> SemanticConfig:

@@ -156,6 +156,8 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
         kw["threshold"] = sc.threshold
     if sc.cross_encoder:
         kw["cross_encoder"] = True
+    if sc.hnsw:
+        kw["hnsw"] = dict(sc.hnsw)
     try:
         cache = SemanticCache(salter=gateway.salter, context_turns=sc.context_turns, **kw)
     except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
