@@ -20,7 +20,7 @@ from ._embed import (
 )
 from ._entry import ENTRY_FORMAT_VERSION, Entry
 from ._guard import GuardResult, LexicalGuard
-from ._index import AutoIndex, FlatIndex, HNSWIndex, make_index
+from ._index import AutoIndex, FlatIndex, HNSWIndex, IVFIndex, make_index
 from ._policy import (
     DEFAULT_THRESHOLD,
     POLICIES,
@@ -59,6 +59,7 @@ __all__ = [
     "HNSWIndex",
     "Hit",
     "HitPolicy",
+    "IVFIndex",
     "LexicalGuard",
     "LexicalVerifier",
     "MemoryEntryStore",

@@ -19,7 +19,15 @@ from ._context import ContextLike, Scope, context_window, entry_id, partition_ke
 from ._embed import Embedder, as_embedder
 from ._entry import Entry
 from ._guard import LexicalGuard
-from ._index import AutoIndex, FlatIndex, HNSWIndex, VectorIndex, check_hnsw_options
+from ._index import (
+    AutoIndex,
+    FlatIndex,
+    HNSWIndex,
+    IVFIndex,
+    VectorIndex,
+    check_hnsw_options,
+    check_ivf_options,
+)
 from ._policy import DEFAULT_THRESHOLD, Candidate, HitPolicy, ThresholdPolicy, make_policy
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
@@ -141,6 +149,7 @@ def open_store(store: Any = None, path: str | os.PathLike[str] | None = None) ->
 _INDEX_KINDS: dict[str, Callable[[int], VectorIndex]] = {
     "flat": FlatIndex,
     "hnsw": HNSWIndex,
+    "ivf": IVFIndex,
     "auto": AutoIndex,
 }
 
@@ -165,9 +174,12 @@ class SemanticCache:
     disables it), ``context_turns``, ``max_entries`` / ``max_bytes`` with ``eviction``
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
     entry's TTL; default False: an answer expires ``ttl`` seconds after it was stored however
-    often it is read), ``index`` ("auto", "flat" or "hnsw") with ``hnsw`` (options for the
-    HNSW graph: ``connectivity``, ``expansion_search`` (int or "auto"), ``expansion_add``,
-    ``dtype``, ``oversample``, ``threads``), ``salter`` (a
+    often it is read), ``index`` ("auto", "flat", "ivf" or "hnsw"; "auto": exact up to 20,000
+    vectors per partition, then inverted lists, or the HNSW graph when ``hnsw`` options are
+    given) with ``ivf`` (options for :class:`~semcomm.semantic.IVFIndex`: ``nlist``,
+    ``nprobe`` (int or "auto"), ``oversample``, ``min_train``, ``background``, ``seed``) and
+    ``hnsw`` (options for the HNSW graph: ``connectivity``, ``expansion_search`` (int or
+    "auto"), ``expansion_add``, ``dtype``, ``oversample``, ``threads``), ``salter`` (a
     :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup),
     ``verifier`` (``f(query, cached_query) -> bool``) with ``verify_scopes`` (scope names whose
     hits are served only after the verifier confirms them: for high-stakes scopes),
@@ -203,6 +215,7 @@ class SemanticCache:
         verify_scopes: Iterable[str] = (),
         cross_encoder: Any = False,
         hnsw: dict[str, Any] | None = None,
+        ivf: dict[str, Any] | None = None,
     ) -> None:
         if threshold is not None and policy is not None:
             raise ConfigError("pass either threshold= or policy=, not both")
@@ -226,6 +239,10 @@ class SemanticCache:
         if index not in _INDEX_KINDS:
             raise ConfigError(f"unknown index kind {index!r}; choose one of {sorted(_INDEX_KINDS)}")
         self.hnsw_options = check_hnsw_options(hnsw)
+        self.ivf_options = check_ivf_options(ivf)
+        if hnsw and ivf:
+            raise ConfigError("pass hnsw= or ivf= options, not both: they configure different "
+                              "indexes")
         for name, v in (("max_entries", max_entries), ("max_bytes", max_bytes)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -358,8 +375,10 @@ class SemanticCache:
     def _new_index(self) -> VectorIndex:
         if self.index_kind == "hnsw":
             return HNSWIndex(self.dim, **self.hnsw_options)
+        if self.index_kind == "ivf":
+            return IVFIndex(self.dim, **self.ivf_options)
         if self.index_kind == "auto":
-            return AutoIndex(self.dim, hnsw=self.hnsw_options)
+            return AutoIndex(self.dim, hnsw=self.hnsw_options, ivf=self.ivf_options)
         return _INDEX_KINDS[self.index_kind](self.dim)
 
     def _index_entry(self, e: Entry) -> None:
@@ -696,6 +715,14 @@ class SemanticCache:
             st.extra = {"partitions": len(self._indexes),
                         "index_vectors": sum(len(i) for i in self._indexes.values())}
             return st
+
+    def wait_index(self, timeout: float | None = None) -> bool:
+        """Block until every partition's pending index build (IVF cells are trained in a
+        background thread while the previous index serves) is in use; True when none is left
+        pending. Lookups and stores go on meanwhile."""
+        with self._lock:
+            indexes = list(self._indexes.values())
+        return all([idx.wait(timeout, lock=self._lock) for idx in indexes if hasattr(idx, "wait")])
 
     def entries(self) -> list[Entry]:
         """All live entries (validated rows from the store), for export."""
