@@ -1,5 +1,5 @@
 """Semantic-cache speed: lookup latency without embedding at 10k/100k/1M entries, index
-choice (flat vs HNSW), whole-hit latency with MiniLM on CPU, inserts/s, memory per entry, and
+choice (flat, IVF, HNSW), whole-hit latency with MiniLM on CPU, inserts/s, memory per entry, and
 GPTCache (SQLite + Faiss) on the same vectors.
 
     python benchmarks/bench_semantic_speed.py --quick     # 10k and 100k entries
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from semcomm import SemanticCache
-from semcomm.semantic import CallableEmbedder, FlatIndex, HNSWIndex, default_embedder
+from semcomm.semantic import CallableEmbedder, FlatIndex, HNSWIndex, IVFIndex, default_embedder
 
 console = Console()
 DIM = 384
@@ -66,10 +66,15 @@ def pct(lat: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def bench_index(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -> dict:
+def _ivf(dim: int) -> IVFIndex:
+    return IVFIndex(dim, background=False)
+
+
+def bench_index(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int,
+                kinds: tuple[str, ...]) -> dict:
     out = {}
-    for name, cls in (("flat", FlatIndex), ("hnsw", HNSWIndex)):
-        if name == "flat" and n > 200_000:
+    for name, cls in (("flat", FlatIndex), ("ivf", _ivf), ("hnsw", HNSWIndex)):
+        if name not in kinds or (name == "flat" and n > 200_000):
             continue
         idx = cls(DIM)
         t0 = time.perf_counter()
@@ -101,6 +106,7 @@ def bench_cache(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -> d
     for s in range(0, n, 10_000):
         cache.store_many(queries[s : s + 10_000], [f"answer {i}" for i in range(s, min(n, s + 10_000))],
                          embeddings=list(vecs[s : s + 10_000]))
+    cache.wait_index()  # a background index build still running is part of the insert cost
     ins = time.perf_counter() - t0
     gc.collect()
     mem = rss_bytes() - before
@@ -204,7 +210,9 @@ def main() -> None:
                     help="only the per-size index and lookup rows (no SQLite, MiniLM or GPTCache "
                          "rows): for a machine without the embedder")
     ap.add_argument("--cache-only", action="store_true",
-                    help="skip the bare index rows (flat, HNSW): one graph build per size")
+                    help="skip the bare index rows (flat, IVF, HNSW): one build per size")
+    ap.add_argument("--index-kinds", default="flat,ivf,hnsw",
+                    help="bare index rows to measure (an HNSW build of 1M takes ~25 min)")
     ap.add_argument("--data", choices=("minilm", "iso"), default="minilm",
                     help="vector model (bench_semantic_common.VectorModel)")
     ap.add_argument("--json-name", default="semantic_speed.json")
@@ -220,18 +228,24 @@ def main() -> None:
     vecs = MODEL.sample(rng, max(max(sizes), 20_000))
     res: dict = {"dim": DIM, "data": args.data, "queries": args.queries, "sizes": {}}
     t1 = Table(title="lookup latency without embedding (ms)")
-    for col in ("entries", "flat p50/p99", "HNSW p50/p99", "HNSW recall@1",
+    for col in ("entries", "flat p50/p99", "IVF p50/p99 (recall@1)", "HNSW p50/p99 (recall@1)",
                 "SemanticCache p50/p99", "index", "inserts/s", "bytes/entry (RSS)"):
         t1.add_column(col)
     for n in sizes:
         console.print(f"[bold]{n} entries")
-        ix = {} if args.cache_only else bench_index(n, vecs, rng, args.queries)
+        ix = {} if args.cache_only else bench_index(n, vecs, rng, args.queries,
+                                                    tuple(args.index_kinds.split(",")))
         ca = bench_cache(n, vecs, rng, args.queries)
         res["sizes"][n] = {"index": ix, "cache": ca}
-        fl = ix.get("flat")
-        t1.add_row(f"{n:,}", f"{fl['p50_ms']:.3f}/{fl['p99_ms']:.3f}" if fl else "-",
-                   f"{ix['hnsw']['p50_ms']:.3f}/{ix['hnsw']['p99_ms']:.3f}" if ix else "-",
-                   f"{ix['hnsw']['recall@1']:.3f}" if ix else "-",
+
+        def cell(kind: str, recall: bool = True, ix: dict = ix) -> str:
+            r = ix.get(kind)
+            if not r:
+                return "-"
+            return (f"{r['p50_ms']:.3f}/{r['p99_ms']:.3f}"
+                    + (f" ({r['recall@1']:.3f})" if recall else ""))
+
+        t1.add_row(f"{n:,}", cell("flat", recall=False), cell("ivf"), cell("hnsw"),
                    f"{ca['p50_ms']:.3f}/{ca['p99_ms']:.3f} (ok {ca['hit_ok']:.3f})", ca["index"],
                    f"{ca['inserts_per_s']:,.0f}", f"{ca['bytes_per_entry_rss']:,.0f}")
     console.print(t1)
@@ -266,7 +280,8 @@ def main() -> None:
 def _plot(res: dict, path: Path) -> None:
     ns = sorted(int(n) for n in res["sizes"])
     with agg_figure(path, (6, 4)) as ax:
-        for key, label in (("flat", "flat (numpy)"), ("hnsw", "HNSW (usearch)")):
+        for key, label in (("flat", "flat (numpy)"), ("ivf", "IVF (faiss)"),
+                           ("hnsw", "HNSW (usearch)")):
             xs = [n for n in ns if key in res["sizes"][n]["index"]]
             ax.plot(xs, [res["sizes"][n]["index"][key]["p50_ms"] for n in xs], marker="o", label=label)
         ax.plot(ns, [res["sizes"][n]["cache"]["p50_ms"] for n in ns], marker="s",

@@ -406,3 +406,127 @@ def test_server_config_passes_hnsw_options_and_refuses_bad_ones(tmp_path) -> Non
     assert sem.cache.hnsw_options == {"expansion_search": 256, "connectivity": 24}
     with pytest.raises(ConfigError, match="unknown hnsw option"):
         cfg({"ef_search": 256})
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int = 32) -> np.ndarray:
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_ivf_index_goes_from_exact_to_inverted_lists_and_deletes_for_real() -> None:
+    from semcomm.semantic import IVFIndex
+
+    rng = np.random.default_rng(3)
+    v = _unit(rng, 3000)
+    ix = IVFIndex(32, min_train=1000, background=False)
+    ix.add(list(range(900)), v[:900])
+    assert ix.kind == "flat" and ix.cells == 0  # exact below min_train
+    ix.add(list(range(900, 3000)), v[900:])
+    assert ix.kind == "ivf" and ix.cells > 1 and ix._ivf.ntotal == 3000
+    # a near copy of a stored vector finds it, with the exact similarity
+    near = v + 0.05 * _unit(rng, 3000)
+    near /= np.linalg.norm(near, axis=1, keepdims=True)
+    found = [int(ix.search(near[i], 1)[0][0]) == i for i in range(0, 3000, 10)]
+    assert np.mean(found) >= 0.97
+    labels, sims = ix.search(v[42], 3)
+    assert labels[0] == 42 and sims[0] == pytest.approx(1.0, abs=1e-5)
+    assert np.all(np.diff(sims) <= 0)
+    # removal deletes from the inverted lists and from the exact copy
+    assert ix.remove([42, 43, 10**9]) == 2 and 42 not in ix and len(ix) == 2998
+    assert ix._ivf.ntotal == 2998 and 42 not in ix.search(v[42], 8)[0].tolist()
+    # re-adding a label replaces its vector everywhere
+    ix.add([7], v[2999:3000])
+    assert ix._ivf.ntotal == 2998 and len(ix) == 2998
+    assert set(ix.search(v[2999], 2)[0].tolist()) == {7, 2999}
+    assert 7 not in ix.search(v[7], 8)[0].tolist()
+    assert [IVFIndex.auto_nlist(n) for n in (10, 20_000, 100_000, 1_000_000, 10**9)] == [
+        64, 1024, 2048, 4096, 65_536]
+    assert [IVFIndex.auto_nprobe(c) for c in (64, 1024, 4096)] == [8, 32, 64]
+
+
+def test_ivf_index_rebuilds_as_it_grows_and_keeps_changes_made_during_a_build() -> None:
+    import threading
+
+    from semcomm.semantic import IVFIndex
+
+    gate = threading.Event()
+
+    class Gated(IVFIndex):
+        def _make(self, vectors, labels, nlist):  # type: ignore[no-untyped-def]
+            gate.wait(30)  # the build stays in flight until the test has made its changes
+            return super()._make(vectors, labels, nlist)
+
+    rng = np.random.default_rng(4)
+    v = _unit(rng, 2600)
+    ix = Gated(32, min_train=1000)
+    ix.add(list(range(1000)), v[:1000])
+    assert ix._job is not None and ix.kind == "flat"  # building in the background
+    # while it builds: new entries, deletions and a replaced vector, all served exactly
+    ix.add(list(range(1000, 1400)), v[1000:1400])
+    ix.remove(list(range(0, 100)))
+    ix.add([500], v[2500:2501])
+    assert ix.search(v[1200], 1)[0][0] == 1200 and 50 not in ix.search(v[50], 5)[0].tolist()
+    gate.set()
+    assert ix.wait(30) and ix.kind == "ivf" and ix.builds == 1
+    assert ix._ivf.ntotal == len(ix) == 1300
+    assert ix.search(v[1300], 1)[0][0] == 1300  # added during the build
+    assert 50 not in ix.search(v[50], 8)[0].tolist()  # removed during the build
+    assert ix.search(v[2500], 1)[0][0] == 500  # replaced during the build
+    assert 500 not in ix.search(v[500], 8)[0].tolist()
+    # after as many adds as it was built with, it is rebuilt for the new size
+    ix.add(list(range(1400, 2500)), v[1400:2500])
+    assert ix.wait(30) and ix.builds == 2 and ix._ivf.ntotal == len(ix) == 2400
+    assert ix.search(v[2000], 1)[0][0] == 2000
+
+
+def test_cache_uses_ivf_by_default_when_large_and_evicts_its_vectors(tmp_path) -> None:
+    from semcomm.semantic import IVFIndex
+
+    rng = np.random.default_rng(5)
+    v = _unit(rng, 400, 64)
+    emb = CallableEmbedder(lambda t: v[[int(x.split()[-1]) for x in t]], name="table", dim=64)
+    cache = SemanticCache(embedder=emb, guard=False, threshold=0.99, max_entries=350,
+                          ivf={"min_train": 200, "background": False})
+    cache.store_many([f"q {i}" for i in range(300)], [f"a {i}" for i in range(300)])
+    idx = next(iter(cache._indexes.values()))._impl
+    assert isinstance(idx, IVFIndex) and cache.stats().index == "ivf"
+    hit = cache.lookup("q 123")
+    assert hit is not None and hit.answer == "a 123" and hit.similarity == pytest.approx(1.0, 1e-5)
+    cache.store_many([f"q {i}" for i in range(300, 400)], [f"a {i}" for i in range(300, 400)])
+    assert cache.wait_index(30)
+    st = cache.stats()
+    assert st.entries == 350 and st.evictions == 50 and idx._ivf.ntotal == 350
+    assert cache.lookup("q 0") is None  # evicted: its vector is gone from the lists too
+    # pinned IVF options and bad ones
+    pinned = SemanticCache(embedder=emb, index="ivf", ivf={"nlist": 16, "nprobe": 4,
+                                                           "min_train": 100, "background": False})
+    pinned.store_many([f"q {i}" for i in range(150)], [f"a {i}" for i in range(150)])
+    pidx = next(iter(pinned._indexes.values()))
+    assert pinned.lookup("q 77") is not None
+    assert isinstance(pidx, IVFIndex) and pidx.cells == 16 and pidx._ivf.nprobe == 4
+    for bad, msg in (({"nprobes": 8}, "unknown ivf option"), ({"nlist": 0}, "nlist"),
+                     ({"min_train": 10}, "min_train"), ({"background": "yes"}, "background"),
+                     ([1], "must be a dict")):
+        with pytest.raises(ConfigError, match=msg):
+            SemanticCache(embedder=emb, ivf=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not both"):
+        SemanticCache(embedder=emb, ivf={"nprobe": 8}, hnsw={"connectivity": 8})
+    assert cache.lookup("q 399") is not None and cache.stats().entries == 350
+
+
+def test_server_config_passes_ivf_options_and_refuses_bad_ones(tmp_path) -> None:
+    from semcomm.server import load_config
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._wiring import build_semantic
+
+    def cfg(ivf):  # type: ignore[no-untyped-def]
+        return load_config(None, overrides={
+            "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
+            "semantic": {"backend": "memory", "ivf": ivf}}, defaults=False, environ={})
+
+    c = cfg({"nprobe": 48, "background": False})
+    sem, note = build_semantic(c, Gateway(c))
+    assert sem is not None, note
+    assert sem.cache.ivf_options == {"nprobe": 48, "background": False}
+    with pytest.raises(ConfigError, match="unknown ivf option"):
+        cfg({"probes": 8})

@@ -508,13 +508,16 @@ class SemanticCache:
             expired: list[str] = []
             if idx is not None and len(idx):
                 labels, sims = idx.search(vec, self.k)
-                # candidates below the policy's floor can never be served: past the best two
-                # (a scorer reads the runner-up) they are not guarded or offered at all
+                # candidates below the policy's floor can never be served; one is looked at only
+                # as the runner-up a scorer reads next to a servable best, otherwise they are
+                # not guarded or offered at all
                 floor = getattr(self.policy, "min_similarity", None)
                 if floor is not None and threshold is not None:
                     floor = min(float(floor), float(threshold))
+                scored = getattr(self.policy, "scorer", None) is not None
                 for lab, sim in zip(labels.tolist(), sims.tolist(), strict=True):
-                    if floor is not None and sim < floor and len(cands) >= 2:
+                    if floor is not None and sim < floor and (
+                            len(cands) >= 2 or not cands or not scored):
                         break
                     eid = self._labels.get(int(lab))
                     s = self._slots.get(eid) if eid is not None else None

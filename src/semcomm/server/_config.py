@@ -149,6 +149,7 @@ class SemanticConfig(_Section):
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
     cross_encoder: bool = False  # hits must also pass the shipped cross-encoder verifier
     hnsw: dict[str, int | str] | None = None  # HNSW graph options (SemanticCache(hnsw=...))
+    ivf: dict[str, int | str | bool] | None = None  # IVF index options (SemanticCache(ivf=...))
     ttl_s: float | None = Field(None, gt=0)
     context_turns: int = Field(4, ge=0)  # earlier turns that must match exactly
     only_greedy: bool = True  # cache answers only for temperature == 0 requests
@@ -162,6 +163,19 @@ class SemanticConfig(_Section):
             return None
         try:
             return check_hnsw_options(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("ivf")
+    @classmethod
+    def _check_ivf(cls, v: dict[str, int | str | bool] | None
+                   ) -> dict[str, int | str | bool] | None:
+        from ..semantic._index import check_ivf_options
+
+        if v is None:
+            return None
+        try:
+            return check_ivf_options(v)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 

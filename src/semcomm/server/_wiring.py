@@ -158,6 +158,8 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
         kw["cross_encoder"] = True
     if sc.hnsw:
         kw["hnsw"] = dict(sc.hnsw)
+    if sc.ivf:
+        kw["ivf"] = dict(sc.ivf)
     try:
         cache = SemanticCache(salter=gateway.salter, context_turns=sc.context_turns, **kw)
     except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
