@@ -530,3 +530,21 @@ def test_server_config_passes_ivf_options_and_refuses_bad_ones(tmp_path) -> None
     assert sem.cache.ivf_options == {"nprobe": 48, "background": False}
     with pytest.raises(ConfigError, match="unknown ivf option"):
         cfg({"probes": 8})
+
+
+def test_reopened_persisted_cache_serves_while_its_ivf_builds_then_uses_it(tmp_path) -> None:
+    rng = np.random.default_rng(6)
+    v = _unit(rng, 600, 64)
+    emb = CallableEmbedder(lambda t: v[[int(x.split()[-1]) for x in t]], name="table", dim=64)
+    path = tmp_path / "big.sqlite"
+    with SemanticCache(embedder=emb, path=path, guard=False, threshold=0.99,
+                       max_entries=None, ivf={"min_train": 300}) as first:
+        first.store_many([f"q {i}" for i in range(600)], [f"a {i}" for i in range(600)])
+        assert first.wait_index(30) and first.stats().index == "ivf"
+    again = SemanticCache(embedder=emb, path=path, guard=False, threshold=0.99,
+                          max_entries=None, ivf={"min_train": 300})
+    hit = again.lookup("q 5")  # loads the store; served whether or not the build is done
+    assert hit is not None and hit.answer == "a 5"
+    assert again.wait_index(30) and again.stats().index == "ivf"
+    assert all(again.lookup(f"q {i}").answer == f"a {i}" for i in range(0, 600, 37))  # type: ignore[union-attr]
+    again.close()
