@@ -32,6 +32,9 @@ NEAR_MISSES = [
     ("How do I move from Python to Java?", "How do I move from Python to Kotlin?"),
     ("What is the population of Orange County?", "What is the population of Marin County?"),
     ("Who founded Microsoft?", "Who founded Apple?"),
+    ("What are the functions of preprocessor directives in C?",
+     "What are the functions of preprocessor directives in C++?"),
+    ("How do I write a web server in C#?", "How do I write a web server in C++?"),
     ("How do I cancel my Netflix subscription?", "How do I cancel my Spotify subscription?"),
     # dates
     ("What events are happening in Paris in June?", "What events are happening in Paris in July?"),

@@ -26,7 +26,8 @@ from functools import lru_cache
 
 __all__ = ["GuardResult", "LexicalGuard", "TextFeatures", "text_features"]
 
-_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d+(?:[.,]\d+)*")
+# a word keeps a "++" or "#" suffix, so C, C++ and C# stay three different names
+_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*(?:\+\+|#)?|\d+(?:[.,]\d+)*")
 
 _NEGATIONS = frozenset(
     ["not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "cant", "can't", "won't", "wont", "dont", "don't", "doesn't", "doesnt", "didn't", "didnt", "isn't", "isnt", "aren't", "arent", "wasn't", "wasnt", "weren't", "werent", "shouldn't", "shouldnt", "wouldn't", "wouldnt", "couldn't", "couldnt", "hasn't", "hasnt", "haven't", "havent", "hadn't", "mustn't", "neednt", "needn't", "nowhere", "unable"]
