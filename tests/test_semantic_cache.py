@@ -548,3 +548,46 @@ def test_reopened_persisted_cache_serves_while_its_ivf_builds_then_uses_it(tmp_p
     assert again.wait_index(30) and again.stats().index == "ivf"
     assert all(again.lookup(f"q {i}").answer == f"a {i}" for i in range(0, 600, 37))  # type: ignore[union-attr]
     again.close()
+
+
+def test_ivf_cache_stays_consistent_under_threads_during_background_builds() -> None:
+    import threading
+
+    rng = np.random.default_rng(7)
+    v = _unit(rng, 3000, 64)
+    emb = CallableEmbedder(lambda t: v[[int(x.split()[-1]) for x in t]], name="table", dim=64)
+    cache = SemanticCache(embedder=emb, guard=False, threshold=0.99, max_entries=2500,
+                          ivf={"min_train": 400})
+    errors: list[BaseException] = []
+
+    def writer(lo: int, hi: int) -> None:
+        try:
+            for s in range(lo, hi, 50):
+                cache.store_many([f"q {i}" for i in range(s, s + 50)],
+                                 [f"a {i}" for i in range(s, s + 50)])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for i in range(600):
+                h = cache.lookup(f"q {i % 1500}")
+                assert h is None or h.answer == f"a {i % 1500}"
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(0, 1500)),
+               threading.Thread(target=writer, args=(1500, 3000)),
+               threading.Thread(target=reader), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert cache.wait_index(30)
+    idx = next(iter(cache._indexes.values()))._impl
+    st = cache.stats()
+    assert st.index == "ivf" and idx.builds >= 2
+    assert st.entries == 2500 == len(idx) == idx._ivf.ntotal  # evictions reached the lists
+    live = [int(s.query.split()[-1]) for s in cache._slots.values()]
+    assert all(cache.lookup(f"q {i}").answer == f"a {i}" for i in live[::50])  # type: ignore[union-attr]
