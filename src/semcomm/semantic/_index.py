@@ -133,29 +133,37 @@ HNSW_OPTIONS = ("connectivity", "expansion_search", "expansion_add", "dtype", "o
                 "threads")
 
 
-def check_hnsw_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """Validate HNSW graph options (names of :class:`HNSWIndex` keywords) by building a tiny
-    index with them; returns a copy. Unknown names or bad values raise ``ConfigError``."""
+def _check_options(kind: str, options: dict[str, Any] | None, names: tuple[str, ...],
+                   build: Any) -> dict[str, Any]:
+    """Validate index options by name, then by building a tiny index with them (``build``);
+    returns a copy. Unknown names or bad values raise ``ConfigError``."""
     from ..errors import ConfigError
 
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise ConfigError(f"hnsw options must be a dict, got {type(options).__name__}")
-    unknown = sorted(set(options) - set(HNSW_OPTIONS))
+        raise ConfigError(f"{kind} options must be a dict, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        raise ConfigError(f"unknown hnsw option(s) {unknown}; choose from {list(HNSW_OPTIONS)}")
-    for name in ("connectivity", "expansion_add", "oversample"):
-        v = options.get(name, 1)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"hnsw option {name} must be a positive int, got {v!r}")
+        raise ConfigError(f"unknown {kind} option(s) {unknown}; choose from {list(names)}")
     try:
-        HNSWIndex(4, **options)
+        build(4, **options)
     except ConfigError:
         raise
-    except Exception as exc:  # usearch rejects e.g. an unknown dtype
-        raise ConfigError(f"bad hnsw options {options!r}: {exc}") from exc
+    except Exception as exc:  # e.g. usearch rejects an unknown dtype
+        raise ConfigError(f"bad {kind} options {options!r}: {exc}") from exc
     return dict(options)
+
+
+def check_hnsw_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Validate HNSW graph options (names of :class:`HNSWIndex` keywords)."""
+    from ..errors import ConfigError
+
+    for name in ("connectivity", "expansion_add", "oversample"):
+        v = (options or {}).get(name, 1) if isinstance(options, dict) else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"hnsw option {name} must be a positive int, got {v!r}")
+    return _check_options("hnsw", options, HNSW_OPTIONS, HNSWIndex)
 
 
 class HNSWIndex:
@@ -263,19 +271,8 @@ IVF_OPTIONS = ("nlist", "nprobe", "oversample", "min_train", "background", "seed
 
 
 def check_ivf_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """Validate IVF options (names of :class:`IVFIndex` keywords) by building a tiny index with
-    them; returns a copy. Unknown names or bad values raise ``ConfigError``."""
-    from ..errors import ConfigError
-
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise ConfigError(f"ivf options must be a dict, got {type(options).__name__}")
-    unknown = sorted(set(options) - set(IVF_OPTIONS))
-    if unknown:
-        raise ConfigError(f"unknown ivf option(s) {unknown}; choose from {list(IVF_OPTIONS)}")
-    IVFIndex(4, **options)
-    return dict(options)
+    """Validate IVF options (names of :class:`IVFIndex` keywords)."""
+    return _check_options("ivf", options, IVF_OPTIONS, IVFIndex)
 
 
 class _Build:

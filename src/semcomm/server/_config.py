@@ -17,7 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..errors import ConfigError
 
@@ -154,28 +162,17 @@ class SemanticConfig(_Section):
     context_turns: int = Field(4, ge=0)  # earlier turns that must match exactly
     only_greedy: bool = True  # cache answers only for temperature == 0 requests
 
-    @field_validator("hnsw")
+    @field_validator("hnsw", "ivf")
     @classmethod
-    def _check_hnsw(cls, v: dict[str, int | str] | None) -> dict[str, int | str] | None:
-        from ..semantic._index import check_hnsw_options
+    def _check_index_options(cls, v: dict[str, Any] | None, info: ValidationInfo
+                             ) -> dict[str, Any] | None:
+        from ..semantic._index import check_hnsw_options, check_ivf_options
 
         if v is None:
             return None
+        check = check_hnsw_options if info.field_name == "hnsw" else check_ivf_options
         try:
-            return check_hnsw_options(v)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-
-    @field_validator("ivf")
-    @classmethod
-    def _check_ivf(cls, v: dict[str, int | str | bool] | None
-                   ) -> dict[str, int | str | bool] | None:
-        from ..semantic._index import check_ivf_options
-
-        if v is None:
-            return None
-        try:
-            return check_ivf_options(v)
+            return check(v)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 
