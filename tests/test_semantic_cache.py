@@ -390,24 +390,6 @@ def test_hnsw_options_reach_the_graph_and_bad_ones_are_refused() -> None:
     assert cache.lookup("q 3") is not None and cache.stats().entries == 120
 
 
-def test_server_config_passes_hnsw_options_and_refuses_bad_ones(tmp_path) -> None:
-    from semcomm.server import load_config
-    from semcomm.server._gateway import Gateway
-    from semcomm.server._wiring import build_semantic
-
-    def cfg(hnsw):  # type: ignore[no-untyped-def]
-        return load_config(None, overrides={
-            "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
-            "semantic": {"backend": "memory", "hnsw": hnsw}}, defaults=False, environ={})
-
-    c = cfg({"expansion_search": 256, "connectivity": 24})
-    sem, note = build_semantic(c, Gateway(c))
-    assert sem is not None, note
-    assert sem.cache.hnsw_options == {"expansion_search": 256, "connectivity": 24}
-    with pytest.raises(ConfigError, match="unknown hnsw option"):
-        cfg({"ef_search": 256})
-
-
 def _unit(rng: np.random.Generator, n: int, dim: int = 32) -> np.ndarray:
     v = rng.standard_normal((n, dim)).astype(np.float32)
     return v / np.linalg.norm(v, axis=1, keepdims=True)
@@ -514,22 +496,27 @@ def test_cache_uses_ivf_by_default_when_large_and_evicts_its_vectors(tmp_path) -
     assert cache.lookup("q 399") is not None and cache.stats().entries == 350
 
 
-def test_server_config_passes_ivf_options_and_refuses_bad_ones(tmp_path) -> None:
+@pytest.mark.parametrize("kind, good, bad", [
+    ("hnsw", {"expansion_search": 256, "connectivity": 24}, {"ef_search": 256}),
+    ("ivf", {"nprobe": 48, "background": False}, {"probes": 8}),
+])
+def test_server_config_passes_index_options_and_refuses_bad_ones(tmp_path, kind, good,
+                                                                 bad) -> None:
     from semcomm.server import load_config
     from semcomm.server._gateway import Gateway
     from semcomm.server._wiring import build_semantic
 
-    def cfg(ivf):  # type: ignore[no-untyped-def]
+    def cfg(options):  # type: ignore[no-untyped-def]
         return load_config(None, overrides={
             "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
-            "semantic": {"backend": "memory", "ivf": ivf}}, defaults=False, environ={})
+            "semantic": {"backend": "memory", kind: options}}, defaults=False, environ={})
 
-    c = cfg({"nprobe": 48, "background": False})
+    c = cfg(good)
     sem, note = build_semantic(c, Gateway(c))
     assert sem is not None, note
-    assert sem.cache.ivf_options == {"nprobe": 48, "background": False}
-    with pytest.raises(ConfigError, match="unknown ivf option"):
-        cfg({"probes": 8})
+    assert getattr(sem.cache, f"{kind}_options") == good
+    with pytest.raises(ConfigError, match=f"unknown {kind} option"):
+        cfg(bad)
 
 
 def test_reopened_persisted_cache_serves_while_its_ivf_builds_then_uses_it(tmp_path) -> None:
