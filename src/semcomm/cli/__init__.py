@@ -35,6 +35,13 @@ for _name in _GROUPS:
 def main() -> None:
     """Console-script entry point."""
     try:
+        # transformers' per-load progress bars would drown the CLI's own output
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         app()
     except SemcommError as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)

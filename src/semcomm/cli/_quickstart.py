@@ -4,8 +4,10 @@ Part 1, the KV prefix cache through the engine:
 The workload is a shared system prompt and multi-turn follow-ups (6 requests). The cold pass
 starts from an empty TieredStore (memory + a disk directory); the warm pass is a fresh engine
 and a fresh memory tier over the same disk directory (a restart): its hits come from disk,
-then from memory once promoted. ``quickstart_model()`` picks the model (the shipped reference
-receiver by default).
+then from memory once promoted. ``quickstart_model()`` picks the model: the real default
+SmolLM2-135M-Instruct from ``semcomm.models`` (pulled, digest-checked and converted on first
+use, with a progress bar), falling back to the shipped reference receiver when it cannot be
+pulled.
 
 Part 2, the whole request path (``semcomm.server.run_demo``): the embedded default server
 configuration run in-process on a customer-support and agent-chain workload, cold then warm,
@@ -25,7 +27,7 @@ import typer
 
 __all__ = ["quickstart_model", "quickstart_workload", "register", "run_quickstart"]
 
-QUICKSTART_CHUNK = 16  # reference-world prompts are 40-80 tokens; 16-token chunks show turn-level reuse
+QUICKSTART_CHUNK = 32  # the support prompts are 200-300 tokens; 32-token chunks show turn-level reuse
 
 _SYSTEM = (
     "You are the support assistant of Northwind Rail, a regional train operator. Answer in "
@@ -53,10 +55,27 @@ _OTHER_USER = [
 def quickstart_model() -> tuple[Any, Any, str]:
     """(model, tokenizer, description) used by the quickstart.
 
-    The shipped reference receiver (a trained Qwen2-style model, loaded through the same
-    transformers path as any real model) when it is installed; otherwise a config-built
-    Qwen2-shaped model with random weights and a byte-level tokenizer built offline.
+    The real default model (:data:`semcomm.models.DEFAULT_MODEL`, SmolLM2-135M-Instruct),
+    pulled on first use. When it cannot be pulled (no package index reachable), the shipped
+    reference receiver, and as a last resort a config-built model with random weights; the
+    description says which one answered.
     """
+    from ..errors import SemcommError
+    from ..models import DEFAULT_MODEL, model_path
+
+    try:
+        path = model_path(DEFAULT_MODEL)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return model, tokenizer, f"{DEFAULT_MODEL} (real instruct model, float32) from {path}"
+    except (SemcommError, OSError) as exc:
+        import logging
+
+        logging.getLogger("semcomm.quickstart").warning(
+            "%s is not available (%s); the quickstart uses the reference receiver", DEFAULT_MODEL,
+            exc)
     try:
         from ..reference import load_receiver, receiver_path
 
@@ -98,26 +117,25 @@ def _config_built_model() -> tuple[Any, Any, str]:
     return model, tokenizer, desc
 
 
-def quickstart_workload() -> list[tuple[str, list[dict[str, str]]]]:
+def quickstart_workload(source: str = "built-in") -> list[tuple[str, list[dict[str, str]]]]:
     """(label, chat messages) for each request: one user's multi-turn follow-ups, then other
-    users under the same system prompt. Drawn from the reference world when it is installed."""
-    try:
+    users under the same system prompt. The built-in Northwind Rail support workload (real
+    English, for real models), or ``source="reference"``: the reference world's."""
+    if source == "reference":
         from ..reference import build_world
 
         convs = [c.messages() for c in build_world().conversations(n=12, turns=3)]
-    except ImportError:
-        convs = []
-    pairs = [c[1:3] for c in convs if len(c) >= 3]  # (user, assistant) exchanges
-    if len(pairs) >= 6:
-        system = convs[0][0]
-        reqs: list[tuple[str, list[dict[str, str]]]] = []
-        history = [system]
-        for i, (u_msg, a_msg) in enumerate(pairs[:3]):  # one user's three turns
-            reqs.append((f"A{i + 1}", history + [u_msg]))
-            history = history + [u_msg, a_msg]
-        for j, (u_msg, _) in enumerate(pairs[3:6]):  # other users, same system prompt
-            reqs.append((f"{'BCD'[j]}1", [system, u_msg]))
-        return reqs
+        pairs = [c[1:3] for c in convs if len(c) >= 3]  # (user, assistant) exchanges
+        if len(pairs) >= 6:
+            system = convs[0][0]
+            reqs: list[tuple[str, list[dict[str, str]]]] = []
+            history = [system]
+            for i, (u_msg, a_msg) in enumerate(pairs[:3]):  # one user's three turns
+                reqs.append((f"A{i + 1}", history + [u_msg]))
+                history = history + [u_msg, a_msg]
+            for j, (u_msg, _) in enumerate(pairs[3:6]):  # other users, same system prompt
+                reqs.append((f"{'BCD'[j]}1", [system, u_msg]))
+            return reqs
     reqs = []
     history = [{"role": "system", "content": _SYSTEM}]
     for i, (user, answer) in enumerate(_TURNS):
@@ -126,7 +144,7 @@ def quickstart_workload() -> list[tuple[str, list[dict[str, str]]]]:
                              {"role": "assistant", "content": answer}]
     for j, user in enumerate(_OTHER_USER):
         reqs.append((f"{'BCD'[j]}1", [{"role": "system", "content": _SYSTEM},
-                                                  {"role": "user", "content": user}]))
+                                      {"role": "user", "content": user}]))
     return reqs
 
 
@@ -153,12 +171,15 @@ def run_quickstart(model_path: str | None = None, max_new_tokens: int = 16,
     if model_path is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        desc = f"model from {model_path}"
+        from ..models import resolve_model
+
+        path = resolve_model(model_path)  # a catalog name, a hub id or a local path
+        model = AutoModelForCausalLM.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        desc = f"model {model_path}" + (f" from {path}" if path != model_path else "")
     else:
         model, tokenizer, desc = quickstart_model()
-    reqs = quickstart_workload()
+    reqs = quickstart_workload("reference" if desc.startswith("reference") else "built-in")
     with tempfile.TemporaryDirectory(prefix="semcomm-quickstart-", dir=home) as tmp:
         disk = Path(tmp) / "kv"
 
@@ -212,8 +233,10 @@ def run_quickstart(model_path: str | None = None, max_new_tokens: int = 16,
                 "bytes_stored": r.bytes_stored,
                 "bytes_loaded": r.bytes_loaded,
                 "same_tokens": r.same_tokens,
+                "question": msgs[-1]["content"],
+                "answer": c.text,
             }
-            for r in rows
+            for r, c, (_, msgs) in zip(rows, cold, reqs)
         ],
         "totals": {
             "prompt_tokens": tot_prompt,
@@ -255,6 +278,13 @@ def _print(report: dict[str, Any]) -> None:
     console.print("req: A1-A3 are one user's turns (each repeats the history), B1-D1 other users "
                   "with the same system prompt; prompt/hit in tokens; TTFT in ms; stored in bytes "
                   "written by the cold pass; same: warm output equals cold output token for token.")
+    answers = Table(title="What the model answered (the same text cold and warm)")
+    answers.add_column("req")
+    answers.add_column("question")
+    answers.add_column("answer")
+    for r in report["requests"]:
+        answers.add_row(r["request"], r["question"], (r.get("answer") or "").strip())
+    console.print(answers)
 
 
 def _print_gateway(demo: dict[str, Any]) -> None:
@@ -325,7 +355,8 @@ def register(app: typer.Typer) -> None:
         ] = None,
         model: Annotated[
             str | None,
-            typer.Option("--model", help="Model id or local path (default: a small offline model)."),
+            typer.Option("--model", help="Catalog name (`semcomm models list`), hub id or local "
+                         "path (default: smollm2-135m-instruct)."),
         ] = None,
         max_new_tokens: Annotated[
             int, typer.Option("--max-new-tokens", help="Tokens to generate per request.")

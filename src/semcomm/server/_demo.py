@@ -49,8 +49,15 @@ _ROUTER_SYSTEM = "You are the router. Name the desk that should answer: billing,
 _SPECIALIST_SYSTEM = "You are the specialist desk named above. Answer the customer in one sentence."
 
 
-def demo_workload(n_conversations: int = 3, n_chains: int = 3) -> dict[str, Any]:
-    """The scripted workload: from the reference world when available, else a built-in one."""
+def demo_workload(n_conversations: int = 3, n_chains: int = 3, *,
+                  source: str = "built-in") -> dict[str, Any]:
+    """The scripted workload: the built-in support workload (real English, for the real default
+    models), or ``source="reference"``: the reference world's (for the reference tiny models)."""
+    if source != "reference":
+        return {"source": "built-in", "system": _FALLBACK_SYSTEM,
+                "conversations": _FALLBACK_CONVERSATIONS[:n_conversations],
+                "chains": _FALLBACK_CHAINS[:n_chains], "router_system": _ROUTER_SYSTEM,
+                "specialist_system": _SPECIALIST_SYSTEM}
     try:
         from ..reference import ROUTER_PROMPT, build_world
 
@@ -78,15 +85,17 @@ def demo_workload(n_conversations: int = 3, n_chains: int = 3) -> dict[str, Any]
 
 
 def _demo_config(state_dir: Path, work: dict[str, Any], max_tokens: int) -> ServerConfig:
+    base = load_config(None, environ={})
+    router, specialist = (list(base.models) * 2)[:2][::-1]  # the larger model routes
     return load_config(None, environ={}, overrides={
         "server": {"state_dir": str(state_dir), "default_max_tokens": max_tokens},
         "kv": {"chunk_size": 32},
         "tenants": {"demo": {"api_key": "demo-key"}},
         "pipelines": {"semcomm-chain": {
-            "description": "router then specialist on one model",
-            "stages": [{"model": "semcomm-tiny", "system": work["router_system"],
+            "description": "router step, then the specialist's answer",
+            "stages": [{"model": router, "system": work["router_system"],
                         "role": "router", "max_tokens": 6},
-                       {"model": "semcomm-tiny", "system": work["specialist_system"],
+                       {"model": specialist, "system": work["specialist_system"],
                         "role": "specialist"}]}},
     })
 
@@ -136,6 +145,7 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
 
     app = create_app(config)
     gw = app.state.gateway
+    chat_model = config.routing.default_model or next(iter(config.models))
     await gw.startup()
     rounds: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -151,7 +161,7 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
                     history: list[dict[str, str]] = [{"role": "system", "content": work["system"]}]
                     for ti, (question, scripted_answer) in enumerate(conv):
                         msgs = [*history, {"role": "user", "content": question}]
-                        r = await _one(client, "semcomm-tiny", msgs, max_tokens)
+                        r = await _one(client, chat_model, msgs, max_tokens)
                         r.update(round=rnd, kind="support", item=f"conv{ci}.turn{ti}")
                         rows.append(r)
                         # follow-ups carry the scripted answer, so both rounds send the same text
@@ -160,7 +170,7 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
                         # a follow-up never asked before: no semantic hit, but the whole
                         # conversation before it is a KV prefix hit
                         msgs = [*history, {"role": "user", "content": _NEW_FOLLOW_UP}]
-                        r = await _one(client, "semcomm-tiny", msgs, max_tokens)
+                        r = await _one(client, chat_model, msgs, max_tokens)
                         r.update(round=rnd, kind="support", item=f"conv{ci}.new")
                         rows.append(r)
                 for ci, request in enumerate(work["chains"]):
