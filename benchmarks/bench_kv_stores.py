@@ -14,6 +14,15 @@ x 64 dims, fp16; T = 256 is 3 MiB per chunk) it measures, in one run:
 Run: ``python benchmarks/bench_kv_stores.py [--json out.json] [--tokens 16,64,256]``.
 Redis: ``--redis-url`` or, if omitted, a private redis-server on a free port (Debian's
 redis-server must be installed; ``--no-redis`` skips it).
+
+``--lmcache-python .venv-lmcache/bin/python`` adds, in the same run, LMCache's own storage
+backends on the same chunks (``benchmarks/_lmcache_driver.py`` drives them in the environment
+that has ``lmcache``) next to semcomm's under one protocol: every put round writes new chunks
+into a fresh store (LMCache skips keys it holds; semcomm would replace), every get reads and
+drops a chunk; the DiskStore at both durabilities (``flush``: one ``put`` per chunk;
+``fsync``: ``put_many`` per batch of ``--batch`` chunks). Then a restart (a new store on the same
+directory: chunks found) and a tamper test (one payload byte flipped: served or rejected).
+Writes a table, ``--json`` and ``--png`` (ratios semcomm / LMCache).
 """
 
 from __future__ import annotations
@@ -202,6 +211,164 @@ def measure(make: Callable[[], ChunkStore], items: list[tuple[ChunkKey, bytes]],
     return out
 
 
+def lmcache_side(py: str, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """LMCache's backends on the same chunk shapes (a subprocess in LMCache's environment)."""
+    plan = {"layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+            "tokens": tokens, "mib": args.mib, "repeat": args.repeat, "batch": args.batch}
+    driver = Path(__file__).with_name("_lmcache_driver.py")
+    proc = subprocess.run([py, str(driver), json.dumps(plan)], capture_output=True, text=True,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"LMCache driver failed:\n{proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """semcomm's stores under the LMCache protocol (fresh store per put round, get and drop)."""
+    one = len(chunk_set(1, tokens, args.layers, args.heads, args.head_dim)[0][1])
+    n = max(4, args.mib * MiB // one)
+    items = chunk_set(n, tokens, args.layers, args.heads, args.head_dim)
+    keys = [k for k, _ in items]
+    nbytes = sum(len(v) for _, v in items)
+    out: list[dict[str, Any]] = []
+    for label, durability, batch in (("disk flush", "flush", 0),
+                                     ("disk fsync (put_many)", "fsync", args.batch)):
+        puts: list[float] = []
+        gets: list[float] = []
+        bgets: list[float] = []
+        last = work
+        for r in range(args.repeat):
+            d = work / f"cmp-{tokens}-{durability}-{r}"
+            store = DiskStore(d, capacity_bytes=8 << 30, durability=durability)
+            t0 = time.perf_counter()
+            if batch:
+                for i in range(0, n, batch):
+                    store.put_many(items[i : i + batch])
+            else:
+                for k, v in items:
+                    store.put(k, v)
+            puts.append(time.perf_counter() - t0)
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                for k, _v in items:
+                    if store.get(k) is None:
+                        raise AssertionError("a chunk just written is missing")
+                gets.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i in range(0, n, args.batch):
+                    if any(f is None for f in store.fetch_many(keys[i : i + args.batch])):
+                        raise AssertionError("a chunk just written is missing")
+                bgets.append(time.perf_counter() - t0)
+            store.close()
+            last = d
+        reopened = DiskStore(last, capacity_bytes=8 << 30)
+        found = len(reopened)
+        k0 = items[0][0]
+        path = last / k0.hex()[:2] / f"{k0.hex()}.sckv"
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        path.write_bytes(bytes(raw))
+        tampered_served = reopened.get(k0) is not None
+        reopened.close()
+        out.append({"backend": f"semcomm {label}", "tokens": tokens, "chunk_bytes": one,
+                    "chunks": n, "put_GBps": nbytes / min(puts) / 1e9,
+                    "get_GBps": nbytes / min(gets) / 1e9,
+                    "put_us_per_chunk": min(puts) / n * 1e6,
+                    "get_us_per_chunk": min(gets) / n * 1e6,
+                    "batched_get_GBps": nbytes / min(bgets) / 1e9,
+                    "batched_get_us_per_chunk": min(bgets) / n * 1e6,
+                    "found_after_restart": found, "tampered_chunk_served": tampered_served})
+    puts, gets = [], []
+    for _ in range(args.repeat):
+        mem = MemoryStore(capacity_bytes=4 << 30)
+        t0 = time.perf_counter()
+        for k, v in items:
+            mem.put(k, v)
+        puts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k, _v in items:
+            got = mem.get(k)
+            assert got is not None
+            bytearray(got)  # a consumer that keeps the data copies it (LMCache side: clone)
+        gets.append(time.perf_counter() - t0)
+    out.append({"backend": "semcomm memory", "tokens": tokens, "chunk_bytes": one, "chunks": n,
+                "put_GBps": nbytes / min(puts) / 1e9, "get_GBps": nbytes / min(gets) / 1e9,
+                "put_us_per_chunk": min(puts) / n * 1e6,
+                "get_us_per_chunk": min(gets) / n * 1e6})
+    return out
+
+
+def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> dict[str, Any]:
+    tokens = [int(t) for t in args.tokens.split(",")]
+    lm = lmcache_side(args.lmcache_python, tokens, args)
+    rows: list[dict[str, Any]] = list(lm["results"])
+    for t in tokens:
+        rows.extend(semcomm_side(t, args, work))
+    by = {(r["backend"], r["tokens"]): r for r in rows}
+    ratios: list[dict[str, Any]] = []
+    for t in tokens:
+        for ours, theirs in (("semcomm disk flush", "lmcache-disk"),
+                             ("semcomm disk fsync (put_many)", "lmcache-disk"),
+                             ("semcomm memory", "lmcache-cpu")):
+            a, b = by[(ours, t)], by[(theirs, t)]
+            q = {"semcomm": ours, "lmcache": theirs, "tokens": t,
+                 "put_ratio": a["put_GBps"] / b["put_GBps"],
+                 "get_ratio": a["get_GBps"] / b["get_GBps"]}
+            if "batched_get_GBps" in a and "batched_get_GBps" in b:
+                q["batched_get_ratio"] = a["batched_get_GBps"] / b["batched_get_GBps"]
+            ratios.append(q)
+    table = Table(title=f"semcomm vs LMCache {lm['lmcache_version']} storage backends "
+                        "(one run; ratio > 1: semcomm faster)")
+    for col in ("semcomm store", "LMCache backend", "tokens", "put us/chunk (ours / theirs)",
+                "put ratio", "get us/chunk (ours / theirs)", "get ratio",
+                "batched get us/chunk", "batched ratio"):
+        table.add_column(col, justify="left" if "store" in col or "backend" in col else "right")
+    for q in ratios:
+        a, b = by[(q["semcomm"], q["tokens"])], by[(q["lmcache"], q["tokens"])]
+        table.add_row(q["semcomm"], q["lmcache"], str(q["tokens"]),
+                      f"{a['put_us_per_chunk']:.0f} / {b['put_us_per_chunk']:.0f}",
+                      f"{q['put_ratio']:.2f}x",
+                      f"{a['get_us_per_chunk']:.0f} / {b['get_us_per_chunk']:.0f}",
+                      f"{q['get_ratio']:.2f}x",
+                      f"{a['batched_get_us_per_chunk']:.0f} / {b['batched_get_us_per_chunk']:.0f}"
+                      if "batched_get_ratio" in q else "-",
+                      f"{q['batched_get_ratio']:.2f}x" if "batched_get_ratio" in q else "-")
+    console.print(table)
+    for r in rows:
+        if "found_after_restart" in r:
+            console.print(f"{r['backend']:<32} T={r['tokens']:<4} after restart found "
+                          f"{r['found_after_restart']}/{r['chunks']}; tampered chunk "
+                          f"{'SERVED' if r['tampered_chunk_served'] else 'rejected'}")
+    if args.png:
+        draw_ratios(ratios, Path(args.png), lm["lmcache_version"])
+        console.print(f"wrote {args.png}")
+    return {"lmcache_version": lm["lmcache_version"], "rows": rows, "ratios": ratios}
+
+
+def draw_ratios(ratios: list[dict[str, Any]], path: Path, version: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import agg_figure
+
+    labels = sorted({q["semcomm"] for q in ratios})
+    tokens = sorted({q["tokens"] for q in ratios})
+    with agg_figure(path, (9, 4.2)) as ax:
+        width = 0.8 / (3 * len(labels))
+        for i, label in enumerate(labels):
+            for j, op in enumerate(("put", "get", "batched_get")):
+                xs = [ti + (3 * i + j) * width - 0.4 + width / 2 for ti in range(len(tokens))]
+                ys = [next((q.get(f"{op}_ratio", 0.0) for q in ratios
+                            if q["semcomm"] == label and q["tokens"] == t), 0.0) for t in tokens]
+                if not any(ys):
+                    continue
+                ax.bar(xs, ys, width, label=f"{label}: {op.replace('_', ' ')}",
+                       hatch={"put": "", "get": "//", "batched_get": ".."}[op])
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(tokens)), [f"{t} tokens" for t in tokens])
+        ax.set_yscale("log")
+        ax.set_ylabel(f"throughput ratio semcomm / LMCache {version}")
+        ax.legend(fontsize=7, ncol=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="16,64,256", help="tokens per chunk, comma separated")
@@ -214,11 +381,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--dir", default=None, help="directory for the disk store (default: a tmp dir)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    ap.add_argument("--lmcache-python", default=None,
+                    help="python of an environment with lmcache: compare against its backends")
+    ap.add_argument("--only-lmcache", action="store_true",
+                    help="with --lmcache-python: skip the floors and the per-store table")
+    ap.add_argument("--batch", type=int, default=16, help="chunks per put_many (fsync)")
+    ap.add_argument("--png", default=None, help="with --lmcache-python: ratio chart here")
     args = ap.parse_args(argv)
     console = Console(width=150)
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="semcomm-bench-kv-"))
     work.mkdir(parents=True, exist_ok=True)
+    comparison: dict[str, Any] | None = None
+    if args.lmcache_python:
+        comparison = compare_lmcache(args, console, work)
+        if args.only_lmcache:
+            if args.json_path:
+                payload = {"benchmark": "kv_stores_vs_lmcache", "python": sys.version.split()[0],
+                           "shape": {"layers": args.layers, "kv_heads": args.heads,
+                                     "head_dim": args.head_dim, "dtype": "float16"},
+                           "repeat": args.repeat, "batch": args.batch, **comparison}
+                Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
+                console.print(f"wrote {args.json_path}")
+            if args.dir is None:
+                shutil.rmtree(work, ignore_errors=True)
+            return 0
     console.print(f"[bold]floors[/bold] (work dir {work})")
     floors = {
         "memcpy_GBps": memcpy_bandwidth() / 1e9,
@@ -281,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                    "shape": {"layers": args.layers, "kv_heads": args.heads,
                              "head_dim": args.head_dim, "dtype": "float16"},
                    "floors": floors, "results": results}
+        if comparison is not None:
+            payload["lmcache"] = comparison
         Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
         console.print(f"wrote {args.json_path}")
     return 0

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from semcomm.kv import ChunkKey, Namespace, chunk_keys, encode_chunk
+from semcomm.kv import FORMAT_VERSION, ChunkKey, Namespace, chunk_keys, encode_chunk
 
 NS = Namespace(model="test-model", tokenizer="", dtype="float32", codec="none", tenant="t0")
 
 
 def chain(n: int, *, seed: int = 0, chunk_tokens: int = 4, payload: int = 64,
-          ns: Namespace = NS) -> list[tuple[ChunkKey, bytes]]:
+          ns: Namespace = NS, format_version: int = FORMAT_VERSION,
+          ) -> list[tuple[ChunkKey, bytes]]:
     """``n`` consecutive chunks of one prompt: [(key, encoded bytes)], parents linked."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 50_000, size=n * chunk_tokens)
@@ -22,7 +23,8 @@ def chain(n: int, *, seed: int = 0, chunk_tokens: int = 4, payload: int = 64,
                   "v.0": rng.standard_normal(payload // 2, dtype=np.float32)}
         value = encode_chunk(namespace=ns.digest, key=key, parent=parent,
                              num_tokens=chunk_tokens, start=i * chunk_tokens, dtype="float32",
-                             codec="none", codec_params={}, arrays=arrays)
+                             codec="none", codec_params={}, arrays=arrays,
+                             format_version=format_version)
         out.append((key, value))
         parent = key
     return out

@@ -268,3 +268,76 @@ def test_kill_9_mid_write_never_serves_a_partial_chunk(
     assert keys and store.stats().entries == len(keys)
     assert all(store.get(k) is not None for k in keys)
     assert store.stats().corrupt == 0
+
+
+# ---- durability and batched writes ------------------------------------------------------
+
+@pytest.fixture
+def syncs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count file fsyncs and whole-filesystem syncs made by DiskStore."""
+    from semcomm.kv import _disk
+
+    counts = {"fsync": 0, "syncfs": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        counts["fsync"] += 1
+        real_fsync(fd)
+
+    def syncfs(fd: int) -> None:
+        counts["syncfs"] += 1
+
+    monkeypatch.setattr(_disk.os, "fsync", fsync)
+    monkeypatch.setattr(_disk, "_syncfs", syncfs)
+    return counts
+
+
+@pytest.mark.parametrize(("kwargs", "expect"), [
+    ({}, "flush"), ({"durability": "fsync"}, "fsync"), ({"fsync": True}, "fsync"),
+    ({"fsync": False}, "flush"), ({"durability": "flush"}, "flush"),
+])
+def test_durability_setting(tmp_path: Path, kwargs: dict[str, object], expect: str) -> None:
+    assert DiskStore(tmp_path, **kwargs).durability == expect  # type: ignore[arg-type]
+
+
+def test_bad_durability_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="durability"):
+        DiskStore(tmp_path, durability="sometimes")
+
+
+def test_flush_never_syncs_and_fsync_syncs_each_put(tmp_path: Path, syncs: dict[str, int]) -> None:
+    items = chain(4)
+    flush = DiskStore(tmp_path / "f")
+    for k, v in items:
+        flush.put(k, v)
+    assert syncs == {"fsync": 0, "syncfs": 0}
+    durable = DiskStore(tmp_path / "d", durability="fsync")
+    for k, v in items:
+        durable.put(k, v)
+    assert syncs["fsync"] == 2 * len(items)  # the file before its rename, its directory after
+    assert all(durable.get(k) == v for k, v in items)
+
+
+def test_put_many_syncs_once_per_batch(tmp_path: Path, syncs: dict[str, int]) -> None:
+    items = chain(12)
+    store = DiskStore(tmp_path, durability="fsync")
+    events: list[StoreEvent] = []
+    store.subscribe(events.append)
+    store.put_many(items)
+    assert syncs["syncfs"] == 1
+    shards = {k.hex()[:2] for k, _ in items}
+    assert syncs["fsync"] == len(shards)  # one per directory renamed into, no file fsyncs
+    assert [e.key for e in events] == [k for k, _ in items]
+    assert all(store.get(k) == v for k, v in items)
+    assert len(DiskStore(tmp_path)) == 12
+
+
+def test_put_many_validates_the_whole_batch_first(tmp_path: Path) -> None:
+    from semcomm.errors import InvalidInputError
+
+    items = chain(3)
+    store = DiskStore(tmp_path, durability="fsync")
+    bad = [items[0], (items[1][0], items[2][1]), items[2]]  # value names another key
+    with pytest.raises(InvalidInputError):
+        store.put_many(bad)
+    assert len(store) == 0 and chunk_files(tmp_path) == []

@@ -160,7 +160,9 @@ def test_chunk_swap_across_tenants_and_keys_is_rejected(keyring: TenantKeyring) 
     with pytest.raises(SealedEntryError):
         cs.open(_build(raw_a, env_b))
     # header edited to claim another key, checksum recomputed: AAD mismatch
-    other = raw_a.replace(read_header(sa).key.encode(), b"0" * 64)
+    key_a = read_header(sa).key  # hex in a format 1 (JSON) header, raw bytes in format 2
+    other = raw_a.replace(key_a.encode(), b"0" * 64).replace(bytes.fromhex(key_a), b"\0" * 32)
+    assert other != raw_a
     with pytest.raises(SealedEntryError):
         cs.open(_build(other, _parts(sa)[2]))
     # an unsealed chunk in a sealed store: forged by a writer without the secret

@@ -11,16 +11,21 @@ Layout::
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, CorruptEntryError
 from ._format import ChunkHeader, header_from_prefix, prefix_length
@@ -37,11 +42,14 @@ from ._store import (
     validate_chunk,
 )
 
-__all__ = ["DEFAULT_DISK_CAPACITY", "DiskStore"]
+__all__ = ["DEFAULT_DISK_CAPACITY", "DURABILITY", "DiskStore"]
 
 logger = logging.getLogger("semcomm.kv")
 
 DEFAULT_DISK_CAPACITY = 10 << 30  # 10 GiB
+DURABILITY = frozenset({"flush", "fsync"})
+"""What a returned ``DiskStore.put`` promises: ``"flush"`` survives a process crash,
+``"fsync"`` also power loss (see :class:`DiskStore`)."""
 _SUFFIX = ".sckv"
 _TMP_SUFFIX = ".tmp"
 _MARKER = ".semcomm-kv"
@@ -71,7 +79,68 @@ def _key_from_name(name: str) -> ChunkKey | None:
 
 
 
-def _same_file(path: Path, ino: int) -> bool:
+@dataclass(slots=True)
+class _Job:
+    """One admitted write: room is reserved for ``value`` until ``_finish``."""
+
+    key: ChunkKey
+    value: bytes  # the bytes to store (sealed when the store has a sealer)
+    parent: ChunkKey | None
+    existed: bool  # the key was indexed before (a replacement)
+    pins: int  # pins of the replaced entry, carried over
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames inside ``path`` durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str) -> tuple[bytes, int]:
+    """Contents and inode number of a file (plain syscalls: this is every disk hit)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, st.st_size)
+        if len(data) != st.st_size:  # a short read (never for regular files, but be exact)
+            parts = [data]
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data, st.st_ino
+    finally:
+        os.close(fd)
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the whole filesystem holding ``fd`` (one journal commit for a batch of files)."""
+    if _LIBC is not None:
+        if _LIBC.syncfs(fd) == 0:
+            return
+    os.sync()
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.syncfs.argtypes = [ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _same_file(path: str, ino: int) -> bool:
     """True when ``path`` still names the file whose inode is ``ino``."""
     try:
         return os.stat(path).st_ino == ino
@@ -83,10 +152,16 @@ class DiskStore(StoreBase, LruPinning):
 
     Guarantees:
 
-    * **Atomic writes.** A chunk is written to a temporary file, fsynced and renamed into place
-      with ``os.replace``; readers see the old file or the new one, never a partial write.
+    * **Atomic writes.** A chunk is written to a temporary file and renamed into place with
+      ``os.replace``; readers see the old file or the new one, never a partial write.
       A writer killed mid-write leaves only a ``.tmp`` file, which is never served and is
       removed by the next open once its process is gone.
+    * **Durability** says what a returned ``put`` promises (:data:`DURABILITY`):
+      ``"flush"`` (default): the bytes are in the operating system's hands, so they survive the
+      writing process crashing; an OS crash or power loss can lose the newest chunks (a file
+      that comes back torn fails its checksum and is a miss, never served).
+      ``"fsync"``: the chunk survives power loss too (file data synced before the rename, the
+      directory after it); :meth:`put_many` syncs once per batch instead of once per chunk.
     * **Verified reads.** Every ``get`` checks header, key and XXH3 checksum. A truncated,
       bit-flipped or swapped file (content naming another key) is counted in
       ``stats().corrupt``, deleted and reported as a miss.
@@ -109,7 +184,8 @@ class DiskStore(StoreBase, LruPinning):
         capacity_bytes: int = DEFAULT_DISK_CAPACITY,
         *,
         name: str = "disk",
-        fsync: bool = True,
+        durability: str = "flush",
+        fsync: bool | None = None,
         sealer: ChunkSealer | None = None,
     ):
         super().__init__()
@@ -117,6 +193,10 @@ class DiskStore(StoreBase, LruPinning):
             raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if fsync is not None:  # the older switch: fsync=True is durability="fsync"
+            durability = "fsync" if fsync else "flush"
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
         root = Path(path).expanduser()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"DiskStore path {str(root)!r} exists and is not a directory")
@@ -129,7 +209,11 @@ class DiskStore(StoreBase, LruPinning):
         self.name = name
         self.path = root
         self.capacity_bytes = capacity_bytes
-        self._fsync = fsync
+        self.durability = durability
+        self._fsync = durability == "fsync"
+        self._root_s = str(root) + os.sep
+        self._shard_dirs: set[str] = set()  # shard directories known to exist (skips mkdir)
+        self._tmp_seq = itertools.count(secrets.randbelow(1 << 30))
         self.sealer = sealer
         self._lock = threading.RLock()
         self._lru = ChainLru()
@@ -146,9 +230,9 @@ class DiskStore(StoreBase, LruPinning):
             self._evict_to(0, None)
 
     # ---- paths and locking -------------------------------------------------------------
-    def _path(self, key: ChunkKey) -> Path:
+    def _path(self, key: ChunkKey) -> str:
         h = key.hex()
-        return self.path / h[:2] / (h + _SUFFIX)
+        return f"{self._root_s}{h[:2]}/{h}{_SUFFIX}"
 
     class _FLock:
         __slots__ = ("fd",)
@@ -325,10 +409,12 @@ class DiskStore(StoreBase, LruPinning):
     def get(self, key: ChunkKey) -> bytes | None:
         key = check_key(key)
         path = self._path(key)
+        return self._accept(key, path, self._load(key, path))
+
+    def _load(self, key: ChunkKey, path: str) -> tuple[bytes, int] | None:
+        """The file's bytes and inode, or None (absent or unreadable; counted as a miss)."""
         try:
-            with open(path, "rb", buffering=0) as f:
-                ino = os.fstat(f.fileno()).st_ino
-                data = f.read()
+            return _read_file(path)
         except FileNotFoundError:
             with self._lock:
                 self._misses += 1
@@ -342,10 +428,16 @@ class DiskStore(StoreBase, LruPinning):
                 self._misses += 1
                 self._errors += 1
             return None
+
+    def _accept(self, key: ChunkKey, path: str, loaded: tuple[bytes, int] | None) -> bytes | None:
+        """Verify (and unseal) what ``_load`` read; index a file another process wrote."""
+        if loaded is None:
+            return None
+        data, ino = loaded
         try:
             value, parent = open_stored(key, data, self.sealer)
         except CorruptEntryError as exc:
-            self._drop_corrupt(key, str(path), str(exc), ino=ino)
+            self._drop_corrupt(key, path, str(exc), ino=ino)
             with self._lock:
                 self._misses += 1
             return None
@@ -366,13 +458,50 @@ class DiskStore(StoreBase, LruPinning):
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
         value, parent = validate_chunk(key, value)
+        job = self._admit(key, value, parent)
+        if job is None:
+            return
+        self._finish(job, self._write(job, sync=self._fsync))
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
+        """``put`` of each (key, value); with ``durability="fsync"`` one sync for the batch.
+
+        Every value is validated before anything is written: a malformed one raises
+        ``InvalidInputError`` and none of the batch is stored.
+        """
+        checked = []
+        for k, v in items:
+            k = check_key(k)
+            checked.append((k, *validate_chunk(k, v)))
+        if not self._fsync:
+            for k, v, parent in checked:
+                job = self._admit(k, v, parent)
+                if job is not None:
+                    self._finish(job, self._write(job, sync=False))
+            return
+        jobs = [j for j in (self._admit(k, v, p) for k, v, p in checked) if j is not None]
+        staged = [(j, self._stage(j)) for j in jobs]  # temporary files, not yet synced
+        if any(tmp is not None for _, tmp in staged):
+            self._sync_root()
+        dirs: set[str] = set()
+        for job, tmp in staged:
+            ok = False
+            if tmp is not None and self._rename(job, tmp):
+                dirs.add(os.path.dirname(tmp))
+                ok = True
+            self._finish(job, ok)
+        for d in dirs:
+            _fsync_dir(d)
+
+    def _admit(self, key: ChunkKey, value: bytes, parent: ChunkKey | None) -> _Job | None:
+        """Seal a validated chunk and make room for its write; None if it is not to be written."""
         if self.sealer is not None:
             value = self.sealer.seal(value)
         size = len(value)
         if size > self.capacity_bytes:
             with self._lock:
                 self._rejected += 1
-            return
+            return None
         with self._lock:
             old = self._lru.remove(key)  # replacing: its bytes are freed first
             existed = old is not None
@@ -396,63 +525,99 @@ class DiskStore(StoreBase, LruPinning):
         if not ok:
             if existed:
                 self._forget_or_keep(key)
-            return
-        written = self._write(key, value)
+            return None
+        return _Job(key, value, parent, existed, pins)
+
+    def _finish(self, job: _Job, written: bool) -> None:
         with self._lock:
-            self._reserved -= size
+            self._reserved -= len(job.value)
         if not written:
-            if existed:  # the old file was not replaced
-                self._forget_or_keep(key)
+            if job.existed:  # the old file was not replaced
+                self._forget_or_keep(job.key)
             return
         with self._lock:
-            self._lru.add(key, size, parent)
-            for _ in range(pins):
-                self._lru.pin(key)
+            self._lru.add(job.key, len(job.value), job.parent)
+            for _ in range(job.pins):
+                self._lru.pin(job.key)
             self._puts += 1
-        if not existed:
-            self._emit("store", key, "put")
+        if not job.existed:
+            self._emit("store", job.key, "put")
 
     def _forget_or_keep(self, key: ChunkKey) -> None:
         # the old file is still on disk: re-index it so the budget stays truthful
         try:
-            header, size, _ = self._read_header(str(self._path(key)), key)
+            header, size, _ = self._read_header(self._path(key), key)
         except (OSError, CorruptEntryError):
             return
         with self._lock:
             self._lru.add(key, size, parent_of(header))
 
-    def _write(self, key: ChunkKey, value: bytes) -> bool:
-        final = self._path(key)
-        tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+    def _write(self, job: _Job, *, sync: bool) -> bool:
+        tmp = self._stage(job, sync=sync)
+        if tmp is None:
+            return False
+        if not self._rename(job, tmp):
+            return False
+        if sync:
+            _fsync_dir(os.path.dirname(tmp))
+        return True
+
+    def _stage(self, job: _Job, *, sync: bool = False) -> str | None:
+        """Write a chunk to a fresh temporary file next to its final name; None on failure."""
+        h = job.key.hex()
+        shard = f"{self._root_s}{h[:2]}"
+        tmp = f"{shard}/.{h}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}"
         fd = -1
         try:
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            view = memoryview(value)
+            if shard not in self._shard_dirs:
+                os.makedirs(shard, exist_ok=True)
+                self._shard_dirs.add(shard)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # the shard directory was removed under us
+                self._shard_dirs.discard(shard)
+                os.makedirs(shard, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            view = memoryview(job.value)
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            if self._fsync:
+            if sync:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.replace(tmp, final)
-            return True
+            return tmp
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            level = logging.WARNING if exc.errno != errno.ENOENT else logging.DEBUG
-            logger.log(level, "DiskStore: could not write chunk %s: %s", key.hex()[:16], exc)
-            with self._lock:
-                self._errors += 1
+            self._write_failed(job.key, tmp, exc)
+            return None
+
+    def _rename(self, job: _Job, tmp: str) -> bool:
+        try:
+            os.replace(tmp, self._path(job.key))
+            return True
+        except OSError as exc:
+            self._write_failed(job.key, tmp, exc)
             return False
 
+    def _write_failed(self, key: ChunkKey, tmp: str, exc: OSError) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        level = logging.WARNING if exc.errno != errno.ENOENT else logging.DEBUG
+        logger.log(level, "DiskStore: could not write chunk %s: %s", key.hex()[:16], exc)
+        with self._lock:
+            self._errors += 1
+
+    def _sync_root(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _syncfs(fd)
+        finally:
+            os.close(fd)
+
     def contains(self, key: ChunkKey) -> bool:
-        return self._path(check_key(key)).exists()
+        return os.path.exists(self._path(check_key(key)))
 
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)

@@ -3,10 +3,26 @@
 Layout (little-endian)::
 
     b"SCKV"            4 bytes  magic
-    header_len         u32      length of the header JSON
-    header             JSON     canonical (sorted keys), UTF-8; see ChunkHeader
+    header_len         u32      length of the header
+    header             bytes    format 2: binary (below); format 1: canonical JSON
     payload            bytes    tensor blobs back to back, offsets in the header
     checksum           16 bytes XXH3-128 of everything before it
+
+Format 2 header (written by default)::
+
+    u16 format_version (2), u16 flags (bit 0: has a parent), u32 num_tokens, u64 start,
+    u64 payload_len, u8 len(namespace), u8 len(key), u8 len(parent), u8 len(dtype),
+    u16 len(codec), u32 len(codec_params), u32 len(meta), u32 len(tensor table)
+    namespace, key, parent (raw digests), dtype, codec (UTF-8),
+    codec_params, meta (canonical JSON objects),
+    tensor table: u32 count, then per tensor u16 len(name), u8 dtype code, u8 ndim, name,
+                  ndim x u64 shape, u64 offset, u64 nbytes
+
+Format 1 (the JSON header; still read, and written with ``encode_chunk(format_version=1)``)
+begins its header with ``{``; format 2 and later begin with their u16 version, so a reader tells
+them apart from the first header byte and refuses any other version by number. Chunks of one
+model share one tensor table byte for byte, so a reader checks each distinct table once and
+then only looks it up (``_TABLES``).
 
 No pickle: tensors are raw little-endian arrays described by dtype strings and shapes.
 A reader rejects (``CorruptEntryError``) any byte string whose magic, header, sizes or checksum
@@ -19,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +47,7 @@ from ..errors import CorruptEntryError, NamespaceMismatchError
 
 __all__ = [
     "FORMAT_VERSION",
+    "SUPPORTED_FORMAT_VERSIONS",
     "Chunk",
     "ChunkHeader",
     "ChunkInfo",
@@ -40,16 +58,33 @@ __all__ = [
     "verify_chunk",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The chunk format ``encode_chunk`` writes by default."""
+
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
+"""Formats every reader accepts; anything else is refused with its version number."""
+
 _MAGIC = b"SCKV"
 _PREFIX = struct.Struct("<4sI")
 _CHECKSUM_LEN = 16
 _MAX_HEADER = 1 << 24  # 16 MiB: a header larger than this is corrupt, not big
+_JSON_OPEN = 0x7B  # "{": first header byte of format 1
+
+# format 2 fixed header: version, flags, num_tokens, start, payload_len, len(namespace), len(key),
+# len(parent), len(dtype), len(codec), len(codec_params), len(meta), len(tensor table)
+_V2 = struct.Struct("<HHIQQBBBBHIII")
+_V2_HAS_PARENT = 1
+_V2_ENTRY = struct.Struct("<HBB")  # len(name), dtype code, ndim
+_U32 = struct.Struct("<I")
+_U64X2 = struct.Struct("<QQ")
 
 # numpy dtype strings accepted in a chunk ("bfloat16" is stored as raw uint16 bits)
 _DTYPES = {"<f4", "<f2", "<f8", "|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8", "bfloat16"}
 _ITEMSIZE = {d: (2 if d == "bfloat16" else np.dtype(d).itemsize) for d in _DTYPES}
 _NP_DTYPES = {d: np.dtype("<u2") if d == "bfloat16" else np.dtype(d) for d in _DTYPES}
+# format 2 dtype codes (append only: a code's meaning never changes)
+_DTYPE_CODES = ("<f4", "<f2", "<f8", "|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8", "bfloat16")
+_CODE_OF = {d: i + 1 for i, d in enumerate(_DTYPE_CODES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +96,22 @@ class TensorSpec:
     shape: tuple[int, ...]
     offset: int  # byte offset inside the payload
     nbytes: int
+
+
+def _canonical(d: Mapping[str, Any]) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    if raw == b"{}":
+        return {}
+    try:
+        d = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptEntryError(f"unreadable chunk {what}: {exc}") from None
+    if not isinstance(d, dict):
+        raise CorruptEntryError(f"chunk {what} is not a JSON object")
+    return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +128,24 @@ class ChunkHeader:
     codec_params: dict[str, Any]
     tensors: tuple[TensorSpec, ...]
     payload_len: int
-    format_version: int = FORMAT_VERSION
+    format_version: int = FORMAT_VERSION  # the encoding of the header bytes (1: JSON, 2: binary)
     meta: dict[str, Any] = field(default_factory=dict)  # free-form, e.g. layer count, writer id
 
+    def to_bytes(self) -> bytes:
+        """The header as stored, in the encoding its ``format_version`` names."""
+        if self.format_version == 1:
+            return self._to_json_v1()
+        if self.format_version == 2:
+            return self._to_binary_v2()
+        raise ValueError(f"cannot write chunk format version {self.format_version} "
+                         f"(supported: {sorted(SUPPORTED_FORMAT_VERSIONS)})")
+
     def to_json(self) -> bytes:
-        d = {
+        """Same as :meth:`to_bytes` (the name predates the binary format 2 header)."""
+        return self.to_bytes()
+
+    def _to_json_v1(self) -> bytes:
+        return _canonical({
             "format_version": self.format_version,
             "namespace": self.namespace,
             "key": self.key,
@@ -96,12 +160,52 @@ class ChunkHeader:
             ],
             "payload_len": self.payload_len,
             "meta": self.meta,
-        }
-        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        })
+
+    def _to_binary_v2(self) -> bytes:
+        ns = bytes.fromhex(self.namespace)
+        key = bytes.fromhex(self.key)
+        parent = b"" if self.parent is None else bytes.fromhex(self.parent)
+        dtype = self.dtype.encode("utf-8")
+        codec = self.codec.encode("utf-8")
+        params = _canonical(self.codec_params)
+        meta = _canonical(self.meta)
+        table = _encode_table(self.tensors)
+        if max(len(ns), len(key), len(parent), len(dtype)) > 255 or len(codec) > 0xFFFF:
+            raise ValueError("chunk header field too long for format 2")
+        fixed = _V2.pack(2, _V2_HAS_PARENT if self.parent is not None else 0, self.num_tokens,
+                         self.start, self.payload_len, len(ns), len(key), len(parent),
+                         len(dtype), len(codec), len(params), len(meta), len(table))
+        return b"".join((fixed, ns, key, parent, dtype, codec, params, meta, table))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | bytearray | memoryview) -> ChunkHeader:
+        """Parse header bytes of any supported format; ``CorruptEntryError`` if they are bad."""
+        mv = memoryview(raw)
+        if len(mv) and mv[0] == _JSON_OPEN:
+            try:
+                return cls._from_json_v1(bytes(mv))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CorruptEntryError(f"unreadable chunk header: {exc}") from None
+        p = _parse_v2(mv, 0, len(mv))
+        return cls(
+            namespace=p.namespace.hex(), key=p.key.hex(),
+            parent=None if p.parent is None else p.parent.hex(), num_tokens=p.num_tokens,
+            start=p.start, dtype=p.dtype, codec=p.codec, codec_params=p.codec_params,
+            tensors=p.tensors, payload_len=p.payload_len, format_version=2, meta=p.meta,
+        )
 
     @classmethod
     def from_json(cls, raw: bytes) -> ChunkHeader:
+        """Same as :meth:`from_bytes` (kept for callers of the format 1 name)."""
+        return cls.from_bytes(raw)
+
+    @classmethod
+    def _from_json_v1(cls, raw: bytes) -> ChunkHeader:
         d = json.loads(raw)
+        if d["format_version"] != 1:  # a JSON header is format 1 whatever it claims
+            raise CorruptEntryError(
+                f"unsupported chunk format version {d['format_version']!r} in a JSON header")
         tensors = tuple(
             TensorSpec(name=str(n), dtype=str(dt), shape=tuple(int(s) for s in shp),
                        offset=int(off), nbytes=int(nb))
@@ -121,6 +225,147 @@ class ChunkHeader:
             format_version=int(d["format_version"]),
             meta=dict(d.get("meta", {})),
         )
+
+
+# ---- format 2 tensor tables ---------------------------------------------------------------
+
+def _encode_table(tensors: tuple[TensorSpec, ...] | list[TensorSpec]) -> bytes:
+    parts = [_U32.pack(len(tensors))]
+    for t in tensors:
+        name = t.name.encode("utf-8")
+        code = _CODE_OF.get(t.dtype)
+        if code is None:
+            raise ValueError(f"tensor {t.name!r} has unsupported dtype {t.dtype!r}")
+        if len(name) > 0xFFFF or len(t.shape) > 255:
+            raise ValueError(f"tensor {t.name!r}: name or rank too large for format 2")
+        parts.append(_V2_ENTRY.pack(len(name), code, len(t.shape)))
+        parts.append(name)
+        parts.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        parts.append(_U64X2.pack(t.offset, t.nbytes))
+    return b"".join(parts)
+
+
+def _parse_table(raw: bytes) -> tuple[tuple[TensorSpec, ...], int]:
+    """Tensor specs of a format 2 table and the payload bytes they need (their largest end)."""
+    n = len(raw)
+    if n < 4:
+        raise CorruptEntryError("truncated tensor table")
+    (count,) = _U32.unpack_from(raw, 0)
+    pos = 4
+    specs: list[TensorSpec] = []
+    need = 0
+    try:
+        for _ in range(count):
+            name_len, code, ndim = _V2_ENTRY.unpack_from(raw, pos)
+            pos += _V2_ENTRY.size
+            name = raw[pos : pos + name_len].decode("utf-8")
+            pos += name_len
+            shape = struct.unpack_from(f"<{ndim}Q", raw, pos)
+            pos += 8 * ndim
+            off, nb = _U64X2.unpack_from(raw, pos)
+            pos += _U64X2.size
+            if not 1 <= code <= len(_DTYPE_CODES):
+                raise CorruptEntryError(f"bad dtype code {code} for tensor {name!r}")
+            dt = _DTYPE_CODES[code - 1]
+            if math.prod(shape) * _ITEMSIZE[dt] != nb:
+                raise CorruptEntryError(f"tensor {name!r} shape/size mismatch")
+            specs.append(TensorSpec(name, dt, tuple(shape), off, nb))
+            need = max(need, off + nb)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise CorruptEntryError(f"truncated or garbled tensor table: {exc}") from None
+    if pos != n:
+        raise CorruptEntryError(f"tensor table has {n - pos} trailing bytes")
+    return tuple(specs), need
+
+
+class _TableCache:
+    """Checked format 2 tensor tables by their exact bytes (all chunks of a model share one).
+
+    Bounded: when full it starts over (a process sees a handful of distinct tables: one per
+    model, codec and chunk length). Lookups are one dict access under no lock (CPython dicts
+    are safe for concurrent get/set); the lock only orders clearing.
+    """
+
+    __slots__ = ("_lock", "_tables", "capacity")
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._tables: dict[bytes, tuple[tuple[TensorSpec, ...], int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, raw: bytes) -> tuple[tuple[TensorSpec, ...], int]:
+        hit = self._tables.get(raw)
+        if hit is not None:
+            return hit
+        parsed = _parse_table(raw)  # raises before anything is cached
+        with self._lock:
+            if len(self._tables) >= self.capacity:
+                self._tables.clear()
+            self._tables[raw] = parsed
+        return parsed
+
+
+_TABLES = _TableCache()
+
+
+@dataclass(frozen=True, slots=True)
+class _V2Header:
+    namespace: bytes
+    key: bytes
+    parent: bytes | None
+    num_tokens: int
+    start: int
+    dtype: str
+    codec: str
+    codec_params: dict[str, Any]
+    meta: dict[str, Any]
+    tensors: tuple[TensorSpec, ...]
+    payload_len: int
+
+
+def _parse_v2(mv: memoryview, start: int, end: int) -> _V2Header:
+    """Parse the format 2 header in ``mv[start:end]`` (all of it, nothing more)."""
+    if end - start < 2:
+        raise CorruptEntryError("chunk header too short")
+    (version,) = struct.unpack_from("<H", mv, start)
+    if version != 2:
+        raise CorruptEntryError(
+            f"unsupported chunk format version {version} (this semcomm reads "
+            f"{sorted(SUPPORTED_FORMAT_VERSIONS)})")
+    if end - start < _V2.size:
+        raise CorruptEntryError("chunk header too short")
+    (_, flags, num_tokens, first, payload_len, ns_len, key_len, parent_len, dtype_len,
+     codec_len, params_len, meta_len, table_len) = _V2.unpack_from(mv, start)
+    pos = start + _V2.size
+    if pos + ns_len + key_len + parent_len + dtype_len + codec_len + params_len + meta_len \
+            + table_len != end:
+        raise CorruptEntryError("chunk header field lengths do not add up")
+    has_parent = bool(flags & _V2_HAS_PARENT)
+    if flags & ~_V2_HAS_PARENT or (not has_parent and parent_len):
+        raise CorruptEntryError(f"bad chunk header flags {flags:#x}")
+    ns = bytes(mv[pos : pos + ns_len])
+    pos += ns_len
+    key = bytes(mv[pos : pos + key_len])
+    pos += key_len
+    parent = bytes(mv[pos : pos + parent_len]) if has_parent else None
+    pos += parent_len
+    try:
+        dtype = str(mv[pos : pos + dtype_len], "utf-8")
+        pos += dtype_len
+        codec = str(mv[pos : pos + codec_len], "utf-8")
+        pos += codec_len
+    except UnicodeDecodeError:
+        raise CorruptEntryError("chunk header dtype or codec is not UTF-8") from None
+    params = _json_object(bytes(mv[pos : pos + params_len]), "codec parameters")
+    pos += params_len
+    meta = _json_object(bytes(mv[pos : pos + meta_len]), "header meta")
+    pos += meta_len
+    specs, need = _TABLES.get(bytes(mv[pos:end]))
+    if need > payload_len:
+        raise CorruptEntryError(
+            f"tensor table needs {need} payload bytes, header says {payload_len}")
+    return _V2Header(ns, key, parent, num_tokens, first, dtype, codec, params, meta, specs,
+                     payload_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +394,16 @@ def encode_chunk(
     arrays: Mapping[str, np.ndarray],
     bf16_names: frozenset[str] = frozenset(),
     meta: Mapping[str, Any] | None = None,
+    format_version: int = FORMAT_VERSION,
 ) -> bytes:
-    """Encode a chunk. ``arrays`` holds numpy arrays; names in ``bf16_names`` are uint16 bf16 bits."""
+    """Encode a chunk. ``arrays`` holds numpy arrays; names in ``bf16_names`` are uint16 bf16 bits.
+
+    ``format_version=1`` writes the JSON header that semcomm releases before format 2 read
+    (for a store shared with older readers).
+    """
+    if format_version not in SUPPORTED_FORMAT_VERSIONS:
+        raise ValueError(f"cannot write chunk format version {format_version} "
+                         f"(supported: {sorted(SUPPORTED_FORMAT_VERSIONS)})")
     specs: list[TensorSpec] = []
     blobs: list[bytes | memoryview] = []
     offset = 0
@@ -178,20 +431,17 @@ def encode_chunk(
         codec_params=dict(codec_params),
         tensors=tuple(specs),
         payload_len=offset,
+        format_version=format_version,
         meta=dict(meta or {}),
     )
-    hjson = header.to_json()
-    out = bytearray(_PREFIX.size + len(hjson) + offset + _CHECKSUM_LEN)
-    _PREFIX.pack_into(out, 0, _MAGIC, len(hjson))
-    pos = _PREFIX.size
-    out[pos : pos + len(hjson)] = hjson
-    pos += len(hjson)
+    hbytes = header.to_bytes()
+    prefix = _PREFIX.pack(_MAGIC, len(hbytes))
+    # one copy of the tensors: the checksum streams over the pieces, join builds the result
+    h = xxhash.xxh3_128(prefix)
+    h.update(hbytes)
     for b in blobs:
-        n = len(b)
-        out[pos : pos + n] = b
-        pos += n
-    out[pos:] = xxhash.xxh3_128_digest(memoryview(out)[:pos])
-    return bytes(out)
+        h.update(b)
+    return b"".join((prefix, hbytes, *blobs, h.digest()))
 
 
 def _split(data: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
@@ -200,7 +450,7 @@ def _split(data: bytes | bytearray | memoryview) -> tuple[ChunkHeader, int]:
 
 
 def prefix_length(head: bytes | bytearray | memoryview) -> int:
-    """Bytes before the payload (magic, length, header JSON), from the first 8 bytes of a chunk."""
+    """Bytes before the payload (magic, length, header), from the first 8 bytes of a chunk."""
     if len(head) < _PREFIX.size:
         raise CorruptEntryError(f"chunk too short ({len(head)} bytes)")
     magic, hlen = _PREFIX.unpack_from(head, 0)
@@ -225,11 +475,8 @@ def header_from_prefix(
     body = prefix_length(mv)
     if body + _CHECKSUM_LEN > total_len or body > len(mv):
         raise CorruptEntryError(f"bad chunk header length {body - _PREFIX.size}")
-    try:
-        header = ChunkHeader.from_json(bytes(mv[_PREFIX.size : body]))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptEntryError(f"unreadable chunk header: {exc}") from None
-    if header.format_version != FORMAT_VERSION:
+    header = ChunkHeader.from_bytes(mv[_PREFIX.size : body])
+    if header.format_version not in SUPPORTED_FORMAT_VERSIONS:
         raise CorruptEntryError(f"unsupported chunk format version {header.format_version}")
     if body + header.payload_len + _CHECKSUM_LEN != total_len:
         raise CorruptEntryError(
@@ -324,13 +571,29 @@ def verify_chunk(
     end = total - _CHECKSUM_LEN
     if xxhash.xxh3_128_digest(mv[:end]) != bytes(mv[end:]):
         raise CorruptEntryError("chunk failed its checksum")
+    if body > _PREFIX.size and mv[_PREFIX.size] == _JSON_OPEN:
+        return _verify_v1(mv, body, total, expect_key)
+    h = _parse_v2(mv, _PREFIX.size, body)
+    if body + h.payload_len + _CHECKSUM_LEN != total:
+        raise CorruptEntryError(f"chunk size mismatch: header says {h.payload_len} payload "
+                                f"bytes, have {end - body}")
+    if expect_key is not None and h.key != bytes(expect_key):
+        raise CorruptEntryError(
+            f"chunk stored under key {bytes(expect_key).hex()[:16]} says it is {h.key.hex()[:16]}"
+        )
+    return ChunkInfo(key=h.key, parent=h.parent, namespace=h.namespace, nbytes=total)
+
+
+def _verify_v1(mv: memoryview, body: int, total: int, expect_key: bytes | None) -> ChunkInfo:
+    """The format 1 (JSON header) half of :func:`verify_chunk`; framing and checksum are done."""
+    end = total - _CHECKSUM_LEN
     try:
         d = json.loads(bytes(mv[_PREFIX.size : body]))
     except ValueError as exc:
         raise CorruptEntryError(f"unreadable chunk header: {exc}") from None
     if not isinstance(d, dict):
         raise CorruptEntryError("chunk header is not a JSON object")
-    if d.get("format_version") != FORMAT_VERSION:
+    if d.get("format_version") != 1:  # a JSON header is format 1 whatever it claims
         raise CorruptEntryError(f"unsupported chunk format version {d.get('format_version')!r}")
     payload_len = d.get("payload_len")
     if not isinstance(payload_len, int) or body + payload_len + _CHECKSUM_LEN != total:

@@ -307,6 +307,11 @@ class StoreBase(ABC):
         """``fetch`` of each key, in order (one round trip for Redis; per tier for tiered)."""
         return [self.fetch(k) for k in keys]
 
+    def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
+        """``put`` of each (key, value) in order (DiskStore: one sync per batch with fsync)."""
+        for key, value in items:
+            self.put(key, value)
+
     def __contains__(self, key: object) -> bool:
         return self.contains(check_key(key))
 

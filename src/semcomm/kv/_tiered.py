@@ -146,6 +146,17 @@ class TieredStore(StoreBase):
         for tier in self.tiers:  # the first tier validates; a bad value raises before any write
             tier.put(key, value)
 
+    def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
+        """Write a batch through to every tier (each tier's own ``put_many`` where it has one)."""
+        batch = [(check_key(k), v) for k, v in items]
+        for tier in self.tiers:
+            many = getattr(tier, "put_many", None)
+            if many is not None:
+                many(batch)
+            else:
+                for k, v in batch:
+                    tier.put(k, v)
+
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)
         results = [t.delete(key) for t in self.tiers]

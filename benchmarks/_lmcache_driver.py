@@ -1,0 +1,217 @@
+"""LMCache's storage backends driven directly, for bench_kv_stores.py --lmcache-python.
+
+Runs inside a separate virtual environment that has ``lmcache`` (it pins numpy and other
+packages that semcomm's environment does not want); it does not import semcomm. It receives
+the chunk shape and the measurement plan as JSON on the command line and prints one JSON
+object on stdout:
+
+* ``disk``: LMCache's ``LocalDiskBackend`` (the ``local_disk`` backend a vLLM user enables,
+  default settings): put throughput (submit every chunk, then wait until every write has
+  landed: LMCache writes from a worker thread), get throughput (``get_blocking``: allocate from
+  LMCache's CPU pool and ``readinto``; the memory object is released after each get) and
+  batched get (``batched_get_blocking`` of ``batch`` keys: its read thread pool), in a fresh
+  directory per put round; then a restart (a new backend on the same directory: chunks found) and a tamper test
+  (one byte flipped in a chunk file: is the damaged chunk still returned?).
+* ``cpu``: ``LocalCPUBackend`` put (allocate from its pool, copy the tensor in,
+  ``submit_put_task``) and get (``get_blocking`` then a copy
+  of the tensor, as a consumer that keeps the data would), for reference.
+
+The chunks have LMCache's KV_2LTD layout ``[2, layers, tokens, kv_heads * head_dim]`` in fp16,
+the same bytes as semcomm's 24-layer K/V chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+def _quiet() -> None:
+    logging.disable(logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("lmcache"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main() -> int:
+    plan: dict[str, Any] = json.loads(sys.argv[1])
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+    _quiet()
+    torch.set_num_threads(1)
+    layers, heads, head_dim = plan["layers"], plan["heads"], plan["head_dim"]
+    repeat = plan["repeat"]
+    work = plan.get("dir") or tempfile.mkdtemp(prefix="lmcache-bench-")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    out: dict[str, Any] = {"lmcache_version": _version(), "results": []}
+
+    def config(path: str | None) -> Any:
+        return LMCacheEngineConfig.from_defaults(
+            chunk_size=256, local_cpu=path is None, max_local_cpu_size=2.0,
+            local_disk=path, max_local_disk_size=8.0 if path else 0.0,
+        )
+
+    pool = torch.empty(3 << 30, dtype=torch.uint8)  # LMCache's CPU staging pool
+
+    def cpu_backend(cfg: Any) -> Any:
+        return LocalCPUBackend(cfg, memory_allocator=TensorMemoryAllocator(pool))
+
+    for tokens in plan["tokens"]:
+        shape = torch.Size([2, layers, tokens, heads * head_dim])
+        one = shape.numel() * 2
+        n = max(4, plan["mib"] * (1 << 20) // one)
+        gen = torch.Generator().manual_seed(0)
+        base = torch.randn(shape, generator=gen).to(torch.float16)
+
+        def keys(round_: int, tokens: int = tokens, n: int = n) -> list[Any]:
+            return [CacheEngineKey("bench", 1, 0, (round_ << 32) + (tokens << 20) + i,
+                                   torch.float16) for i in range(n)]
+
+        # ---- disk --------------------------------------------------------------------
+        puts: list[float] = []
+        gets: list[float] = []
+        bgets: list[float] = []
+        batch = plan["batch"]
+        last_dir = ""
+        for r in range(repeat):
+            d = os.path.join(work, f"disk-{tokens}-{r}")
+            os.makedirs(d, exist_ok=True)
+            cfg = config(d)
+            cpu = cpu_backend(cfg)
+            disk = LocalDiskBackend(cfg, loop, cpu)
+            ks = keys(r)
+            objs = []
+            for i in range(n):
+                m = cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
+                m.tensor.copy_(base + i)
+                objs.append(m)
+            t0 = time.perf_counter()
+            for k, m in zip(ks, objs):
+                disk.submit_put_task(k, m)
+            while not all(disk.contains(k) for k in (ks[-1], ks[0])) or any(
+                    disk.exists_in_put_tasks(k) for k in ks):
+                time.sleep(0.0002)
+            puts.append(time.perf_counter() - t0)
+            for m in objs:
+                m.ref_count_down()
+            assert all(disk.contains(k) for k in ks)
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for k in ks:
+                    m = disk.get_blocking(k)
+                    assert m is not None
+                    m.ref_count_down()
+                gets.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i in range(0, n, batch):
+                    got = disk.batched_get_blocking(ks[i : i + batch])
+                    assert all(m is not None for m in got)
+                    for m in got:
+                        m.ref_count_down()
+                bgets.append(time.perf_counter() - t0)
+            last_dir = d
+            last_keys = ks
+            disk.close()
+        nbytes = n * one
+        # restart: a fresh backend on the last directory
+        cfg = config(last_dir)
+        disk2 = LocalDiskBackend(cfg, loop, cpu_backend(cfg))
+        found = sum(disk2.contains(k) for k in last_keys)
+        disk2.close()
+        # tamper: flip one byte of a chunk file in a live backend, then get it
+        cfg = config(last_dir + "-t")
+        cpu = cpu_backend(cfg)
+        disk3 = LocalDiskBackend(cfg, loop, cpu)
+        k0 = keys(99)[0]
+        m = cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
+        m.tensor.copy_(base)
+        disk3.submit_put_task(k0, m)
+        while not disk3.contains(k0) or disk3.exists_in_put_tasks(k0):
+            time.sleep(0.001)
+        m.ref_count_down()
+        path = disk3._key_to_path(k0)
+        with open(path, "r+b") as f:
+            f.seek(one // 2)
+            b = f.read(1)
+            f.seek(one // 2)
+            f.write(bytes([b[0] ^ 0x40]))
+        got = disk3.get_blocking(k0)
+        tampered_served = got is not None
+        if got is not None:
+            got.ref_count_down()
+        disk3.close()
+        out["results"].append({
+            "backend": "lmcache-disk", "tokens": tokens, "chunk_bytes": one, "chunks": n,
+            "put_GBps": nbytes / min(puts) / 1e9, "get_GBps": nbytes / min(gets) / 1e9,
+            "put_us_per_chunk": min(puts) / n * 1e6, "get_us_per_chunk": min(gets) / n * 1e6,
+            "batched_get_GBps": nbytes / min(bgets) / 1e9,
+            "batched_get_us_per_chunk": min(bgets) / n * 1e6,
+            "found_after_restart": found, "tampered_chunk_served": tampered_served,
+        })
+        # ---- cpu ---------------------------------------------------------------------
+        cputimes: list[float] = []
+        cgets: list[float] = []
+        for r in range(repeat):
+            cfg = config(None)
+            cpu = cpu_backend(cfg)
+            ks = keys(100 + r)
+            srcs = [base + i for i in range(n)]
+            objs = []
+            t0 = time.perf_counter()
+            for k, src in zip(ks, srcs):  # a put from data in hand: allocate, copy, insert
+                m = cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
+                m.tensor.copy_(src)
+                cpu.submit_put_task(k, m)
+                objs.append(m)
+            cputimes.append(time.perf_counter() - t0)
+            for m in objs:
+                m.ref_count_down()
+            t0 = time.perf_counter()
+            for k in ks:
+                m = cpu.get_blocking(k)
+                assert m is not None
+                _ = m.tensor.clone()
+                m.ref_count_down()
+            cgets.append(time.perf_counter() - t0)
+            cpu.clear() if hasattr(cpu, "clear") else None
+        out["results"].append({
+            "backend": "lmcache-cpu", "tokens": tokens, "chunk_bytes": one, "chunks": n,
+            "put_GBps": nbytes / min(cputimes) / 1e9, "get_GBps": nbytes / min(cgets) / 1e9,
+            "put_us_per_chunk": min(cputimes) / n * 1e6,
+            "get_us_per_chunk": min(cgets) / n * 1e6,
+        })
+    loop.call_soon_threadsafe(loop.stop)
+    if not plan.get("dir"):
+        shutil.rmtree(work, ignore_errors=True)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("lmcache")
+    except Exception:  # pragma: no cover - metadata missing
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
