@@ -205,3 +205,120 @@ def exact_best(base: np.ndarray, queries: np.ndarray, chunk: int = 200_000) -> n
         upd = m > best
         best[upd], arg[upd] = m[upd], j[upd] + s
     return arg
+
+
+# -- FAQ traffic (issue: semantic cache on real traffic) ------------------------------------
+# CLINC150 intents where one intent is one answer (no slot that changes the answer), split by
+# domain: the banking and credit-card domains are the held-out "banking-support" set (the
+# issue's workload; banking77 is not in the data), the rest are for development.
+BANKING_INTENTS = (
+    "transfer", "transactions", "balance", "freeze_account", "pay_bill", "bill_balance",
+    "bill_due", "interest_rate", "routing", "min_payment", "order_checks", "pin_change",
+    "report_fraud", "account_blocked", "spending_history", "credit_score", "report_lost_card",
+    "credit_limit", "rewards_balance", "new_card", "application_status", "card_declined",
+    "international_fees", "apr", "redeem_rewards", "credit_limit_change", "damaged_card",
+    "replacement_card_duration", "improve_credit_score", "expiration_date",
+)
+DEV_FAQ_INTENTS = (
+    "are_you_a_bot", "do_you_have_pets", "how_old_are_you", "meaning_of_life",
+    "what_are_your_hobbies", "what_can_i_ask_you", "what_is_your_name", "where_are_you_from",
+    "who_do_you_work_for", "who_made_you", "thank_you", "goodbye", "greeting", "user_name",
+    "direct_deposit", "pto_balance", "pto_used", "payday", "income", "insurance",
+    "insurance_change", "rollover_401k", "taxes", "w2", "carry_on", "lost_luggage",
+    "travel_notification", "jump_start", "oil_change_how", "oil_change_when", "tire_change",
+    "tire_pressure", "last_maintenance", "schedule_maintenance", "mpg", "gas_type", "find_phone",
+    "reset_settings", "sync_device", "whisper_mode", "change_accent", "change_speed",
+    "change_volume", "order_status",
+)
+
+
+@dataclass
+class FAQWorkload:
+    """Stored phrasings with their answers, and lookups with the answer that is right for them
+    (None: out of scope, any hit is wrong)."""
+
+    name: str
+    stored: list[str]
+    answers: list[str]
+    queries: list[str]
+    expected: list[str | None]
+
+    def in_scope(self) -> np.ndarray:
+        return np.array([e is not None for e in self.expected])
+
+
+def clinc_faq(split: str, intents: tuple[str, ...], *, per_intent: int = 5,
+              queries_per_intent: int | None = None, seed: int = 0,
+              data: Path = DEFAULT_DATA) -> FAQWorkload:
+    """``per_intent`` stored phrasings per intent from CLINC150 ``train``; queries from ``split``
+    ("train": other train utterances, dev; "val": the held-out val utterances) plus the
+    out-of-scope queries of the same split (oos_train / oos_val)."""
+    import json
+
+    d = json.loads((data / "clinc150" / "clinc150_dev.json").read_text())
+    rng = random.Random(seed)
+    by: dict[str, list[str]] = {i: [] for i in intents}
+    for t, i in d["train"]:
+        if i in by:
+            by[i].append(t)
+    stored, answers, queries, expected = [], [], [], []
+    held: dict[str, list[str]] = {}
+    for i in intents:
+        texts = list(by[i])
+        rng.shuffle(texts)
+        for t in texts[:per_intent]:
+            stored.append(t)
+            answers.append(f"answer:{i}")
+        held[i] = texts[per_intent:]
+    if split == "val":
+        held = {i: [] for i in intents}
+        for t, i in d["val"]:
+            if i in held:
+                held[i].append(t)
+    for i in intents:
+        qs = held[i][:queries_per_intent] if queries_per_intent else held[i]
+        queries.extend(qs)
+        expected.extend([f"answer:{i}"] * len(qs))
+    oos = d["oos_train" if split == "train" else "oos_val"]
+    queries.extend(t for t, _ in oos)
+    expected.extend([None] * len(oos))
+    return FAQWorkload(f"clinc150-{split}", stored, answers, queries, expected)
+
+
+def quora_faq(path: Path, *, per_component: int = 5, distractors: int = 3000,
+              seed: int = 0) -> FAQWorkload:
+    """An FAQ built from a Quora pair file: every duplicate component of 3+ questions is one
+    answer; up to ``per_component`` of its questions are stored and one other is looked up.
+    ``distractors`` questions without any duplicate are stored as their own answers, and as
+    many others are looked up as out-of-scope queries (QQP leaves some duplicates unlabelled,
+    so a few of those "wrong" hits are right by meaning)."""
+    p = build_protocol(path, seed=seed, limit=1)  # only its duplicate components are used
+    rng = random.Random(seed)
+    members: dict[int, list[str]] = {}
+    text: dict[str, str] = {}
+    for q1, q2, _ in read_pairs(path):
+        text.setdefault(norm(q1), q1.strip())
+        text.setdefault(norm(q2), q2.strip())
+    for q, c in p.comp.items():
+        members.setdefault(c, []).append(text[q])
+    stored, answers, queries, expected = [], [], [], []
+    singles = []
+    for c in sorted(members):
+        m = sorted(members[c])
+        if len(m) >= 3:
+            rng.shuffle(m)
+            q, keep = m[0], m[1:1 + per_component]
+            stored.extend(keep)
+            answers.extend([f"answer:q{c}"] * len(keep))
+            queries.append(q)
+            expected.append(f"answer:q{c}")
+        elif len(m) == 1:
+            singles.append(m[0])
+    rng.shuffle(singles)
+    for s in singles[:distractors]:
+        stored.append(s)
+        answers.append(f"answer:{norm(s)}")
+    for s in singles[distractors:2 * distractors]:
+        queries.append(s)
+        expected.append(None)
+    return FAQWorkload(f"quora-faq-{path.stem}", stored, answers, queries, expected)

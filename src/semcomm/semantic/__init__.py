@@ -26,6 +26,7 @@ from ._policy import (
     POLICIES,
     CalibrationResult,
     Candidate,
+    ClusterVotePolicy,
     Decision,
     ErrorBoundedPolicy,
     HitPolicy,
@@ -35,6 +36,15 @@ from ._policy import (
     make_policy,
 )
 from ._redis import RedisEntryStore
+from ._shadow import (
+    ShadowLog,
+    ShadowRecord,
+    ShadowReport,
+    answers_agree,
+    plot_shadow_report,
+    read_shadow_log,
+    shadow_report,
+)
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 from ._verifier import LexicalVerifier, verifier_features
 
@@ -48,6 +58,7 @@ __all__ = [
     "CalibrationResult",
     "CallableEmbedder",
     "Candidate",
+    "ClusterVotePolicy",
     "CrossEncoderVerifier",
     "Decision",
     "Embedder",
@@ -68,9 +79,13 @@ __all__ = [
     "Scope",
     "SemanticCache",
     "SentenceTransformerEmbedder",
+    "ShadowLog",
+    "ShadowRecord",
+    "ShadowReport",
     "Sync",
     "ThresholdPolicy",
     "Verifier",
+    "answers_agree",
     "as_embedder",
     "calibrate_threshold",
     "context_window",
@@ -78,5 +93,8 @@ __all__ = [
     "make_index",
     "make_policy",
     "open_store",
+    "plot_shadow_report",
+    "read_shadow_log",
+    "shadow_report",
     "verifier_features",
 ]

@@ -28,7 +28,14 @@ from ._index import (
     check_hnsw_options,
     check_ivf_options,
 )
-from ._policy import DEFAULT_THRESHOLD, Candidate, HitPolicy, ThresholdPolicy, make_policy
+from ._policy import (
+    DEFAULT_THRESHOLD,
+    Candidate,
+    HitPolicy,
+    ThresholdPolicy,
+    make_policy,
+)
+from ._shadow import MODES, ShadowLog, ShadowRecord, answers_agree
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
 __all__ = ["EVICTION_POLICIES", "CacheStats", "Hit", "SemanticCache", "open_store"]
@@ -52,6 +59,8 @@ class Hit:
     tags: tuple[str, ...]
     metadata: dict[str, Any]
     verified: bool = False  # a verifier confirmed this hit
+    cluster: str = ""  # the answer cluster that served it
+    reason: str = ""  # the policy's reason: "vote" (a cluster hit), "threshold", "verified", ...
 
 
 @dataclass(slots=True)
@@ -70,6 +79,11 @@ class CacheStats:
     verifications: int = 0
     verifier_rejections: int = 0  # hits refused by the verifier of a sensitive scope
     invalidated: int = 0
+    distrusted: int = 0  # candidates skipped because a served answer of theirs was contradicted
+    linked: int = 0  # stored entries that joined an existing answer cluster
+    contradicted: int = 0  # feedback(correct=False) and shadow disagreements on would-be hits
+    shadow_lookups: int = 0  # lookups answered by the model in shadow mode
+    shadow_would_hit: int = 0  # of those, the ones the cache would have served
     corrupt: int = 0
     errors: int = 0  # backend errors (lookups degraded to misses)
     store: str = ""
@@ -106,6 +120,27 @@ class _Slot:
     nbytes: int
     hits: int = 0
     last_access: float = 0.0
+    cluster: str = ""  # answer cluster key (an entry id)
+    answer_key: str = ""  # digest of the normalised answer text
+    trust: float = 1.0
+
+
+# an entry whose trust fell below this is neither served nor counted as a vote
+_MIN_TRUST = 0.75
+# one contradiction costs this much trust; an agreement gives back half of it
+_CONTRADICTION = 0.5
+# an entry at or below this trust is deleted
+_DROP_TRUST = 0.0
+# a stored query links to a neighbour's cluster only when it is at least this similar to it
+_LINK_FLOOR = 0.5
+# guard checks waived for a cluster whose own members already differ in that respect
+_WAIVABLE = frozenset({"number", "entity", "date", "question"})
+
+
+def _answer_key(answer: str) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(" ".join(answer.lower().split()).encode())
 
 
 def _lru_victims(slots: OrderedDict[str, _Slot], n: int) -> list[str]:
@@ -189,6 +224,21 @@ class SemanticCache:
     identical text needs no check; or any scorer ``f(query, best, runner_up) -> P``). The
     cross-encoder learned QQP's strict notion of "duplicate": more precise hits on QQP-like
     traffic, fewer hits on loose everyday paraphrases.
+
+    Answer clusters: entries of one partition whose answers are the same text (case and
+    spacing aside) or, with ``answer_match`` (default 0.9: cosine of the two answers'
+    embeddings, checked against the stored query's near neighbours only; a callable
+    ``f(answer_a, answer_b) -> bool``; None: same text only), mean the same, form one cluster.
+    The default policy (:class:`~semcomm.semantic.ClusterVotePolicy`) lets a cluster's
+    phrasings vote together, and the lexical guard waives its number, entity, date and
+    question-word checks for a cluster whose own phrasings already differ in that respect (the
+    answer evidently does not depend on it). :meth:`feedback` lowers the trust of an entry whose
+    served answer was contradicted.
+
+    ``mode``: "serve" (default) or "shadow": every lookup returns None (the model answers), and
+    the cache records what it would have served; the next :meth:`store` of the same query
+    compares the real answer with it (see :mod:`semcomm.semantic._shadow`, ``shadow_log`` a
+    JSONL file for ``semcomm cache report``).
     """
 
     def __init__(
@@ -216,6 +266,9 @@ class SemanticCache:
         cross_encoder: Any = False,
         hnsw: dict[str, Any] | None = None,
         ivf: dict[str, Any] | None = None,
+        answer_match: Any = 0.9,
+        mode: str = "serve",
+        shadow_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if threshold is not None and policy is not None:
             raise ConfigError("pass either threshold= or policy=, not both")
@@ -256,6 +309,17 @@ class SemanticCache:
         if verifier is not None and not callable(verifier):
             raise ConfigError(f"verifier must be callable, got {type(verifier).__name__}")
         self.verifier = verifier
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose one of {sorted(MODES)}")
+        if answer_match is not None and not callable(answer_match) and not (
+                isinstance(answer_match, (int, float)) and not isinstance(answer_match, bool)
+                and 0.0 < float(answer_match) <= 1.0):
+            raise ConfigError("answer_match must be a cosine in (0, 1], a callable "
+                              f"f(answer_a, answer_b) -> bool or None, got {answer_match!r}")
+        self.answer_match = answer_match
+        self.mode = mode
+        self.shadow = ShadowLog(shadow_log)
+        self._pending: OrderedDict[tuple[str, str], ShadowRecord] = OrderedDict()
         self.embedder: Embedder = as_embedder(embedder)
         self.backend: EntryStore = open_store(store, path)
         self.guard: LexicalGuard | None = (LexicalGuard() if guard is True or guard is None
@@ -279,6 +343,13 @@ class SemanticCache:
         self._bytes = 0
         self._dim: int | None = None
         self._stats = CacheStats()
+        # answer clusters (under the lock): (partition, answer key) -> cluster, how many indexed
+        # entries carry that answer, the members of each cluster and which guard checks each
+        # cluster waives (computed on demand, dropped when its members change)
+        self._answer_cluster: dict[tuple[str, str], str] = {}
+        self._answer_refs: dict[tuple[str, str], int] = {}
+        self._members: dict[str, set[str]] = {}
+        self._waived: dict[str, frozenset[str]] = {}
         self._last_sync = 0.0
         self._loaded = False
 
@@ -401,13 +472,19 @@ class SemanticCache:
                 label = self._next_label
                 self._next_label += 1
                 self._labels[label] = e.id
+            if old is not None:
+                self._drop_member(e.id, old)
             labs, vecs = batches.setdefault(e.partition, ([], []))
             labs.append(label)
             vecs.append(e.vector)
             nb = e.nbytes()
-            self._slots[e.id] = _Slot(label, e.partition, e.query, e.scope, e.tenant, e.model,
-                                      frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s,
-                                      nb, e.hits, e.last_hit or e.created_at)
+            akey = _answer_key(e.answer)
+            cluster = e.cluster or self._answer_cluster.get((e.partition, akey)) or e.id
+            slot = _Slot(label, e.partition, e.query, e.scope, e.tenant, e.model,
+                         frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s,
+                         nb, e.hits, e.last_hit or e.created_at, cluster, akey, e.trust)
+            self._slots[e.id] = slot
+            self._add_member(e.id, slot)
             self._bytes += nb
         for part, (labs, vecs) in batches.items():
             idx = self._indexes.get(part)
@@ -415,12 +492,65 @@ class SemanticCache:
                 idx = self._indexes[part] = self._new_index()
             idx.add(labs, np.stack(vecs))
 
+    def _add_member(self, eid: str, s: _Slot) -> None:
+        ak = (s.partition, s.answer_key)
+        self._answer_cluster.setdefault(ak, s.cluster)
+        self._answer_refs[ak] = self._answer_refs.get(ak, 0) + 1
+        self._members.setdefault(s.cluster, set()).add(eid)
+        self._waived.pop(s.cluster, None)
+
+    def _drop_member(self, eid: str, s: _Slot) -> None:
+        ak = (s.partition, s.answer_key)
+        n = self._answer_refs.get(ak, 0) - 1
+        if n <= 0:
+            self._answer_refs.pop(ak, None)
+            self._answer_cluster.pop(ak, None)
+        else:
+            self._answer_refs[ak] = n
+        m = self._members.get(s.cluster)
+        if m is not None:
+            m.discard(eid)
+            if not m:
+                del self._members[s.cluster]
+        self._waived.pop(s.cluster, None)
+
+    def _waived_checks(self, cluster: str) -> frozenset[str]:
+        """Guard checks a cluster waives: those its own members already disagree on."""
+        w = self._waived.get(cluster)
+        if w is None:
+            from ._guard import text_features
+
+            members = self._members.get(cluster, ())
+            feats = [text_features(self._slots[m].query) for m in members if m in self._slots]
+            kinds = set()
+            if len(feats) > 1:
+                for kind, attr in (("number", "numbers"), ("entity", "entities"),
+                                   ("date", "dates"), ("question", "qwords")):
+                    if len({getattr(f, attr) for f in feats}) > 1:
+                        kinds.add(kind)
+            w = self._waived[cluster] = frozenset(kinds & _WAIVABLE)
+        return w
+
+    def _guard_ok(self, query: str, s: _Slot) -> bool:
+        g = self.guard
+        if g is None:
+            return True
+        check = getattr(g, "check", None)
+        if check is None:
+            return bool(g(query, s.query))
+        r = check(query, s.query)
+        if r.ok:
+            return True
+        return len(self._members.get(s.cluster, ())) > 1 and r.reason in self._waived_checks(
+            s.cluster)
+
     def _unindex(self, ids: Iterable[str]) -> list[str]:
         gone = []
         for i in ids:
             s = self._slots.pop(i, None)
             if s is None:
                 continue
+            self._drop_member(i, s)
             idx = self._indexes.get(s.partition)
             if idx is not None:
                 idx.remove([s.label])
@@ -528,10 +658,14 @@ class SemanticCache:
                         continue
                     if not s.tags <= reader:
                         continue
-                    if self.guard is not None and not self.guard(query, s.query):
+                    if s.trust < _MIN_TRUST:
+                        self._stats.distrusted += 1
+                        continue
+                    if not self._guard_ok(query, s):
                         self._stats.guarded += 1
                         continue
-                    cands.append(Candidate(eid, s.query, float(sim)))  # type: ignore[arg-type]
+                    cands.append(Candidate(eid, s.query, float(sim),  # type: ignore[arg-type]
+                                           s.cluster))
             if expired:
                 self._unindex(expired)
                 self._stats.expired += len(expired)
@@ -552,6 +686,10 @@ class SemanticCache:
                 with self._lock:
                     self._stats.verifier_rejections += 1
                 c = None
+        if self.mode == "shadow":
+            self._shadow_lookup(query, part, scope_name, c or (cands[0] if cands else None),
+                                c is not None, decision.reason, now)
+            return None
         if c is None:
             with self._lock:
                 self._stats.misses += 1
@@ -581,7 +719,85 @@ class SemanticCache:
         return Hit(answer=entry.answer, similarity=c.similarity, entry_id=entry.id,
                    age_s=max(0.0, now - entry.created_at), query=entry.query, scope=entry.scope,
                    model=entry.model, tags=entry.tags, metadata=dict(entry.metadata),
-                   verified=verified)
+                   verified=verified, cluster=c.cluster_key, reason=decision.reason)
+
+    def _shadow_lookup(self, query: str, part: str, scope: str, c: Candidate | None,
+                       would_serve: bool, reason: str, now: float) -> None:
+        """Shadow mode: remember what would have been served until the real answer is stored."""
+        entry = self.backend.get(c.entry_id) if c is not None else None
+        rec = ShadowRecord(t=now, scope=scope, similarity=None if c is None else c.similarity,
+                           would_serve=would_serve and entry is not None,
+                           reason=reason if entry is not None or c is None else "gone",
+                           entry_id="" if c is None else c.entry_id,
+                           cluster="" if c is None else c.cluster_key, query=query,
+                           cached_answer="" if entry is None else entry.answer)
+        with self._lock:
+            self._stats.misses += 1
+            self._stats.shadow_lookups += 1
+            self._stats.shadow_would_hit += rec.would_serve
+            key = (part, " ".join(query.split()))
+            self._pending.pop(key, None)
+            self._pending[key] = rec
+            while len(self._pending) > self.shadow.records.maxlen:  # type: ignore[operator]
+                _, old = self._pending.popitem(last=False)
+                self.shadow.add(old)  # never compared: logged with agree=None
+
+    def _finish_shadow(self, part: str, query: str, answer: str) -> None:
+        with self._lock:
+            rec = self._pending.pop((part, " ".join(query.split())), None)
+        if rec is None:
+            return
+        if rec.entry_id:
+            rec.agree = answers_agree(answer, rec.cached_answer, self.answer_match,
+                                      self.embedder.embed)
+            if rec.would_serve:
+                self._feedback_entry(rec.entry_id, rec.agree)
+        self.shadow.add(rec)
+
+    def shadow_report(self, *, target_precision: float = 0.95, **kw: Any) -> Any:
+        """:func:`~semcomm.semantic.shadow_report` over this cache's finished shadow records."""
+        from ._shadow import shadow_report
+
+        return shadow_report(list(self.shadow.records), target_precision=target_precision, **kw)
+
+    def feedback(self, hit: Hit | str, correct: bool) -> float:
+        """Tell the cache whether a served answer was right (``hit`` or its entry id).
+
+        A contradiction (the user regenerated, a check disagreed) halves the entry's trust: an
+        entry below 0.75 is no longer served and does not vote for its cluster; a second
+        contradiction deletes it. A confirmation gives back a quarter. Returns the new trust
+        (0.0 when the entry was deleted or is unknown)."""
+        eid = hit.entry_id if isinstance(hit, Hit) else hit
+        if not isinstance(eid, str) or not eid:
+            raise InvalidInputError("feedback() needs a Hit or an entry id")
+        self._ensure_loaded()
+        return self._feedback_entry(eid, bool(correct))
+
+    def _feedback_entry(self, eid: str, correct: bool) -> float:
+        with self._lock:
+            s = self._slots.get(eid)
+            if s is None:
+                return 0.0
+            if correct:
+                trust = min(1.0, s.trust + _CONTRADICTION / 2)
+            else:
+                trust = s.trust - _CONTRADICTION
+                self._stats.contradicted += 1
+            if trust == s.trust:
+                return trust
+            s.trust = trust
+            drop = trust <= _DROP_TRUST
+            if drop:
+                self._unindex([eid])
+                self._stats.invalidated += 1
+        if drop:
+            self.backend.delete([eid])
+            return 0.0
+        entry = self.backend.get(eid)
+        if entry is not None:
+            entry.trust = trust
+            self.backend.put(entry)
+        return trust
 
     def store(self, query: str, answer: str, *, scope: ScopeLike = "default",
               context: ContextLike = None, model: str | None = None, tenant: str | None = None,
@@ -634,6 +850,10 @@ class SemanticCache:
                   metadata=meta)
             for q, a, v in zip(queries, answers, vecs, strict=True)
         ]
+        if self._pending:
+            for q, a in zip(queries, answers, strict=True):
+                self._finish_shadow(part, q, a)
+        self._link_clusters(part, entries)
         put_many = getattr(self.backend, "put_many", None)
         if put_many is not None:
             put_many(entries)
@@ -647,6 +867,47 @@ class SemanticCache:
         if victims:
             self.backend.delete(victims)
         return [e.id for e in entries]
+
+    def _link_clusters(self, part: str, entries: Sequence[Entry]) -> None:
+        """Answer-equivalence learning: a new entry joins the cluster of an entry with the same
+        answer text, or of a near neighbour (query similarity >= 0.5) whose answer means the
+        same (``answer_match``). Entries of one batch with equal answers share a cluster."""
+        batch: dict[str, str] = {}
+        for e in entries:
+            ak = _answer_key(e.answer)
+            with self._lock:
+                old = self._slots.get(e.id)
+                if old is not None and old.answer_key == ak:
+                    e.cluster, e.trust = old.cluster, old.trust  # same answer re-stored
+                    continue
+                e.cluster = self._answer_cluster.get((part, ak)) or batch.get(ak, "")
+            if not e.cluster and self.answer_match is not None:
+                e.cluster = self._match_neighbour(part, e)
+            if e.cluster:
+                with self._lock:
+                    self._stats.linked += 1
+            batch.setdefault(ak, e.cluster or e.id)
+
+    def _match_neighbour(self, part: str, e: Entry) -> str:
+        with self._lock:
+            idx = self._indexes.get(part)
+            if idx is None or not len(idx):
+                return ""
+            labels, sims = idx.search(e.vector, self.k)
+            near = []
+            for lab, sim in zip(labels.tolist(), sims.tolist(), strict=True):
+                if sim < _LINK_FLOOR:
+                    break
+                eid = self._labels.get(int(lab))
+                s = self._slots.get(eid) if eid is not None else None
+                if s is not None and eid is not None and eid != e.id and s.trust >= _MIN_TRUST:
+                    near.append((eid, s.cluster))
+        for eid, cluster in near:
+            other = self.backend.get(eid)
+            if other is not None and answers_agree(e.answer, other.answer, self.answer_match,
+                                                   self.embedder.embed):
+                return cluster
+        return ""
 
     def invalidate(self, entry_id: str | None = None, *, tag: str | None = None,
                    scope: ScopeLike | None = None, tenant: str | None = None,
@@ -694,6 +955,10 @@ class SemanticCache:
             self._slots.clear()
             self._labels.clear()
             self._indexes.clear()
+            self._answer_cluster.clear()
+            self._answer_refs.clear()
+            self._members.clear()
+            self._waived.clear()
             self._bytes = 0
             if hasattr(self.backend, "poll"):
                 self.backend.poll()  # consume our own clear

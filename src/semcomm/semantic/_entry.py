@@ -50,6 +50,8 @@ class Entry:
     last_hit: float = 0.0
     embedder: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # JSON-able extras
+    cluster: str = ""  # answer cluster (the id of its first entry); "" -> set when indexed
+    trust: float = 1.0  # lowered when a served answer is contradicted (see SemanticCache.feedback)
 
     def nbytes(self) -> int:
         """Approximate footprint: vector + texts + fixed overhead."""
@@ -100,6 +102,9 @@ def encode_entry(e: Entry) -> Row:
             "embedder": e.embedder,
             "dim": int(vec.shape[0]),
             "metadata": e.metadata,
+            # written only when set, so rows written before clusters existed stay byte-identical
+            **({"cluster": e.cluster} if e.cluster else {}),
+            **({"trust": e.trust} if e.trust != 1.0 else {}),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -136,4 +141,5 @@ def decode_entry(row: Row) -> Entry:
         vector=vec, model=h["model"], scope=h["scope"], tenant=h["tenant"], tags=tuple(h["tags"]),
         created_at=h["created_at"], ttl_s=h["ttl_s"], expires_at=h["expires_at"],
         hits=h["hits"], last_hit=h["last_hit"], embedder=h["embedder"], metadata=h["metadata"],
+        cluster=str(h.get("cluster", "")), trust=float(h.get("trust", 1.0)),
     )
