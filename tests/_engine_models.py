@@ -1,4 +1,4 @@
-"""Tiny config-built models of every engine-supported family (2 layers, hidden 64, vocab 256).
+"""Tiny config-built models of every engine-supported family (2-4 layers, hidden 64, vocab 256).
 
 Deterministic: ``tiny_model(name)`` seeds torch before building, so two processes get
 identical weights (and therefore the same model fingerprint and chunk keys).
@@ -42,8 +42,28 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
+WINDOW = 8
+"""Sliding window of the SLIDING families: a query sees itself and 7 earlier positions."""
+
+# Families with sliding-window layers (4 layers, so a Gemma3-style mix has both kinds).
+SLIDING: dict[str, tuple[Any, dict[str, Any]]] = {
+    "gemma3": (T.Gemma3TextConfig, {
+        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention"],
+    }),
+    "mistral_sw": (T.MistralConfig, {"num_key_value_heads": 2, "sliding_window": WINDOW}),
+    "qwen2_sw": (T.Qwen2Config, {"num_key_value_heads": 2, "num_hidden_layers": 4,
+                                 "use_sliding_window": True, "sliding_window": WINDOW,
+                                 "max_window_layers": 2}),
+    "gemma2": (T.Gemma2Config, {"num_key_value_heads": 2, "head_dim": 16,
+                                "sliding_window": WINDOW}),
+}
+
+
 def tiny_config(name: str, **overrides: Any) -> Any:
-    cls, kw = FAMILIES[name]
+    cls, kw = FAMILIES[name] if name in FAMILIES else SLIDING[name]
     return cls(**{**_COMMON, **kw, **overrides})
 
 

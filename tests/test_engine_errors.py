@@ -18,7 +18,7 @@ from semcomm.errors import (
 from semcomm.kv import MemoryStore
 from semcomm.security import TenantSalter
 
-from ._engine_models import prompt_ids, reference_greedy, tiny_config, tiny_model
+from ._engine_models import prompt_ids, reference_greedy, tiny_model
 
 CHUNK = 16
 _SMALL: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
@@ -82,10 +82,11 @@ def test_unknown_or_bad_codec(spec: str) -> None:
 @pytest.mark.parametrize(
     ("config", "why"),
     [
-        (lambda: tiny_config("mistral", sliding_window=8), "sliding"),
-        (lambda: T.Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=8), "sliding"),
-        (lambda: T.Gemma2Config(**_SMALL, num_key_value_heads=2, head_dim=16), "sliding"),
-        (lambda: T.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2), "linear"),
+        # sliding-window layers are restored exactly (tests/test_engine_sliding.py); these not
+        (lambda: T.Llama4TextConfig(**_SMALL, num_key_value_heads=2, head_dim=16,
+                                    attention_chunk_size=8), "chunked_attention"),
+        (lambda: T.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2),
+         "linear_attention"),
     ],
 )
 def test_unsupported_models_are_refused_with_the_reason(config: Any, why: str) -> None:

@@ -74,3 +74,73 @@ def test_reference_model_by_path_is_exact() -> None:
     warm = eng.generate(prompt, max_new_tokens=8)
     assert cold.token_ids == ref and warm.token_ids == ref
     assert warm.stats.hit_tokens == len(ids) - 1
+
+
+def test_stop_string_never_leaks_into_the_stream(engine: HFEngine) -> None:
+    """Issue-15 regression: a stream held no part of a stop string back, so the start of a stop
+    string reached the client before the rest of it was generated."""
+    full = engine.generate("Stop here please", max_new_tokens=16)
+    assert full.text is not None and len(full.text) >= 8
+    for stop in (full.text[4:7], full.text[5:7] + "\x00"):  # completes / never completes
+        plain = engine.generate("Stop here please", max_new_tokens=16, stop=[stop])
+        stream = engine.generate("Stop here please", max_new_tokens=16, stop=[stop], stream=True)
+        pieces = list(stream)
+        assert stream.result is not None and "".join(pieces) == stream.result.text == plain.text
+        cut = full.text.find(stop)
+        assert plain.text == (full.text[:cut] if cut >= 0 else full.text)
+
+
+class _CharTokenizer:
+    """Token id = one character (for pinning down exactly what a stream releases)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "pieces", "final"),
+    [
+        ("a\n\nb", ["\n\n\n"], ["a", "", "", "\n\nb"], "a\n\nb"),  # held, then released
+        ("a\n\n\nb", ["\n\n\n"], ["a", "", "", ""], "a"),  # held, then cut: nothing leaks
+        ("xabcy", ["bcd", "ab"], ["x", "", ""], "x"),  # the earliest stop wins
+        ("hello", [], ["h", "e", "l", "l", "o"], "hello"),
+    ],
+)
+def test_stop_text_releases_only_what_cannot_start_a_stop(
+    text: str, stops: list[str], pieces: list[str], final: str
+) -> None:
+    from semcomm.engine._decode import StopText
+
+    st = StopText(_CharTokenizer(), stops)
+    got = []
+    for ch in text:
+        piece, stopped = st.push(ord(ch))
+        got.append(piece)
+        if stopped:
+            break
+    assert got == pieces
+    tail = st.finish()
+    assert "".join(got) + tail == st.text == final
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
+                                  "gemma-3-270m"])
+def test_incremental_detokenization_matches_decode(name: str) -> None:
+    """Real tokenizers (byte-level BPE, SentencePiece): the pieces join to decode(ids),
+    multi-byte characters and leading spaces included."""
+    from transformers import AutoTokenizer
+
+    from semcomm.engine._decode import StopText
+    from semcomm.models import is_pulled, model_path
+
+    if not is_pulled(name):
+        pytest.skip(f"{name} is not pulled")
+    tok = AutoTokenizer.from_pretrained(model_path(name))
+    text = (" Paris is the capital of France.\n\n  Ünïcödé — naïve café, 東京は日本の首都です。"
+            " Emoji: 🙂🚀 def f(x):\n    return x ** 2  # done")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    st = StopText(tok, [])
+    pieces = [st.push(t)[0] for t in ids]
+    pieces.append(st.finish())
+    assert "".join(pieces) == st.text == tok.decode(ids, skip_special_tokens=True)
+    assert sum(1 for p in pieces if p) > len(ids) // 2  # released as it goes, not at the end

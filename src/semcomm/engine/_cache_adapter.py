@@ -1,13 +1,26 @@
 """The one module that touches the transformers Cache API (transformers 5.x).
 
-Everything version-specific lives here: building a ``DynamicCache`` from tensors, reading its
-per-layer keys/values, cropping (v5 takes a *negative* count), the forward call (``cache=``
-replaces ``past_key_values=``; positions come from ``cache.get_seq_length()``, so the
-attention mask must span cache + new tokens), and the check that a model's cache can be
-restored from an arbitrary prefix (only full-attention ``DynamicLayer`` layers can).
+Everything version-specific lives here: the engine's own cache layers (preallocated buffers
+that transformers' attention reads in place), reading and cropping them, the forward call
+(``cache=`` replaces ``past_key_values=``; positions come from ``cache.get_seq_length()``), and
+the check that a model's cache can be restored exactly from a stored prefix.
 
-Tensor shapes: the cache holds per layer ``[batch=1, kv_heads, seq, head_dim]`` keys (post-RoPE)
-and values; the engine moves chunks as ``[layers, kv_heads, seq, head_dim]`` stacks.
+Which layers can be restored (``check_supported``):
+
+* ``full_attention``: every position of the prefix, restored whole.
+* ``sliding_attention`` with window ``w``: transformers masks ``kv_idx > q_idx - w``
+  (``masking_utils.sliding_window_overlay``), so a query sees itself and the ``w - 1`` positions
+  before it, and its ``DynamicSlidingWindowLayer`` keeps the last ``w - 1`` positions. To continue
+  after a prefix of ``n`` tokens such a layer needs only positions ``[max(0, n - w + 1), n)``:
+  a hit restores exactly those (``KVLayout.first_needed``).
+* everything else (``chunked_attention``, ``linear_attention``, ``hybrid``, ``conv``, KV-sharing
+  ``dummy`` layers, ...) keeps state that a prefix of per-token KV cannot rebuild: refused with
+  :class:`UnsupportedModelError` naming the layer type.
+
+Tensor shapes: a layer holds ``[batch=1, kv_heads, seq, head_dim]`` keys (post-RoPE) and values;
+the engine moves chunks as ``[layers, kv_heads, seq, head_dim]`` stacks. Stored chunks hold every
+layer's K/V for their tokens (sliding layers included), so chunk keys and the chunk format do not
+depend on which positions a layer needs.
 """
 
 from __future__ import annotations
@@ -19,13 +32,20 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..errors import UnsupportedModelError
 
 __all__ = [
+    "BufferLayer",
+    "BufferWindowLayer",
     "KVLayout",
     "ModelRunner",
+    "buffer_cache",
     "cache_from_stacks",
     "cache_kwargs",
     "cache_length",
@@ -33,11 +53,16 @@ __all__ = [
     "copy_cache",
     "crop_cache",
     "layer_tensors",
+    "layer_windows",
     "new_cache",
     "probe_layout",
     "stack_range",
     "stacks_of",
 ]
+
+Window = int | None
+"""A layer's sliding window in tokens (a query sees itself and ``window - 1`` earlier
+positions), or None for a full-attention layer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +74,16 @@ class KVLayout:
     k_dim: int  # key head dim
     v_dim: int  # value head dim
     dtype: torch.dtype
+    windows: tuple[Window, ...] = ()  # per layer (empty: every layer is full attention)
+
+    @property
+    def sliding(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    def first_needed(self, layer: int, n: int) -> int:
+        """First position layer ``layer`` needs to continue after ``n`` cached tokens."""
+        w = self.windows[layer] if self.windows else None
+        return 0 if w is None else max(0, n - w + 1)
 
 
 def _decoder_config(config: Any) -> Any:
@@ -56,44 +91,67 @@ def _decoder_config(config: Any) -> Any:
     return get(decoder=True) if callable(get) else config
 
 
-def check_supported(model: Any) -> None:
-    """Raise :class:`UnsupportedModelError` unless every layer is a full-attention layer."""
+_REFUSED = {
+    "chunked_attention": "chunked-attention layers see only the current attention chunk, whose "
+    "boundaries a cached prefix does not carry",
+    "linear_attention": "linear-attention/SSM layers keep a recurrent state, not per-token KV",
+    "hybrid": "hybrid layers mix a recurrent state with attention",
+    "hybrid_sliding": "hybrid layers mix a recurrent state with attention",
+    "conv": "convolution layers keep a recurrent state, not per-token KV",
+    "dummy": "layers that share another layer's KV (or keep none) are not restored per layer",
+}
+
+
+def layer_windows(model: Any) -> tuple[Window, ...]:
+    """Per-layer sliding windows of a model (None = full attention); refuses the rest.
+
+    Raises :class:`UnsupportedModelError` naming every layer type that cannot be restored.
+    """
+    config = _decoder_config(model.config)
+    mtype = getattr(config, "model_type", type(model).__name__)
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    except Exception as exc:
+        raise UnsupportedModelError(f"{mtype}: cannot determine its cache layer types ({exc})") from exc
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        reasons = "; ".join(f"{t}: {_REFUSED.get(t, 'not a full or sliding-window attention layer')}"
+                            for t in other)
+        raise UnsupportedModelError(
+            f"{mtype} is not supported for exact KV reuse: it has {', '.join(other)} layers "
+            f"({reasons})"
+        )
+    windows: list[Window] = []
+    for t, kw in zip(layer_types, layer_kwargs):
+        if t == "full_attention":
+            windows.append(None)
+            continue
+        w = kw.get("sliding_window")
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise UnsupportedModelError(
+                f"{mtype}: a sliding_attention layer has no usable window ({w!r})"
+            )
+        windows.append(int(w))
+    return tuple(windows)
+
+
+def check_supported(model: Any) -> tuple[Window, ...]:
+    """Raise :class:`UnsupportedModelError` unless the model's cache can be restored exactly.
+
+    Returns the per-layer windows (see :func:`layer_windows`).
+    """
     config = _decoder_config(model.config)
     mtype = getattr(config, "model_type", type(model).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{mtype}: encoder-decoder models are not supported (only decoder-only causal LMs)"
         )
-    try:
-        layer_types, _ = get_layer_types_and_kwargs(config)
-    except Exception as exc:
-        raise UnsupportedModelError(f"{mtype}: cannot determine its cache layer types ({exc})") from exc
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        why = {
-            "sliding_attention": "sliding-window layers keep only the last window of keys, so a "
-            "cached prefix cannot be restored exactly (set config.sliding_window=None if the "
-            "model does not need it)",
-            "chunked_attention": "chunked-attention layers keep only the current chunk",
-            "linear_attention": "linear-attention/SSM layers keep a recurrent state, not per-token KV",
-            "hybrid": "hybrid layers mix a recurrent state with attention",
-            "conv": "convolution layers keep a recurrent state, not per-token KV",
-        }
-        reasons = "; ".join(f"{t}: {why.get(t, 'not a full-attention layer')}" for t in other)
-        raise UnsupportedModelError(
-            f"{mtype} is not supported for exact KV reuse: it has {', '.join(other)} layers "
-            f"({reasons})"
-        )
-    sw = getattr(config, "sliding_window", None)
-    if sw is not None and getattr(config, "use_sliding_window", True) and not isinstance(sw, bool):
-        raise UnsupportedModelError(
-            f"{mtype} uses a sliding window of {sw} tokens; a cached prefix cannot be restored "
-            "exactly (set config.sliding_window=None if the model does not need it)"
-        )
+    windows = layer_windows(model)
     if "cache" not in inspect.signature(model.forward).parameters and (
         "past_key_values" not in inspect.signature(model.forward).parameters
     ):
         raise UnsupportedModelError(f"{mtype}: its forward() takes no KV cache")
+    return windows
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
@@ -104,17 +162,247 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {("cache" if "cache" in params else "past_key_values"): cache}
 
 
+class BufferLayer(DynamicLayer):
+    """A full-attention layer over a preallocated ``[1, H, capacity, D]`` buffer.
+
+    ``update`` writes the new keys/values in place and hands attention a view of the first
+    ``length`` positions: no ``torch.cat`` per step (a ``DynamicLayer`` copies its whole cache
+    every step). ``keys``/``values`` are those views, as on a ``DynamicLayer``. The buffer grows
+    by doubling when a caller decodes past the capacity it asked for.
+
+    Invariant: ``buf_k[:, :, :length]`` are the keys of positions ``[0, length)``.
+    """
+
+    def __init__(self, buf_k: torch.Tensor, buf_v: torch.Tensor, length: int = 0):
+        super().__init__()
+        assert buf_k.shape[2] == buf_v.shape[2] >= length
+        self.device = buf_k.device
+        self.is_initialized = True
+        self._bk, self._bv = buf_k, buf_v
+        self._set_length(length)
+
+    # positions held: [start, length); a full layer holds all of them
+    @property
+    def start(self) -> int:
+        return 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self._bk.shape[2])
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        self.keys = self._bk[:, :, :n]
+        self.values = self._bv[:, :, :n]
+
+    def _reserve(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        n = self.length
+        bk = self._bk.new_empty((*self._bk.shape[:2], cap, self._bk.shape[3]))
+        bv = self._bv.new_empty((*self._bv.shape[:2], cap, self._bv.shape[3]))
+        bk[:, :, :n].copy_(self._bk[:, :, :n])
+        bv[:, :, :n].copy_(self._bv[:, :, :n])
+        self._bk, self._bv = bk, bv
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        n, q = self.length, key_states.shape[-2]
+        self._reserve(n + q)
+        self._bk[:, :, n : n + q].copy_(key_states)
+        self._bv[:, :, n : n + q].copy_(value_states)
+        return n
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._append(key_states, value_states)
+        self._set_length(n + key_states.shape[-2])
+        return self._bk[:, :, : self.length], self._bv[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        self._set_length(max(0, self.length + tokens_to_remove))
+
+    def positions(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[H, end - start, D]`` keys and values of positions ``[start, end)`` (views)."""
+        if start < self.start or end > self.length:
+            raise ValueError(f"positions [{start}, {end}) not held (holds [{self.start}, "
+                             f"{self.length}))")
+        return self._bk[0, :, start:end], self._bv[0, :, start:end]
+
+    def reset(self) -> None:
+        self._set_length(0)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def clone(self) -> BufferLayer:
+        return BufferLayer(self._bk.clone(), self._bv.clone(), self.length)
+
+
+class BufferWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer over a preallocated buffer (window ``w``, see the module doc).
+
+    It holds positions ``[start, length)`` at buffer index ``position - base``; attention gets
+    the last ``w - 1`` held positions before the new ones, which is what
+    ``DynamicSlidingWindowLayer.get_mask_sizes`` (inherited, from ``cumulative_length``)
+    promises the mask. Unlike transformers' layer it keeps every position it computed since
+    ``start`` (the engine stores the prompt's chunks from them); when the buffer is full it
+    compacts to the last ``w - 1`` positions instead of growing.
+
+    Invariants: ``cumulative_length == length``; ``start == 0`` or
+    ``start <= length - (w - 1)`` (the window before the next query is held).
+    """
+
+    def __init__(self, sliding_window: int, buf_k: torch.Tensor, buf_v: torch.Tensor,
+                 length: int = 0, start: int = 0, base: int = 0):
+        super().__init__(sliding_window=sliding_window)
+        assert base <= start <= length <= base + buf_k.shape[2]
+        assert start == 0 or start <= length - (sliding_window - 1)
+        self.device = buf_k.device
+        self.is_initialized = True
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        self._bk, self._bv = buf_k, buf_v
+        self.start = start
+        self.base = base
+        self._set_length(length)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._bk.shape[2])
+
+    def _set_length(self, n: int) -> None:
+        self.length = self.cumulative_length = n
+        a, b = self.start - self.base, n - self.base
+        self.keys = self._bk[:, :, a:b]
+        self.values = self._bv[:, :, a:b]
+
+    def _reserve(self, need: int) -> None:
+        if need - self.base <= self.capacity:
+            return
+        # keep the window the next queries need, drop older positions
+        keep_from = max(self.start, self.length - (self.sliding_window - 1))
+        kept = self.length - keep_from
+        cap = max(self.capacity, need - keep_from)
+        bk = self._bk.new_empty((*self._bk.shape[:2], cap, self._bk.shape[3]))
+        bv = self._bv.new_empty((*self._bv.shape[:2], cap, self._bv.shape[3]))
+        a = keep_from - self.base
+        bk[:, :, :kept].copy_(self._bk[:, :, a : a + kept])
+        bv[:, :, :kept].copy_(self._bv[:, :, a : a + kept])
+        self._bk, self._bv = bk, bv
+        self.start = self.base = keep_from
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, q = self.length, key_states.shape[-2]
+        self._reserve(n + q)
+        i = n - self.base
+        self._bk[:, :, i : i + q].copy_(key_states)
+        self._bv[:, :, i : i + q].copy_(value_states)
+        self._set_length(n + q)
+        # the first new query sees positions > n - w: the last w - 1 held ones
+        vis = max(self.start, n - (self.sliding_window - 1)) - self.base
+        return self._bk[:, :, vis : i + q], self._bv[:, :, vis : i + q]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        n = max(0, self.length + tokens_to_remove)
+        if self.start and n - self.start < self.sliding_window - 1:
+            raise RuntimeError(
+                f"cannot crop a sliding layer holding [{self.start}, {self.length}) to {n} "
+                f"tokens: the window before position {n} is not held"
+            )
+        self._set_length(n)
+
+    def positions(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[H, end - start, D]`` keys and values of positions ``[start, end)`` (views)."""
+        if start < self.start or end > self.length:
+            raise ValueError(f"positions [{start}, {end}) not held (holds [{self.start}, "
+                             f"{self.length}))")
+        return (self._bk[0, :, start - self.base : end - self.base],
+                self._bv[0, :, start - self.base : end - self.base])
+
+    def reset(self) -> None:
+        self.start = self.base = 0
+        self._set_length(0)
+
+    def activate_past_recording(self) -> None:  # it always keeps what it computed
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def clone(self) -> BufferWindowLayer:
+        return BufferWindowLayer(self.sliding_window, self._bk.clone(), self._bv.clone(),
+                                 self.length, self.start, self.base)
+
+
 def new_cache() -> DynamicCache:
     """An empty cache of plain (full-attention) dynamic layers."""
     return DynamicCache()
 
 
-def cache_from_stacks(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicCache:
-    """Build a cache from ``[L, H, T, D]`` stacks (one view per layer, moved to ``device``).
+def buffer_cache(
+    layout: KVLayout, capacity: int, device: torch.device, length: int = 0,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None, holds_all: bool = False,
+) -> DynamicCache:
+    """A cache of :class:`BufferLayer`/:class:`BufferWindowLayer` with room for ``capacity``
+    tokens, holding ``length`` tokens already.
 
-    The layers take the views as they are (no ``torch.cat`` with an empty tensor, which is what
-    ``DynamicCache(ddp_cache_data=...)`` would do): restoring costs no copy beyond the move.
+    ``buffers``: ``[L, H, >= capacity, D]`` key and value buffers (on ``device``) whose first
+    ``length`` positions hold the restored prefix (a sliding layer ``i`` need only hold
+    ``[layout.first_needed(i, length), length)``, or all of them with ``holds_all``);
+    default: new, empty ones.
     """
+    if buffers is None:
+        shape = (layout.num_layers, layout.kv_heads, capacity)
+        bk = torch.empty((*shape, layout.k_dim), dtype=layout.dtype, device=device)
+        bv = torch.empty((*shape, layout.v_dim), dtype=layout.dtype, device=device)
+    else:
+        bk, bv = buffers
+    assert bk.shape[2] >= max(capacity, length)
+    cache = DynamicCache()
+    windows = layout.windows or (None,) * layout.num_layers
+    for i, w in enumerate(windows):
+        ki, vi = bk[i : i + 1], bv[i : i + 1]  # [1, H, cap, D] views of one allocation
+        layer: DynamicLayer
+        if w is None:
+            layer = BufferLayer(ki, vi, length)
+        else:
+            start = 0 if holds_all else layout.first_needed(i, length)
+            layer = BufferWindowLayer(w, ki, vi, length, start=start)
+        cache.layers.append(layer)
+    return cache
+
+
+def cache_from_stacks(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicCache:
+    """Build a plain cache of full-attention layers from ``[L, H, T, D]`` stacks (one view per
+    layer, moved to ``device``; no copy beyond the move)."""
     nb = keys.device.type == "cpu" and device.type == "cuda" and keys.is_pinned()
     k = keys.to(device, non_blocking=nb)
     v = values.to(device, non_blocking=nb)
@@ -139,17 +427,28 @@ def crop_cache(cache: DynamicCache, remove: int) -> None:
 
 
 def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``([1, H, T, D] keys, values)`` of a cache (views, not copies)."""
+    """Per-layer ``([1, H, T, D] keys, values)`` of a cache (views, not copies); a sliding
+    layer gives the positions it holds (``layer.start`` onwards)."""
     layers: list[Any] = list(cache.layers)
     return [(layer.keys, layer.values) for layer in layers]
 
 
 def stack_range(cache: DynamicCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of tokens ``[start, end)`` stacked over layers: ``[L, H, end-start, D]``."""
+    """Keys and values of tokens ``[start, end)`` stacked over layers: ``[L, H, end-start, D]``.
+
+    Raises ValueError when a layer does not hold those positions (a restored sliding layer
+    holds only the window it needs).
+    """
+    ks, vs = [], []
     layers: list[Any] = list(cache.layers)
-    k = torch.stack([layer.keys[0, :, start:end] for layer in layers])
-    v = torch.stack([layer.values[0, :, start:end] for layer in layers])
-    return k, v
+    for layer in layers:
+        if isinstance(layer, (BufferLayer, BufferWindowLayer)):
+            k, v = layer.positions(start, end)
+        else:
+            k, v = layer.keys[0, :, start:end], layer.values[0, :, start:end]
+        ks.append(k)
+        vs.append(v)
+    return torch.stack(ks), torch.stack(vs)
 
 
 class ModelRunner:
@@ -160,6 +459,14 @@ class ModelRunner:
         self.model = model
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_logits = "logits_to_keep" in params
+        self._ones = torch.ones((1, 0), dtype=torch.long)
+
+    def _mask(self, n: int, device: torch.device) -> torch.Tensor:
+        """An all-ones ``[1, n]`` attention mask (a view of one buffer, grown as needed)."""
+        if self._ones.shape[1] < n or self._ones.device != device:
+            self._ones = torch.ones((1, max(n, 2 * self._ones.shape[1], 1024)), dtype=torch.long,
+                                    device=device)
+        return self._ones[:, :n]
 
     def forward(
         self, input_ids: torch.Tensor, cache: DynamicCache, *, last_only: bool = True
@@ -172,10 +479,9 @@ class ModelRunner:
         """
         past = cache_length(cache)
         n = input_ids.shape[1]
-        mask = torch.ones((1, past + n), dtype=torch.long, device=input_ids.device)
         kw: dict[str, Any] = {
             "input_ids": input_ids,
-            "attention_mask": mask,
+            "attention_mask": self._mask(past + n, input_ids.device),
             self._cache_kw: cache,
             "use_cache": True,
         }
@@ -185,7 +491,7 @@ class ModelRunner:
         return (logits[-1] if last_only else logits).float()
 
 
-def probe_layout(model: Any, device: torch.device) -> KVLayout:
+def probe_layout(model: Any, device: torch.device, windows: Sequence[Window] = ()) -> KVLayout:
     """Measure the cache layout with a one-token forward (checks the layers are DynamicLayer)."""
     cache = new_cache()
     with torch.no_grad():
@@ -198,17 +504,27 @@ def probe_layout(model: Any, device: torch.device) -> KVLayout:
     if len(shapes) != 1:
         raise UnsupportedModelError(f"layers have different KV shapes {sorted(shapes)}")
     (kshape, vshape), = shapes
+    if windows and len(windows) != len(layers):
+        raise UnsupportedModelError(
+            f"the config names {len(windows)} cache layers, the model produced {len(layers)}"
+        )
     return KVLayout(
         num_layers=len(layers),
         kv_heads=kshape[1],
         k_dim=kshape[3],
         v_dim=vshape[3],
         dtype=layers[0].keys.dtype,
+        windows=tuple(windows) if any(w is not None for w in windows) else (),
     )
 
 
 def copy_cache(cache: DynamicCache) -> DynamicCache:
     """An independent copy (``generate`` and our decode loop mutate caches)."""
+    layers: list[Any] = list(cache.layers)
+    if all(isinstance(layer, (BufferLayer, BufferWindowLayer)) for layer in layers):
+        out = DynamicCache()
+        out.layers.extend(layer.clone() for layer in layers)
+        return out
     return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layer_tensors(cache)])
 
 

@@ -421,7 +421,10 @@ class HFEngine:
             chunks, tiers, raw = self._gather_from_store(ids, keys, stats)
         with torch.no_grad():
             # invariant 3: recompute at least the last token (restore at most len - 1)
-            cache, _ = self._restore(chunks, len(ids) - 1, max(capacity, len(ids)))
+            # a snapshot's chunks may be cut for other keys (another chunk size, a shorter
+            # prompt): they are re-encoded from the cache, so every layer keeps them all
+            cache, _ = self._restore(chunks, len(ids) - 1, max(capacity, len(ids)),
+                                     full=snapshot is not None)
             stats.load_ms = (time.perf_counter() - t0) * 1e3
             kept = ca.cache_length(cache)
             stats.hit_tokens = kept
@@ -439,7 +442,8 @@ class HFEngine:
         assert ca.cache_length(cache) == len(ids)
         result = PrefillResult(
             cache=cache, last_logits=logits, input_ids=ids, stats=stats,
-            chunk_bytes=list(raw) + [None] * (len(keys) - len(raw)),
+            chunk_bytes=[raw[i] if i < len(raw) and chunks[i].header.key == keys[i].hex() else None
+                         for i in range(len(keys))],
         )
         return result, keys
 
