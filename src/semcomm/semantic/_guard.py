@@ -12,7 +12,13 @@ the candidate differ in any of:
 - **named entities**: a capitalised word (not sentence-initial) or an acronym on one side does
   not occur on the other side at all (case-insensitively);
 - **antonyms**: one side uses one word of a known opposite pair (positive/negative, before/after,
-  similar/different, ...) and the other side uses the opposite word.
+  similar/different, winter/summer, ...) and the other side uses the opposite word;
+- **codes**: model numbers and other letter-digit codes differ (M605n / M605x);
+- **roles**: both sides use exactly the same words in a different order ("employees at A about
+  the acquisition by B" / "... at B about the acquisition by A"; "mental illness and not
+  insane" / "not mental illness and insane");
+- **scope**: one side coordinates two words ("speaking and listening skills") where the other
+  has only one of them ("speaking skills").
 
 The guard is deterministic, has no model, and costs a few microseconds. It is the difference
 between a cache that is usually right and one that is right on the cases users test first.
@@ -28,6 +34,10 @@ __all__ = ["GuardResult", "LexicalGuard", "TextFeatures", "text_features"]
 
 # a word keeps a "++" or "#" suffix, so C, C++ and C# stay three different names
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*(?:\+\+|#)?|\d+(?:[.,]\d+)*")
+# a letter-digit code: M605n, A4, 3G, ps4, i7-8700k
+_CODE = re.compile(r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9][\w-]*\b")
+# "X and Y", "X or Y" (the words either side of a coordination)
+_COORD = re.compile(r"([A-Za-z][\w'-]*),? (?:and|or|&) ([A-Za-z][\w'-]*)")
 
 _NEGATIONS = frozenset(
     ["not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "cant", "can't", "won't", "wont", "dont", "don't", "doesn't", "doesnt", "didn't", "didnt", "isn't", "isnt", "aren't", "arent", "wasn't", "wasnt", "weren't", "werent", "shouldn't", "shouldnt", "wouldn't", "wouldnt", "couldn't", "couldnt", "hasn't", "hasnt", "haven't", "havent", "hadn't", "mustn't", "neednt", "needn't", "nowhere", "unable"]
@@ -91,6 +101,7 @@ _ANTONYMS: tuple[tuple[frozenset[str], frozenset[str]], ...] = tuple(
         ("online", "offline"),
         ("accept", "reject"),
         ("married", "single divorced"),
+        ("winter", "summer"),
     ]
 )
 
@@ -114,12 +125,17 @@ class TextFeatures:
     dates: frozenset[str]  # month/day names
     entities: frozenset[str]  # lower-cased capitalised words / acronyms, not sentence-initial
     qwords: frozenset[str]  # why / who / when / where present
+    codes: frozenset[str] = frozenset()  # lower-cased letter-digit codes
+    sequence: tuple[str, ...] = ()  # the lower-cased tokens in order
+    coordinated: frozenset[tuple[str, str]] = frozenset()  # (x, y) of "x and/or y"
 
 
 @lru_cache(maxsize=65536)
 def text_features(text: str) -> TextFeatures:
     """Extract :class:`TextFeatures` (cached: the same text is analysed once)."""
     raw = _WORD.findall(text)
+    codes = frozenset(m.lower() for m in _CODE.findall(text))
+    coord = frozenset((a.lower(), b.lower()) for a, b in _COORD.findall(text))
     words: set[str] = set()
     numbers: set[str] = set()
     dates: set[str] = set()
@@ -160,6 +176,9 @@ def text_features(text: str) -> TextFeatures:
         dates=frozenset(dates),
         entities=frozenset(entities),
         qwords=frozenset(words & _QWORDS),
+        codes=codes,
+        sequence=tuple(t.lower().replace("’", "'") for t in raw),
+        coordinated=coord,
     )
 
 
@@ -168,7 +187,8 @@ class GuardResult:
     """Outcome of :meth:`LexicalGuard.check`: ``ok`` or the first ``reason`` that vetoed."""
 
     ok: bool
-    reason: str = ""  # "negation" | "number" | "date" | "question" | "entity" | "antonym" | ""
+    reason: str = ""  # "negation" | "number" | "date" | "question" | "entity" | "antonym" |
+    # "code" | "roles" | "scope" | ""
 
 
 _OK = GuardResult(True)
@@ -178,7 +198,11 @@ class LexicalGuard:
     """Veto near-miss hits (see the module docstring). Each check can be switched off."""
 
     def __init__(self, *, negation: bool = True, numbers: bool = True, dates: bool = True,
-                 entities: bool = True, antonyms: bool = True, question: bool = True) -> None:
+                 entities: bool = True, antonyms: bool = True, question: bool = True,
+                 codes: bool = True, roles: bool = True, scope: bool = True) -> None:
+        self.codes = codes
+        self.roles = roles
+        self.scope = scope
         self.question = question
         self.negation = negation
         self.numbers = numbers
@@ -205,7 +229,25 @@ class LexicalGuard:
                 bl, br = bool(b.words & left), bool(b.words & right)
                 if (al and not ar and br and not bl) or (ar and not al and bl and not br):
                     return GuardResult(False, "antonym")
+        if self.codes and a.codes != b.codes:
+            return GuardResult(False, "code")
+        if self.roles and a.sequence != b.sequence and len(a.sequence) >= 3 and \
+                sorted(a.sequence) == sorted(b.sequence):
+            return GuardResult(False, "roles")
+        if self.scope and (_added_scope(a, b) or _added_scope(b, a)):
+            return GuardResult(False, "scope")
         return _OK
 
     def __call__(self, query: str, candidate: str) -> bool:
         return self.check(query, candidate).ok
+
+
+def _added_scope(a: TextFeatures, b: TextFeatures) -> bool:
+    """``a`` coordinates x and y where ``b`` has one of them and not the other."""
+    for x, y in a.coordinated:
+        if x == y or x in _STOP_CAPS or y in _STOP_CAPS or (x, y) in b.coordinated \
+                or (y, x) in b.coordinated:
+            continue
+        if (x in b.words) != (y in b.words):
+            return True
+    return False
