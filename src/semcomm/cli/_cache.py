@@ -1,4 +1,4 @@
-"""CLI: ``semcomm cache stats|calibrate|clear|export|import``.
+"""CLI: ``semcomm cache stats|calibrate|report|clear|export|import``.
 
 A cache location is a SQLite file path or a ``redis://`` URL. Commands other than
 ``calibrate`` never load an embedding model: they work on stored rows.
@@ -19,7 +19,8 @@ from ..errors import ConfigError, CorruptEntryError, InvalidInputError
 
 __all__ = ["cache_app", "register"]
 
-cache_app = typer.Typer(help="Semantic answer cache: inspect, calibrate, clear, export, import.",
+cache_app = typer.Typer(help="Semantic answer cache: inspect, calibrate, report shadow traffic, "
+                        "clear, export, import.",
                         no_args_is_help=True)
 _out = Console()
 
@@ -185,6 +186,43 @@ def calibrate(
     _out.print(f"threshold {res.threshold:.4f}  precision {res.precision:.4f}  "
                f"recall {res.recall:.4f}  target {target_precision} {status}  "
                f"pairs {res.n_pairs}  plot {plot}")
+
+
+@cache_app.command("report")
+def report(
+    log: Path = typer.Argument(..., help="Shadow log (JSON lines) written by a cache in shadow "
+                               "mode (SemanticCache(mode='shadow', shadow_log=PATH))."),
+    target_precision: float = typer.Option(0.95, help="Precision the suggested cut must reach."),
+    plot: Path = typer.Option(Path("shadow_report.png"), help="PNG to write."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON."),
+) -> None:
+    """Would-be hit rate, estimated precision by similarity band and the cosine cut that meets
+    a target precision, from shadowed traffic."""
+    from ..semantic import plot_shadow_report, read_shadow_log, shadow_report
+
+    rep = shadow_report(read_shadow_log(log), target_precision=target_precision)
+    t = Table(title=f"shadow traffic {log}: {rep.lookups} lookups, would-be hit rate "
+              f"{rep.would_hit_rate:.1%}")
+    for col in ("similarity", "lookups", "would-be hits", "compared", "estimated precision"):
+        t.add_column(col, justify="right")
+    for b in rep.bands:
+        t.add_row(f"{b.lo:.2f}-{min(b.hi, 1.0):.2f}", str(b.lookups), str(b.would_hit),
+                  str(b.compared), "-" if b.precision is None else f"{b.precision:.3f}")
+    est = rep.estimated_precision
+    t.add_row("all", str(rep.lookups), str(rep.would_hit), str(rep.compared),
+              "-" if est is None else f"{est:.3f}")
+    _out.print(t)
+    if rep.threshold is None:
+        _out.print(f"no cosine cut reaches precision {target_precision} with 20+ compared "
+                   "lookups")
+    else:
+        _out.print(f"cosine cut {rep.threshold:.4f} reaches estimated precision "
+                   f"{rep.threshold_precision:.3f} at hit rate {rep.threshold_hit_rate:.1%} "
+                   f"(target {target_precision}; SemanticCache(threshold=...))")
+    plot_shadow_report(rep, plot)
+    _out.print(f"plot {plot}")
+    if json_out is not None:
+        json_out.write_text(json.dumps(rep.as_dict(), indent=1))
 
 
 def _plot(r: Any, path: Path) -> None:

@@ -170,6 +170,7 @@ class SemanticConfig(_Section):
     redis_url: str | None = None
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
     cross_encoder: bool = False  # hits must also pass the shipped cross-encoder verifier
+    mode: Literal["serve", "shadow"] = "serve"  # shadow: never serve, record would-be hits
     hnsw: dict[str, int | str] | None = None  # HNSW graph options (SemanticCache(hnsw=...))
     ivf: dict[str, int | str | bool] | None = None  # IVF index options (SemanticCache(ivf=...))
     ttl_s: float | None = Field(None, gt=0)

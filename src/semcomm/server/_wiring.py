@@ -167,6 +167,9 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
         kw["threshold"] = sc.threshold
     if sc.cross_encoder:
         kw["cross_encoder"] = True
+    if sc.mode == "shadow":  # every request goes to the model; `semcomm cache report` reads the log
+        kw["mode"] = "shadow"
+        kw["shadow_log"] = str(config.state_dir() / "semantic_shadow.jsonl")
     if sc.hnsw:
         kw["hnsw"] = dict(sc.hnsw)
     if sc.ivf:
