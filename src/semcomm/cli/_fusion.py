@@ -34,9 +34,13 @@ def _progress() -> Progress:
 @fusion_app.command("train")
 def train(
     sharer: Annotated[
-        Path, typer.Option(help="Sharer model folder (config.json, weights, tokenizer).")
+        str,
+        typer.Option(
+            help="Sharer model: a catalog name (semcomm models list), a model folder "
+            "(config.json, weights, tokenizer) or a hub id available offline."
+        ),
     ],
-    receiver: Annotated[Path, typer.Option(help="Receiver model folder.")],
+    receiver: Annotated[str, typer.Option(help="Receiver model (as --sharer).")],
     data: Annotated[
         Path, typer.Option(help="JSONL training data: {'shared': ..., 'answer': ...} per line.")
     ],
@@ -84,8 +88,9 @@ def train(
     val_data: Annotated[
         Path | None,
         typer.Option(
-            help="Validation JSONL: multiple choice {'shared','options','answer_index'} "
-            "(best C2C accuracy kept) or {'shared','answer'} (best loss kept)."
+            help="Validation JSONL: multiple choice {'question','choices','answer'} (C2C "
+            "option log-likelihood accuracy) or {'shared','options','answer_index'} (best C2C "
+            "accuracy kept) or {'shared','answer'} (best loss kept)."
         ),
     ] = None,
     eval_every: Annotated[
@@ -98,8 +103,21 @@ def train(
             help="CPU threads for torch (0: torch's default; 1 is fastest for tiny models on busy cores)."
         ),
     ] = 0,
+    bf16: Annotated[
+        bool, typer.Option(help="bfloat16 autocast for the models and the fuser (fp32 weights).")
+    ] = False,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(help="Skip examples whose receiver prompt is longer than this.")
+    ] = 512,
+    intermediate_mult: Annotated[
+        float, typer.Option(help="Fuser MLP inner width as a multiple of --hidden.")
+    ] = 2.0,
 ) -> None:
-    """Train a fuser with both models frozen (receiver next-token loss on answer tokens)."""
+    """Train a fuser with both models frozen (receiver next-token loss on answer tokens).
+
+    Runs checkpoint every --checkpoint-every steps; --resume continues from --out (optimizer
+    state, step, losses and wall time included), so a run can be spread over sessions.
+    """
     import torch
 
     from ..fusion import FusionTrainer, TrainConfig, read_examples
@@ -125,12 +143,23 @@ def train(
         threads=threads,
         weight_decay=weight_decay,
         eval_every=eval_every if val_data is not None else 0,
-        fuser={"hidden_dim": hidden, "num_blocks": blocks, "dropout": dropout, "mapping": mp},
+        bf16=bf16,
+        max_prompt_tokens=max_prompt_tokens,
+        fuser={
+            "hidden_dim": hidden,
+            "num_blocks": blocks,
+            "dropout": dropout,
+            "mapping": mp,
+            "intermediate_mult": intermediate_mult,
+        },
     )
     command = (
         f"semcomm fusion train --sharer {sharer} --receiver {receiver} --data {data} --out {out} "
         f"--steps {steps} --batch-size {batch_size} --lr {lr} --seed {seed} --hidden {hidden} "
-        f"--blocks {blocks} --mapping {mapping} --weight-decay {weight_decay}"
+        f"--blocks {blocks} --intermediate-mult {intermediate_mult} --dropout {dropout} "
+        f"--mapping {mapping} --weight-decay {weight_decay} --max-prompt-tokens {max_prompt_tokens}"
+        f" --checkpoint-every {checkpoint_every} --threads {threads}"
+        + (" --bf16" if bf16 else "")
         + (f" --val-data {val_data} --eval-every {eval_every}" if val_data is not None else "")
         + (f" --sharer-template '{sharer_template}'" if sharer_template != "{shared}" else "")
         + (f" --receiver-template '{receiver_template}'" if receiver_template != "{shared}" else "")
@@ -141,7 +170,11 @@ def train(
         first = next(
             (ln for ln in val_data.read_text(encoding="utf-8").splitlines() if ln.strip()), ""
         )
-        if '"options"' in first:
+        if '"choices"' in first:
+            from ..fusion._mcqa import c2c_mcqa_metric, read_mcqa
+
+            val_metric = c2c_mcqa_metric(s_side, r_side, read_mcqa(val_data), bf16=bf16)
+        elif '"options"' in first:
             val_metric = c2c_accuracy_metric(s_side, r_side, read_mc_items(val_data))
         else:
             val_examples = read_examples(val_data)
@@ -222,6 +255,37 @@ def data(
         console.print(f"wrote {len(items)} validation questions to {val_out}")
 
 
+@fusion_app.command("data-mcqa")
+def data_mcqa(
+    out: Annotated[Path, typer.Option(help="Where to write the JSONL training data.")],
+    mcqa: Annotated[
+        list[Path],
+        typer.Option(help="Multiple-choice JSONL files (repeat); only their tails are used."),
+    ],
+    skip: Annotated[
+        int,
+        typer.Option(
+            help="Leading items of each file kept out of training (evaluation + rule choice)."
+        ),
+    ] = 600,
+    instructions: Annotated[
+        Path | None, typer.Option(help="Instruction JSONL ({'prompt', 'completion'}) to mix in.")
+    ] = None,
+    instruction_limit: Annotated[int, typer.Option(help="Most instruction rows to add.")] = 1000,
+) -> None:
+    """Write fuser training rows for a real pair from multiple-choice tails (+ instructions)."""
+    from ..fusion._mcqa import build_training_rows
+
+    rows = build_training_rows(
+        list(mcqa), skip=skip, instruction_file=instructions, instruction_limit=instruction_limit
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    console.print(f"wrote {len(rows)} rows to {out} (first {skip} items of each file left out)")
+
+
 @fusion_app.command("eval")
 def eval_(
     json_out: Annotated[
@@ -230,22 +294,51 @@ def eval_(
     png: Annotated[
         Path | None, typer.Option(help="Write an accuracy/latency chart (PNG) here.")
     ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Multiple-choice JSONL ({'question', 'choices', 'answer'}): evaluate the real "
+            "pair (default sharer qwen2.5-coder-0.5b-instruct, receiver smollm2-135m-instruct, "
+            "the fuser shipped for them). Without --data: the reference world."
+        ),
+    ] = None,
     sharer: Annotated[
-        Path | None, typer.Option(help="Sharer folder (default: the reference sharer).")
+        str | None,
+        typer.Option(help="Sharer: catalog name, folder or hub id (default: see --data)."),
     ] = None,
     receiver: Annotated[
-        Path | None, typer.Option(help="Receiver folder (default: the reference receiver).")
+        str | None, typer.Option(help="Receiver: catalog name, folder or hub id.")
     ] = None,
     fuser: Annotated[
-        Path | None, typer.Option(help="Fuser folder (default: the shipped reference fuser).")
+        Path | None, typer.Option(help="Fuser folder (default: the fuser shipped for the pair).")
     ] = None,
-    limit: Annotated[int, typer.Option(help="Held-out questions to evaluate (0: all).")] = 0,
+    limit: Annotated[
+        int, typer.Option(help="Questions to evaluate, the first N in file order (0: all).")
+    ] = 0,
+    skip: Annotated[int, typer.Option(help="With --data: leading items to skip first.")] = 0,
     answer_mode: Annotated[
-        str, typer.Option(help="loglik or letter (default: the fuser's training mode).")
+        str,
+        typer.Option(
+            help="Scoring rule: loglik (summed log-probability of each choice's text) or letter "
+            "(logits of the choice letters); reference world default: the fuser's training mode."
+        ),
     ] = "",
+    analysis_tokens: Annotated[
+        int, typer.Option(help="With --data: most tokens the sharer writes for text-to-text.")
+    ] = 32,
+    methods: Annotated[
+        str, typer.Option(help="With --data: comma list of receiver, sharer, t2t, c2c.")
+    ] = "receiver,sharer,t2t,c2c",
+    fp32: Annotated[
+        bool, typer.Option(help="With --data: float32 compute instead of bfloat16 autocast.")
+    ] = False,
     oracle: Annotated[
-        bool, typer.Option(help="Also run the cache-enrichment oracle experiment.")
-    ] = True,
+        bool | None,
+        typer.Option(
+            help="Also run the cache-enrichment oracle (default: on for the reference world, "
+            "off with --data)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="World seed.")] = 0,
     threads: Annotated[int, typer.Option(help="CPU threads for torch during the evaluation.")] = 1,
 ) -> None:
@@ -258,12 +351,30 @@ def eval_(
 
     if threads > 0:
         torch.set_num_threads(threads)
+    if data is not None:
+        _eval_mcqa(
+            data,
+            json_out=json_out,
+            png=png,
+            sharer=sharer,
+            receiver=receiver,
+            fuser=fuser,
+            limit=limit,
+            skip=skip,
+            rule=answer_mode or "loglik",
+            analysis_tokens=analysis_tokens,
+            methods=methods,
+            bf16=not fp32,
+            oracle=bool(oracle),
+        )
+        return
+    oracle = True if oracle is None else oracle
     total = len(reference_items(build_world(seed=seed), heldout=True, limit=limit or None))
     with _progress() as prog:
         task = prog.add_task("eval", total=total, info="")
         doc = run_eval(
-            sharer=sharer,
-            receiver=receiver,
+            sharer=Path(sharer) if sharer else None,
+            receiver=Path(receiver) if receiver else None,
             fuser=fuser,
             limit=limit,
             answer_mode=answer_mode,
@@ -306,6 +417,85 @@ def eval_(
         console.print(f"wrote {json_out}")
     if png is not None:
         plot_results(results, png)
+        console.print(f"wrote {png}")
+
+
+def _eval_mcqa(
+    data: Path,
+    *,
+    json_out: Path | None,
+    png: Path | None,
+    sharer: str | None,
+    receiver: str | None,
+    fuser: Path | None,
+    limit: int,
+    skip: int,
+    rule: str,
+    analysis_tokens: int,
+    methods: str,
+    bf16: bool,
+    oracle: bool,
+) -> None:
+    from ..errors import InvalidInputError
+    from ..fusion._eval import plot_results
+    from ..fusion._mcqa import METHODS, McqaSettings, read_mcqa, run_mcqa_eval
+
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    bad = [m for m in chosen if m not in METHODS]
+    if bad or not chosen:
+        raise InvalidInputError(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if rule not in ("loglik", "letter"):
+        raise InvalidInputError(f"--answer-mode must be loglik or letter, got {rule!r}")
+    total = len(read_mcqa(data, limit=limit or None, skip=skip))
+    settings = McqaSettings(rule=rule, analysis_tokens=analysis_tokens, bf16=bf16, methods=chosen)
+    with _progress() as prog:
+        task = prog.add_task("eval", total=total, info="")
+        doc = run_mcqa_eval(
+            data,
+            limit=limit or None,
+            skip=skip,
+            sharer=sharer,
+            receiver=receiver,
+            fuser=fuser,
+            settings=settings,
+            oracle=oracle,
+            progress=lambda i, n: prog.update(task, completed=i),
+        )
+    setup = doc["setup"]
+    table = Table(title=f"{data.name}: {setup['items']} questions, rule {rule}")
+    extra = ["loglik_mean"] if rule == "loglik" else []
+    for col in ("method", "accuracy", *extra, "median latency", "tokens generated"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    for m in chosen:
+        r = doc[m]
+        table.add_row(
+            m,
+            f"{r['accuracy']:.3f}",
+            *[f"{r[f'accuracy_{x}']:.3f}" for x in extra],
+            f"{r['latency_s'] * 1e3:.0f} ms",
+            f"{r['tokens_generated']:.1f}",
+        )
+    console.print(table)
+    if doc["summary"]:
+        console.print(
+            "; ".join(
+                f"{k} {v:+.1f}" if k.endswith("points") else f"{k} {v:.2f}x"
+                for k, v in doc["summary"].items()
+            )
+        )
+    if doc["oracle"] is not None:
+        console.print(
+            "oracle (receiver, same cache length): question {accuracy_question:.3f}, enriched "
+            "{accuracy_enriched:.3f}, full context {accuracy_full_context:.3f}".format(
+                **doc["oracle"]
+            )
+        )
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_out}")
+    if png is not None:
+        plot_results({m: doc[m] for m in chosen}, png)
         console.print(f"wrote {png}")
 
 

@@ -12,7 +12,9 @@ sharer's prompt KV is restored from the KV store when cached instead of recomput
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,15 @@ from ._kvio import (
 )
 from ._spec import ModelSpec, model_spec
 
-__all__ = ["FusedPrompt", "FusionPipeline", "Generation", "ModelSide", "greedy_decode"]
+__all__ = [
+    "FusedPrompt",
+    "FusionPipeline",
+    "Generation",
+    "ModelSide",
+    "greedy_decode",
+    "iter_greedy",
+    "text_pieces",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +113,48 @@ class Generation:
     stats: dict[str, Any]  # prompt tokens, fused tokens, sharer KV source, timings
 
 
+def iter_greedy(
+    model: torch.nn.Module,
+    layers: KVLayers | None,
+    feed_ids: list[int],
+    *,
+    start_pos: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+) -> Iterator[int]:
+    """Greedy decoding from a (possibly fused) cache, one token id at a time.
+
+    ``layers`` holds KV for positions ``[0, start_pos)`` (or is None); ``feed_ids`` are the
+    prompt tokens not yet in the cache (at least one). Stops at an end-of-sequence id (not
+    yielded) or after ``max_new_tokens``. The given layers are not mutated.
+    """
+    if not feed_ids:
+        raise InvalidInputError("at least one prompt token must be fed to the model")
+    device = next(model.parameters()).device
+    cache = layers_to_cache([(k.clone(), v.clone()) for k, v in layers]) if layers else None
+    ids = torch.tensor([feed_ids], device=device)
+    pos = start_pos
+    (cache_kw,) = cache_kwargs(model, None)  # the forward's name for the cache argument
+    for _ in range(max_new_tokens):
+        n = ids.shape[1]
+        position_ids = torch.arange(pos, pos + n, device=device)[None]
+        with torch.no_grad():
+            out = model(
+                input_ids=ids,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kw: cache},
+            )
+        cache = output_cache(out)
+        pos += n
+        nxt = int(out.logits[0, -1].argmax())
+        if nxt in eos_ids:
+            return
+        yield nxt
+        ids = torch.tensor([[nxt]], device=device)
+
+
 def greedy_decode(
     model: torch.nn.Module,
     layers: KVLayers | None,
@@ -114,41 +166,47 @@ def greedy_decode(
     stop: Any = None,
     decode: Any = None,
 ) -> list[int]:
-    """Greedy decoding from a (possibly fused) cache.
+    """Greedy decoding from a (possibly fused) cache (see :func:`iter_greedy`).
 
-    ``layers`` holds KV for positions ``[0, start_pos)`` (or is None); ``feed_ids`` are the
-    prompt tokens not yet in the cache (at least one). ``stop(text)`` ends decoding early when
-    it returns True (``decode`` turns ids to text for it). The given layers are not mutated.
+    ``stop(text)`` ends decoding early when it returns True (``decode`` turns ids to text
+    for it).
     """
-    if not feed_ids:
-        raise InvalidInputError("at least one prompt token must be fed to the model")
-    device = next(model.parameters()).device
-    cache = layers_to_cache([(k.clone(), v.clone()) for k, v in layers]) if layers else None
     out_ids: list[int] = []
-    ids = torch.tensor([feed_ids], device=device)
-    pos = start_pos
-    (cache_kw,) = cache_kwargs(model, None)  # the forward's name for the cache argument
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            n = ids.shape[1]
-            position_ids = torch.arange(pos, pos + n, device=device)[None]
-            out = model(
-                input_ids=ids,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kw: cache},
-            )
-            cache = output_cache(out)
-            pos += n
-            nxt = int(out.logits[0, -1].argmax())
-            if nxt in eos_ids:
-                break
-            out_ids.append(nxt)
-            if stop is not None and decode is not None and stop(decode(out_ids)):
-                break
-            ids = torch.tensor([[nxt]], device=device)
+    for nxt in iter_greedy(
+        model,
+        layers,
+        feed_ids,
+        start_pos=start_pos,
+        max_new_tokens=max_new_tokens,
+        eos_ids=eos_ids,
+    ):
+        out_ids.append(nxt)
+        if stop is not None and decode is not None and stop(decode(out_ids)):
+            break
     return out_ids
+
+
+def text_pieces(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:
+    """Incremental detokenization: the new text after each token, holding back a piece
+    while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+    ids: list[int] = []
+    sent = ""
+    for tok in tokens:
+        ids.append(tok)
+        text = decode(ids)
+        if text.endswith("\ufffd"):
+            continue
+        if len(text) > len(sent) and text.startswith(sent):
+            piece, sent = text[len(sent) :], text
+            yield piece
+        elif text != sent:  # a tokenizer rewrote earlier text: send only what is new
+            common = len(os.path.commonprefix([text, sent]))
+            piece, sent = text[common:], text
+            if piece:
+                yield piece
+    final = decode(ids) if ids else ""
+    if final != sent and final.startswith(sent) and len(final) > len(sent):
+        yield final[len(sent) :]
 
 
 class FusionPipeline:
@@ -240,14 +298,7 @@ class FusionPipeline:
         return fused, stats
 
     # -- generation --------------------------------------------------------------------
-    def generate(
-        self, shared: str, *, max_new_tokens: int = 16, stop: Any = None, fuse: bool = True
-    ) -> Generation:
-        """Greedy answer of the receiver for ``prefix + shared + suffix``.
-
-        With ``fuse=False`` (or no fuser) the receiver runs alone, through the same code.
-        """
-        t0 = time.perf_counter()
+    def _prepare(self, shared: str, fuse: bool) -> tuple[FusedPrompt, KVLayers, dict[str, Any]]:
         fp = self.encode(shared)
         if fuse and self.fuser is not None:
             layers, stats = self.fused_layers(fp)
@@ -257,6 +308,65 @@ class FusionPipeline:
                 layers, stats = self.fused_layers(fp)
             finally:
                 self.fuser = saved
+        return fp, layers, stats
+
+    def stream(
+        self,
+        shared: str,
+        *,
+        max_new_tokens: int = 256,
+        fuse: bool = True,
+        stats: dict[str, Any] | None = None,
+    ) -> Iterator[str]:
+        """The receiver's greedy answer for ``prefix + shared + suffix`` as text pieces.
+
+        The sharer's KV (from ``sharer_engine``'s KV store when cached) is fused before the
+        first piece; each piece is the text one more token adds (a piece is held back while
+        it ends in an incomplete UTF-8 sequence). ``stats``, when given, is filled with the
+        same figures :meth:`generate` reports (``first_piece_ms`` too) as pieces are made.
+        Closing the iterator early stops decoding.
+        """
+        t0 = time.perf_counter()
+        fp, layers, prep = self._prepare(shared, fuse)
+        info = stats if stats is not None else {}
+        info.update(prep)
+        r_ids = fp.receiver.input_ids
+        info["receiver_prompt_tokens"] = len(r_ids)
+        info["sharer_prompt_tokens"] = len(fp.sharer.input_ids)
+        tok = self.receiver.tokenizer
+        count = [0]
+
+        def tokens() -> Iterator[int]:
+            for t in iter_greedy(
+                self.receiver.model,
+                layers,
+                [r_ids[-1]],
+                start_pos=len(r_ids) - 1,
+                max_new_tokens=max_new_tokens,
+                eos_ids=self.receiver.eos_ids(),
+            ):
+                count[0] += 1
+                info["generated_tokens"] = count[0]
+                yield t
+
+        first = True
+        for piece in text_pieces(tokens(), lambda ids: tok.decode(ids, skip_special_tokens=True)):
+            if first:
+                info["first_piece_ms"] = (time.perf_counter() - t0) * 1e3
+                first = False
+            yield piece
+        info.setdefault("generated_tokens", 0)
+        info["latency_s"] = time.perf_counter() - t0
+
+    def generate(
+        self, shared: str, *, max_new_tokens: int = 16, stop: Any = None, fuse: bool = True
+    ) -> Generation:
+        """Greedy answer of the receiver for ``prefix + shared + suffix``.
+
+        With ``fuse=False`` (or no fuser) the receiver runs alone, through the same code.
+        """
+        t0 = time.perf_counter()
+        fp, layers, stats = self._prepare(shared, fuse)
         r_ids = fp.receiver.input_ids
         tok = self.receiver.tokenizer
         out = greedy_decode(

@@ -148,7 +148,8 @@ def split_template(template: str) -> tuple[str, str]:
 def load_side(
     path: str | Path, *, add_special_tokens: bool = True, template: str = "{shared}"
 ) -> ModelSide:
-    """A model folder (config.json + weights + tokenizer) as a :class:`ModelSide` in fp32.
+    """A model (catalog name, folder with config.json + weights + tokenizer, or a hub id
+    available offline) as a :class:`ModelSide` in fp32.
 
     ``template`` wraps the shared text in this model's own prompt, e.g. a chat template
     ``"<|im_start|>user\\n{shared}<|im_end|>\\n<|im_start|>assistant\\n"`` (a literal
@@ -159,15 +160,32 @@ def load_side(
 
     from ..errors import ConfigError
 
-    p = Path(path)
-    if not (p / "config.json").is_file():
+    where = _resolve_model(path)
+    p = Path(where)
+    if p.exists() and not (p / "config.json").is_file():
         raise ConfigError(f"no model at {p} (config.json missing)")
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(p))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(where)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot load model {path!r}: not a catalog name, a model folder or a hub id "
+            f"available offline ({exc})"
+        ) from exc
     prefix, suffix = split_template(template)
     return ModelSide(
         model, tok, prefix=prefix, suffix=suffix, add_special_tokens=add_special_tokens
     )
+
+
+def _resolve_model(spec: str | Path) -> str:
+    """A catalog name becomes its converted folder; a path or hub id is kept as it is."""
+    text = str(spec)
+    if Path(text).exists():
+        return text
+    from ..models import resolve_model
+
+    return resolve_model(text, quiet=True)
 
 
 def load_reference_sides() -> tuple[ModelSide, ModelSide]:

@@ -13,6 +13,7 @@ Data file: JSON Lines, one object per line with ``"shared"`` (or ``"context"``) 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -62,6 +63,7 @@ class TrainConfig:
     max_prompt_tokens: int = 512
     threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
     eval_every: int = 0  # with validation examples: validation loss every N steps, best kept
+    bf16: bool = False  # bfloat16 autocast for both models and the fuser (weights stay fp32)
     fuser: dict[str, Any] = field(default_factory=dict)  # FuserConfig overrides
 
 
@@ -365,12 +367,18 @@ class FusionTrainer:
             for i in range(0, len(items), self.config.batch_size):
                 chunk = items[i : i + self.config.batch_size]
                 b = collate(chunk, self._r_pad, self._s_pad).to(self.device)
-                loss = fused_loss(
-                    self.fuser if fused else None, self.sharer.model, self.receiver.model, b
-                )
+                with self._autocast():
+                    loss = fused_loss(
+                        self.fuser if fused else None, self.sharer.model, self.receiver.model, b
+                    )
                 total += float(loss) * len(chunk)
                 n += len(chunk)
         return total / max(n, 1)
+
+    def _autocast(self) -> Any:
+        if not self.config.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     @property
     def _validating(self) -> bool:
@@ -407,7 +415,10 @@ class FusionTrainer:
             self.fuser.set_step(self.step)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr(self.step)
-            loss = fused_loss(self.fuser, self.sharer.model, self.receiver.model, self.batch(rng))
+            with self._autocast():
+                loss = fused_loss(
+                    self.fuser, self.sharer.model, self.receiver.model, self.batch(rng)
+                )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.fuser.parameters(), c.clip)
