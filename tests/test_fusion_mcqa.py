@@ -14,8 +14,8 @@ from semcomm.cli import app
 from semcomm.errors import InvalidInputError
 from semcomm.fusion import Fuser, FuserConfig, FusionPipeline, ModelSide
 from semcomm.fusion._mcqa import (
-    MCQuestion,
     McqaSettings,
+    MCQuestion,
     build_training_rows,
     evaluate_mcqa,
     read_mcqa,
