@@ -35,7 +35,7 @@ from ._policy import (
     ThresholdPolicy,
     make_policy,
 )
-from ._shadow import MODES, ShadowLog, ShadowRecord, answers_agree
+from ._shadow import MIN_EMBED_WORDS, MODES, ShadowLog, ShadowRecord, answers_agree
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
 
 __all__ = ["EVICTION_POLICIES", "CacheStats", "Hit", "SemanticCache", "open_store"]
@@ -870,8 +870,9 @@ class SemanticCache:
 
     def _link_clusters(self, part: str, entries: Sequence[Entry]) -> None:
         """Answer-equivalence learning: a new entry joins the cluster of an entry with the same
-        answer text, or of a near neighbour (query similarity >= 0.5) whose answer means the
-        same (``answer_match``). Entries of one batch with equal answers share a cluster."""
+        answer text, or (a single store) of a near neighbour (query similarity >= 0.5) whose
+        answer means the same (``answer_match``). Entries of one batch with equal answers share
+        a cluster."""
         batch: dict[str, str] = {}
         for e in entries:
             ak = _answer_key(e.answer)
@@ -881,7 +882,10 @@ class SemanticCache:
                     e.cluster, e.trust = old.cluster, old.trust  # same answer re-stored
                     continue
                 e.cluster = self._answer_cluster.get((part, ak)) or batch.get(ak, "")
-            if not e.cluster and self.answer_match is not None:
+            # by meaning only for one answer at a time (a miss the model just answered): bulk
+            # loads link by text, without a neighbour search per entry
+            if not e.cluster and self.answer_match is not None and len(entries) == 1 and (
+                    callable(self.answer_match) or len(e.answer.split()) >= MIN_EMBED_WORDS):
                 e.cluster = self._match_neighbour(part, e)
             if e.cluster:
                 with self._lock:
