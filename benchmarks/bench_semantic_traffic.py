@@ -59,7 +59,8 @@ from rich.console import Console
 from rich.table import Table
 
 from semcomm import SemanticCache
-from semcomm.semantic import CallableEmbedder, default_embedder
+from semcomm.semantic import CallableEmbedder, ClusterVotePolicy, default_embedder
+from semcomm.semantic._cross import default_cross_verifier
 
 console = Console()
 EMB_DIR = Path(tempfile.gettempdir()) / "semcomm-emb"
@@ -242,6 +243,34 @@ def replay_shadow(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int) -> 
             "threshold_for_0.95": rep.threshold, "report": rep.as_dict()}
 
 
+def judge_rows(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, n: int, model: str) -> dict:
+    """The instruct-model judge on lone borderline candidates (0.85 <= cos < 0.92, guard
+    passed): how well its yes separates right from wrong, and its cost per call."""
+    from semcomm.semantic import JudgeVerifier, LexicalGuard
+
+    g = LexicalGuard()
+    sims = qv @ sv.T
+    j = sims.argmax(1)
+    best = sims[np.arange(len(j)), j]
+    pool = [i for i in range(len(w.queries)) if 0.85 <= best[i] < 0.92
+            and g(w.queries[i], w.stored[j[i]])]
+    pick = random.Random(0).sample(pool, min(n, len(pool)))
+    judge = JudgeVerifier(model, threads=torch.get_num_threads())
+    ps, ys = [], []
+    for i in pick:
+        ps.append(judge.score(w.queries[i], w.stored[j[i]]))
+        ys.append(right(w, w.answers[j[i]], w.expected[i]))
+    yes = [y for p, y in zip(ps, ys, strict=True) if p >= judge.threshold]
+    return {"model": model, "n": len(pick), "positives": int(sum(ys)),
+            "yes": len(yes), "precision_yes": round(sum(yes) / len(yes), 3) if yes else None,
+            "recall_yes": round(sum(yes) / max(1, sum(ys)), 3),
+            "mean_p_right": float(np.mean([p for p, y in zip(ps, ys, strict=True) if y]))
+            if any(ys) else None,
+            "mean_p_wrong": float(np.mean([p for p, y in zip(ps, ys, strict=True) if not y]))
+            if not all(ys) else None,
+            "ms_per_call": judge.ms_per_call}
+
+
 def lookup_speed(vecs_like: np.ndarray, n: int, q: int, seed: int) -> dict:
     """Lookup p50 with ``n`` entries (default cache, vectors given, no judge model)."""
     rng = np.random.default_rng(seed)
@@ -281,6 +310,10 @@ def main() -> None:
     ap.add_argument("--speed-entries", type=int, default=100_000)
     ap.add_argument("--speed-queries", type=int, default=500)
     ap.add_argument("--no-gptcache", action="store_true")
+    ap.add_argument("--no-cross", action="store_true", help="skip the opt-in cross-encoder rows")
+    ap.add_argument("--judge-samples", type=int, default=40,
+                    help="borderline Quora candidates the instruct-model judge scores (0: none)")
+    ap.add_argument("--judge-model", default="smollm2-135m-instruct")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     wl = {
@@ -303,6 +336,11 @@ def main() -> None:
             w, sv, qv, threshold=0.92)
         for cut in (0.92, 0.80, 0.75):
             rows[f"plain MiniLM cosine >= {cut:.2f}"] = run_cosine(w, sv, qv, cut)
+        if not args.no_cross and ("quora-pairs" in name or "banking" in name):
+            rows["cross_encoder=True (opt-in)"], _ = run_semcomm(w, sv, qv, cross_encoder=True)
+            rows["ClusterVotePolicy(0.88, scorer=cross-encoder, P >= 0.7) (opt-in)"], _ = \
+                run_semcomm(w, sv, qv, policy=ClusterVotePolicy(
+                    0.88, scorer=default_cross_verifier(), min_score=0.7))
         if not args.no_gptcache:
             rows["GPTCache 0.1.44 at cos 0.80 (same vectors)"] = run_gptcache(w, sv, qv, 0.80)
         res["workloads"][name] = {"stored": len(w.stored), "queries": len(w.queries),
@@ -330,6 +368,13 @@ def main() -> None:
         console.print(f"shadow replay {name}: would-be hit rate {s['would_hit_rate']:.3f}, "
                       f"estimated precision {s['estimated_precision']:.3f}, measured "
                       f"{s['measured_precision']:.3f}")
+    if args.judge_samples:
+        res["judge"] = j = judge_rows(wl["quora-pairs (held out)"],
+                                      *vecs["quora-pairs (held out)"], args.judge_samples,
+                                      args.judge_model)
+        console.print(f"judge {j['model']}: {j['ms_per_call']:.0f} ms per call; on {j['n']} "
+                      f"borderline candidates ({j['positives']} right): precision of yes "
+                      f"{j['precision_yes']}, recall {j['recall_yes']}")
     allv = np.concatenate([vecs["quora-faq (held out)"][0], vecs[bank][0]])
     res["speed"] = sp = lookup_speed(allv, args.speed_entries, args.speed_queries, args.seed)
     console.print(f"lookup at {sp['entries']} entries: p50 {sp['p50_ms']:.3f} ms, p99 "

@@ -331,3 +331,34 @@ def test_guard_near_miss_kinds(a, b, reason) -> None:
 
 def test_threshold_shortcut_is_still_a_fixed_threshold(emb) -> None:
     assert type(SemanticCache(embedder=emb, threshold=0.8).policy) is ThresholdPolicy
+
+
+def test_judge_serves_borderline_lone_candidates_only(emb, axes) -> None:
+    e = axes
+    calls = []
+
+    def judge(query, best, runner_up) -> float:
+        calls.append(best.similarity)
+        return 0.9 if "password" in query else 0.1
+
+    cache = SemanticCache(embedder=emb, policy=ClusterVotePolicy(judge=judge, judge_floor=0.85))
+    cache.store("how do i reset my password", "Settings > Security", embedding=e[0])
+    hit = cache.lookup("forgot my password", embedding=at(e[0], e[1], 0.88))
+    assert hit is not None and hit.verified and hit.reason == "judged"
+    assert cache.lookup("forgot my username", embedding=at(e[0], e[1], 0.88)) is None
+    assert cache.lookup("forgot my password", embedding=at(e[0], e[1], 0.80)) is None  # below
+    assert cache.lookup("forgot my password", embedding=at(e[0], e[1], 0.95)) is not None
+    assert len(calls) == 2  # only the two lookups in [0.85, 0.92) asked the judge
+    with pytest.raises(ConfigError):
+        ClusterVotePolicy(judge="yes")  # type: ignore[arg-type]
+
+
+def test_judge_model_loads_lazily() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; import semcomm.semantic as s; j = s.JudgeVerifier(); "
+            "print(j._model is None, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "False"]

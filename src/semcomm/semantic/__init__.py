@@ -21,6 +21,7 @@ from ._embed import (
 from ._entry import ENTRY_FORMAT_VERSION, Entry
 from ._guard import GuardResult, LexicalGuard
 from ._index import AutoIndex, FlatIndex, HNSWIndex, IVFIndex, make_index
+from ._judge import JudgeVerifier
 from ._policy import (
     DEFAULT_THRESHOLD,
     POLICIES,
@@ -71,6 +72,7 @@ __all__ = [
     "Hit",
     "HitPolicy",
     "IVFIndex",
+    "JudgeVerifier",
     "LexicalGuard",
     "LexicalVerifier",
     "MemoryEntryStore",

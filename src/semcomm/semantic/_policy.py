@@ -202,7 +202,10 @@ class ClusterVotePolicy(ThresholdPolicy):
       least ``margin`` and its best member is at least ``floor`` similar (a cluster hit: agreeing
       phrasings are stronger evidence than one close one), or
     - its best member alone reaches ``threshold`` (the fixed-threshold rule; verifier and scorer
-      apply to this path exactly as in :class:`ThresholdPolicy`).
+      apply to this path exactly as in :class:`ThresholdPolicy`), or
+    - with a ``judge`` (``f(query, best, runner_up) -> P``, e.g.
+      :class:`~semcomm.semantic.JudgeVerifier`; off by default), the best candidate is in
+      ``[judge_floor, threshold)`` and the judge gives it ``P >= judge_min`` (a verified hit).
 
     Defaults were chosen on development FAQ traffic (CLINC150 train split, 44 single-answer
     intents outside banking: the most recall at 0.96 precision) and checked on held-out
@@ -215,9 +218,17 @@ class ClusterVotePolicy(ThresholdPolicy):
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, base: float = 0.5,
                  margin: float = 0.2, floor: float = 0.6, support: int = 2,
                  verifier: Verifier | None = None, max_verify: int = 2,
-                 scorer: Scorer | None = None, min_score: float = 0.5) -> None:
+                 scorer: Scorer | None = None, min_score: float = 0.5,
+                 judge: Scorer | None = None, judge_floor: float = 0.85,
+                 judge_min: float = 0.5) -> None:
         super().__init__(threshold, verifier=verifier, max_verify=max_verify, scorer=scorer,
                          min_score=min_score)
+        if judge is not None and not callable(judge):
+            raise ConfigError(f"judge must be callable f(query, best, runner_up) -> P, got "
+                              f"{type(judge).__name__}")
+        self.judge = judge
+        self.judge_floor = _check_threshold(judge_floor)
+        self.judge_min = float(judge_min)
         self.base = _check_threshold(base)
         self.floor = _check_threshold(floor)
         if not isinstance(support, int) or support < 2:
@@ -236,12 +247,23 @@ class ClusterVotePolicy(ThresholdPolicy):
         d = super().decide(query, candidates, threshold=threshold)
         if d.candidate is not None:
             d.score = d.candidate.similarity
+            return d
+        t = self.threshold if threshold is None else threshold
+        if self.judge is not None and candidates and \
+                self.judge_floor <= candidates[0].similarity < t:
+            best = candidates[0]
+            p = float(self.judge(query, best, candidates[1] if len(candidates) > 1 else None))
+            if p >= self.judge_min:
+                return Decision(best, verified=True, verifications=d.verifications + 1,
+                                reason="judged", score=p)
+            return Decision(None, verifications=d.verifications + 1, reason="judge-rejected",
+                            score=p)
         return d
 
     @property
     def min_similarity(self) -> float:
-        """Candidates below ``base`` neither vote nor can be served."""
-        return min(self.base, self.threshold)
+        """Candidates below ``base`` neither vote nor can be served (nor judged)."""
+        return min(self.base, self.threshold, self.judge_floor if self.judge else 1.0)
 
     def __repr__(self) -> str:
         return (f"ClusterVotePolicy(threshold={self.threshold}, base={self.base}, "
