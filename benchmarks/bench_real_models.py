@@ -8,6 +8,9 @@ Sections (``--sections``, default all), each measured in one run per model:
   forward over an in-process cache of the same length (what any prefix cache must still
   compute) plus the restored KV bytes over the measured memcpy bandwidth. Ratios:
   cold/warm and warm/floor.
+* ``llamacpp``: llama.cpp (``llama-cpp-python`` in its own venv, ``.venv-llamacpp``) on the
+  same GGUF file and prompt: cold TTFT, warm in the same process (its own prefix reuse) and
+  after a restart from its saved state file (its disk prompt cache).
 * ``exact``: greedy output with the cache (cold, warm, restart) against ``model.generate``, float32
   and bfloat16, prompt lengths at chunk boundaries and one token either side.
 * ``codecs``: each lossy codec's error on real text: KL divergence of the next-token
@@ -103,15 +106,17 @@ def one_token_forward_ms(model: Any, ids: list[int], reps: int = 5) -> float:
     """A one-token forward over an in-process cache of ``len(ids) - 1`` tokens (best of reps)."""
     from transformers import DynamicCache
 
+    from semcomm.engine._cache_adapter import cache_kwargs
+
     x = torch.tensor([ids])
     with torch.no_grad():
         cache = DynamicCache()
-        model(x[:, :-1], past_key_values=cache, use_cache=True)
+        kw = cache_kwargs(model, cache)
+        model(x[:, :-1], use_cache=True, **kw)
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            model(x[:, -1:], past_key_values=cache, use_cache=True,
-                  attention_mask=torch.ones_like(x))
+            model(x[:, -1:], use_cache=True, attention_mask=torch.ones_like(x), **kw)
             ts.append((time.perf_counter() - t) * 1e3)
             cache.crop(-1)
     return min(ts)
@@ -289,6 +294,39 @@ def bench_semantic(name: str, model: Any, tok: Any) -> dict[str, Any]:
             "speedup_per_hit": median(gen_ms) / max(median(hit_ms), 1e-6), "rows": rows}
 
 
+LLAMACPP_PY = Path(__file__).resolve().parents[1] / ".venv-llamacpp" / "bin" / "python"
+
+
+def bench_llamacpp(name: str, tok: Any, lengths: list[int], tmp: Path, threads: int
+                   ) -> dict[str, Any]:
+    """llama.cpp on the same GGUF and prompt: cold, warm in-process, after a restart from its
+    saved state (its disk prompt cache). Needs the llama-cpp-python venv (.venv-llamacpp)."""
+    import subprocess
+
+    from semcomm.models import catalog_entry
+
+    if not LLAMACPP_PY.exists():
+        return {"skipped": f"no llama-cpp-python venv at {LLAMACPP_PY}"}
+    gguf = model_path(name).parent / "gguf" / catalog_entry(name).gguf_file
+    text_ids = tok(real_text())["input_ids"]
+    out: dict[str, Any] = {}
+    driver = Path(__file__).resolve().parent / "_llamacpp_ttft.py"
+    for n in lengths:
+        job = tmp / f"llamacpp-{name}-{n}.json"
+        job.write_text(json.dumps({"gguf": str(gguf), "ids": list(text_ids[:n]),
+                                   "threads": threads, "state": str(tmp / f"state-{n}.pkl")}))
+        row: dict[str, Any] = {}
+        for mode in ("save", "load"):
+            proc = subprocess.run([str(LLAMACPP_PY), str(driver), mode, str(job)],
+                                  capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                row["error"] = proc.stderr.strip().splitlines()[-1:] or ["failed"]
+                break
+            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        out[str(n)] = row
+    return out
+
+
 def bench_gateway(max_tokens: int) -> dict[str, Any]:
     from semcomm.server import run_demo
 
@@ -313,6 +351,21 @@ def show(res: dict[str, Any]) -> None:
                           f"{r['speedup_memory']:.0f}x", f"{r['warm_disk_ttft_ms']:.1f}",
                           f"{r['speedup_disk']:.0f}x", f"{r['floor_ms']:.1f}",
                           f"{r['hit_over_floor']:.2f}x")
+            console.print(t)
+        if "llamacpp" in m and "ttft" in m and "skipped" not in m["llamacpp"]:
+            t = Table(title=f"{name}: semcomm against llama.cpp on the same GGUF and prompt")
+            for c in ("tokens", "llama.cpp cold ms", "semcomm cold ms", "llama.cpp warm ms",
+                      "semcomm warm ms", "llama.cpp restart ms", "semcomm restart ms",
+                      "semcomm/llama.cpp restart"):
+                t.add_column(c, justify="right")
+            for n, lc in m["llamacpp"].items():
+                r = m["ttft"].get(n, {})
+                if "error" in lc or "cold_ttft_ms" not in r:
+                    continue
+                t.add_row(n, f"{lc['cold_ttft_s'] * 1e3:.0f}", f"{r['cold_ttft_ms']:.0f}",
+                          f"{lc['warm_ttft_s'] * 1e3:.1f}", f"{r['warm_memory_ttft_ms']:.1f}",
+                          f"{lc['restart_ttft_s'] * 1e3:.1f}", f"{r['warm_disk_ttft_ms']:.1f}",
+                          f"{r['warm_disk_ttft_ms'] / (lc['restart_ttft_s'] * 1e3):.2f}x")
             console.print(t)
         if "exact" in m:
             for dtype, rows in m["exact"].items():
@@ -366,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--lengths", default="512,2048,8192")
-    p.add_argument("--sections", default="ttft,exact,codecs,semantic,gateway")
+    p.add_argument("--sections", default="ttft,llamacpp,exact,codecs,semantic,gateway")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--chunk-size", type=int, default=256)
@@ -412,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                     m[s] = bench_codecs(name, model, tok, 1024, args.chunk_size)
                 elif s == "semantic":
                     m[s] = bench_semantic(name, model, tok)
+                elif s == "llamacpp":
+                    m[s] = bench_llamacpp(name, tok, lengths, tmp, args.threads)
                 save()
                 prog.advance(task)
             del model
