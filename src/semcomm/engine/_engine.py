@@ -133,8 +133,8 @@ class HFEngine:
         self.store = store
         self.chunk_size = chunk_size
         self.tenant = tenant
-        self._runner = ca.ModelRunner(self.model)
         self.layout = ca.probe_layout(self.model, self.device, windows)
+        self._runner = ca.ModelRunner(self.model)
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
             raise InvalidInputError(f"unsupported KV dtype {self.dtype}")

@@ -1,0 +1,307 @@
+"""Decode speed on CPU at a 2k-token context: semcomm's engine against transformers and llama.cpp.
+
+Models: the catalog's real models (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``),
+float32 and bfloat16, 1 and 2 threads. The prompt is the first 2,048 tokens of the repository's
+``docs/*.md`` (plain completion, the same token ids everywhere). Per model, dtype and thread
+count, in one process:
+
+* ``engine cold``: ``HFEngine.generate`` with a memory store: cold TTFT (whole prefill) and
+  decode tokens/s;
+* ``engine warm``: the same request again (2,047 tokens restored, one recomputed), decode tokens/s;
+* ``generate dynamic``: ``model.generate`` with its default ``DynamicCache`` (grown by
+  concatenation every step), continuing from the same 2,047-token prefix;
+* ``generate static``: ``model.generate`` with a ``StaticCache`` holding that prefix (what
+  ``cache_implementation="static"`` allocates).
+
+EOS is ignored so that every run decodes ``--new-tokens`` tokens; tokens/s counts the tokens
+after the first (decode only). Engine warm, dynamic and static run interleaved for ``--rounds``
+rounds and the best round counts (on a shared machine a preempted run is slow, never fast). Greedy agreement: each run's tokens against ``generate dynamic``
+(same prefix bits, so they must be identical) and the cold run's.
+
+llama.cpp (``llama-cpp-python`` in its own venv, ``--llamacpp-python``, default
+``.venv-llamacpp/bin/python``): the same token ids on the catalog's GGUF file, same thread count,
+cold TTFT and decode tokens/s, in a subprocess per run (``benchmarks/_llamacpp_driver.py``).
+vLLM's CPU build is measured by its own benchmark; its column is filled from ``--vllm-json``
+when given.
+
+Usage: ``python benchmarks/bench_decode.py [--models a,b] [--dtypes float32,bfloat16]
+[--threads 1,2] [--new-tokens 32] [--json FILE] [--png FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import agg_figure, write_json
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from semcomm.engine import HFEngine
+from semcomm.engine import _cache_adapter as ca
+from semcomm.kv import MemoryStore
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+console = Console(width=None if sys.stdout.isatty() else 160)
+MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+
+
+def prompt_ids(tokenizer: Any, n: int) -> list[int]:
+    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if len(ids) < n:
+        raise SystemExit(f"docs/*.md give only {len(ids)} tokens, fewer than {n}")
+    return ids[:n]
+
+
+class _Clock:
+    """A ``generate`` streamer that records when each new token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate first puts the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _tps(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+
+
+def _gen_config(model: Any, n: int) -> Any:
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = None  # decode exactly n tokens
+    gc.max_new_tokens = n
+    gc.min_new_tokens = n
+    gc.do_sample = False
+    gc.pad_token_id = 0
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(gc, k, None)
+    return gc
+
+
+def hf_generate(model: Any, ids: list[int], prefix: Any, n: int) -> tuple[list[int], float]:
+    """``model.generate`` continuing from ``prefix`` (a cache of ``ids[:-1]``)."""
+    x = torch.tensor([ids])
+    clock = _Clock()
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=prefix,
+                             generation_config=_gen_config(model, n), streamer=clock)
+    return out[0, len(ids):].tolist(), _tps(clock.times)
+
+
+def prefix_caches(model: Any, keys: torch.Tensor, values: torch.Tensor, n_new: int) -> dict[str, Any]:
+    """The 2,047-token prefix as a ``DynamicCache`` and as a ``StaticCache`` (copies)."""
+    from transformers import DynamicCache, StaticCache
+
+    dyn = DynamicCache(ddp_cache_data=[(keys[i : i + 1].clone(), values[i : i + 1].clone())
+                                       for i in range(keys.shape[0])])
+    static = StaticCache(config=model.config, max_cache_len=keys.shape[2] + 1 + n_new)
+    layers: list[Any] = list(static.layers)
+    for i, layer in enumerate(layers):
+        layer.update(keys[i : i + 1].clone(), values[i : i + 1].clone())
+    return {"dynamic": dyn, "static": static}
+
+
+def llamacpp_run(python: Path, gguf: Path, ids: list[int], threads: int, n: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"gguf": str(gguf), "ids": ids, "threads": threads, "new_tokens": n}, f)
+        job = f.name
+    try:
+        cp = subprocess.run([str(python), str(ROOT / "benchmarks" / "_llamacpp_driver.py"), job],
+                            capture_output=True, text=True, timeout=900)
+    finally:
+        os.unlink(job)
+    if cp.returncode != 0:
+        return {"error": (cp.stderr or cp.stdout)[-400:]}
+    out: dict[str, Any] = json.loads(cp.stdout.strip().splitlines()[-1])
+    return out
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Leading tokens on which two greedy runs agree."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
+               llama_python: Path | None, rounds: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from semcomm.models import model_path
+
+    torch.set_num_threads(threads)
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids = prompt_ids(tok, n_prompt)
+    engine = HFEngine(model, tok, store=MemoryStore(), device="cpu")
+    engine.eos_token_ids = frozenset()  # decode exactly n_new tokens, as the others do
+    row: dict[str, Any] = {"model": name, "dtype": dtype, "threads": threads,
+                           "prompt_tokens": len(ids), "new_tokens": n_new}
+    cold = engine.generate(ids, max_new_tokens=n_new)
+    row["engine_cold_ttft_s"] = cold.stats.ttft_s
+    row["engine_cold_tps"] = cold.stats.decode_tokens_per_s
+    pre = engine.prefill(ids, store=False)  # the stored prefix bits, restored
+    with torch.no_grad():
+        keys, values = ca.stack_range(pre.cache, 0, len(ids) - 1)
+        keys, values = keys.clone(), values.clone()
+    del pre
+    # rounds of (engine, dynamic, static), each run from the same prefix; the best of the
+    # rounds counts (the machine is shared: a preempted run is slow, never fast)
+    tps: dict[str, list[float]] = {"engine_warm": [], "generate_dynamic": [],
+                                   "generate_static": []}
+    for _ in range(rounds):
+        warm = engine.generate(ids, max_new_tokens=n_new)
+        assert warm.stats.hit_tokens == len(ids) - 1
+        tps["engine_warm"].append(warm.stats.decode_tokens_per_s)
+        row["engine_warm_ttft_s"] = warm.stats.ttft_s
+        caches = prefix_caches(model, keys, values, n_new)
+        dyn_tokens, t = hf_generate(model, ids, caches["dynamic"], n_new)
+        tps["generate_dynamic"].append(t)
+        st_tokens, t = hf_generate(model, ids, caches["static"], n_new)
+        tps["generate_static"].append(t)
+        del caches
+    for k, v in tps.items():
+        row[f"{k}_tps"] = max(v)
+        row[f"{k}_tps_runs"] = v
+    row["agree_engine_warm_vs_dynamic"] = agreement(warm.token_ids, dyn_tokens)
+    row["agree_engine_cold_vs_dynamic"] = agreement(cold.token_ids, dyn_tokens)
+    row["agree_static_vs_dynamic"] = agreement(st_tokens, dyn_tokens)
+    row["identical_engine_vs_generate"] = warm.token_ids == dyn_tokens
+    row["vllm_cpu_tps"] = None
+    if llama_python is not None and dtype == "float32":  # llama.cpp runs its own (GGUF) weights
+        ggufs = sorted((path.parent / "gguf").glob("*.gguf"))
+        if ggufs:
+            lc = llamacpp_run(llama_python, ggufs[0], ids, threads, n_new)
+            row["llamacpp"] = lc
+            if "tokens" in lc:
+                row["agree_llamacpp_vs_dynamic"] = agreement(lc["tokens"], dyn_tokens)
+    for k in ("engine_warm_tps", "engine_cold_tps", "generate_static_tps"):
+        d = row["generate_dynamic_tps"]
+        row[f"{k}_over_dynamic"] = row[k] / d if d else None
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="decode tokens/s at a 2,048-token context (CPU), one run")
+    for c in ("model", "dtype", "thr", "engine warm", "engine cold", "generate dynamic",
+              "generate static", "llama.cpp", "engine/dyn", "engine/static", "engine/llama",
+              "same tokens", "cold TTFT s", "llama TTFT s"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        lc = r.get("llamacpp") or {}
+        lt = lc.get("decode_tps")
+        t.add_row(
+            r["model"].split("-")[0], r["dtype"], str(r["threads"]),
+            f"{r['engine_warm_tps']:.1f}", f"{r['engine_cold_tps']:.1f}",
+            f"{r['generate_dynamic_tps']:.1f}", f"{r['generate_static_tps']:.1f}",
+            f"{lt:.1f}" if lt else "-",
+            f"{r['engine_warm_tps'] / r['generate_dynamic_tps']:.2f}x",
+            f"{r['engine_warm_tps'] / r['generate_static_tps']:.2f}x",
+            f"{r['engine_warm_tps'] / lt:.2f}x" if lt else "-",
+            "yes" if r["identical_engine_vs_generate"] else
+            f"{r['agree_engine_warm_vs_dynamic']}/{r['new_tokens']}",
+            f"{r['engine_cold_ttft_s']:.1f}",
+            f"{lc['cold_ttft_s']:.1f}" if lc.get("cold_ttft_s") else "-",
+        )
+    return t
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import numpy as np
+
+    labels = [f"{r['model'].split('-')[0]}\n{r['dtype'][:4]} x{r['threads']}" for r in rows]
+    series = [("engine (warm)", "engine_warm_tps"), ("generate dynamic", "generate_dynamic_tps"),
+              ("generate static", "generate_static_tps")]
+    x = np.arange(len(rows))
+    width = 0.2
+    with agg_figure(path, (max(7.0, 1.3 * len(rows)), 4.2)) as ax:
+        for j, (lab, key) in enumerate(series):
+            ax.bar(x + (j - 1.5) * width, [r[key] for r in rows], width, label=lab)
+        ax.bar(x + 1.5 * width, [(r.get("llamacpp") or {}).get("decode_tps") or 0 for r in rows],
+               width, label="llama.cpp (GGUF)")
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylabel("decode tokens/s (2k context)")
+        ax.set_title("CPU decode at 2,048 tokens of context")
+        ax.legend(fontsize=8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repeats (best counts)")
+    ap.add_argument("--llamacpp-python", type=Path, default=ROOT / ".venv-llamacpp/bin/python")
+    ap.add_argument("--vllm-json", type=Path, default=None,
+                    help="JSON list of {model, dtype, threads, decode_tps} from the vLLM-cpu run")
+    ap.add_argument("--json", type=Path, default=RESULTS / "decode.json")
+    ap.add_argument("--png", type=Path, default=RESULTS / "decode.png")
+    args = ap.parse_args()
+    llama = args.llamacpp_python if args.llamacpp_python.exists() else None
+    if llama is None:
+        console.print(f"[yellow]{args.llamacpp_python} not found: llama.cpp is not measured")
+    configs = [(m, d, int(t)) for m in args.models.split(",") for d in args.dtypes.split(",")
+               for t in args.threads.split(",")]
+    rows: list[dict[str, Any]] = []
+    done: dict[tuple[str, str, int], dict[str, Any]] = {}
+    if args.json.exists():  # resume: keep finished configurations of the same settings
+        try:
+            old = json.loads(args.json.read_text())
+            if old.get("new_tokens") == args.new_tokens:
+                done = {(r["model"], r["dtype"], r["threads"]): r for r in old["rows"]}
+        except (ValueError, KeyError):
+            done = {}
+    with Progress(console=console) as prog:
+        task = prog.add_task("configurations", total=len(configs))
+        for m, d, t in configs:
+            row = done.get((m, d, t)) or run_config(m, d, t, args.new_tokens, args.prompt_tokens,
+                                                    llama, args.rounds)
+            rows.append(row)
+            results = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+                       "rows": rows}
+            write_json(args.json, results, console)  # checkpoint after every configuration
+            prog.advance(task)
+    if args.vllm_json and args.vllm_json.exists():
+        for v in json.loads(args.vllm_json.read_text()):
+            for r in rows:
+                if (r["model"], r["dtype"], r["threads"]) == (v["model"], v["dtype"], v["threads"]):
+                    r["vllm_cpu_tps"] = v["decode_tps"]
+        write_json(args.json, {"new_tokens": args.new_tokens,
+                               "prompt_tokens": args.prompt_tokens, "rows": rows}, console)
+    console.print(table(rows))
+    plot(rows, args.png)
+    console.print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
