@@ -339,8 +339,15 @@ def eval_(
             "off with --data)."
         ),
     ] = None,
+    device: Annotated[str, typer.Option(help="With --data: cpu, cuda or auto.")] = "cpu",
     seed: Annotated[int, typer.Option(help="World seed.")] = 0,
-    threads: Annotated[int, typer.Option(help="CPU threads for torch during the evaluation.")] = 1,
+    threads: Annotated[
+        int,
+        typer.Option(
+            help="CPU threads for torch during the evaluation (0: torch's default; "
+            "default 1 for the reference world, torch's default with --data)."
+        ),
+    ] = -1,
 ) -> None:
     """Compare receiver alone, sharer alone, text-to-text and C2C on held-out multiple choice."""
     import torch
@@ -349,6 +356,8 @@ def eval_(
     from ..fusion._reference import reference_items, run_eval
     from ..reference import build_world
 
+    if threads < 0:
+        threads = 0 if data is not None else 1
     if threads > 0:
         torch.set_num_threads(threads)
     if data is not None:
@@ -366,6 +375,7 @@ def eval_(
             methods=methods,
             bf16=not fp32,
             oracle=bool(oracle),
+            device=device,
         )
         return
     oracle = True if oracle is None else oracle
@@ -435,6 +445,7 @@ def _eval_mcqa(
     methods: str,
     bf16: bool,
     oracle: bool,
+    device: str,
 ) -> None:
     from ..errors import InvalidInputError
     from ..fusion._eval import plot_results
@@ -459,6 +470,7 @@ def _eval_mcqa(
             fuser=fuser,
             settings=settings,
             oracle=oracle,
+            device=device,
             progress=lambda i, n: prog.update(task, completed=i),
         )
     setup = doc["setup"]

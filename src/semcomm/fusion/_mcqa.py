@@ -275,6 +275,7 @@ class _Tally:
             out[f"accuracy_{r}"] = acc[r]
         for k, v in self.stages.items():
             out[f"median_{k}_s"] = statistics.median(v)
+        out["correct"] = [int(c) for c in self.correct[rule]]  # per question, file order
         return out
 
 
@@ -586,6 +587,21 @@ def shipped_pair_fuser_path() -> Path:
     return ASSETS_DIR / "qwen2.5-coder-0.5b_to_smollm2-135m"
 
 
+def complementarity(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """How the receiver's and sharer's right answers overlap (per-question ``correct``)."""
+    r = results.get("receiver", {}).get("correct")
+    s = results.get("sharer", {}).get("correct")
+    if not r or not s or len(r) != len(s):
+        return {}
+    n = len(r)
+    return {
+        "both_right": sum(a and b for a, b in zip(r, s)) / n,
+        "only_receiver": sum(a and not b for a, b in zip(r, s)) / n,
+        "only_sharer": sum(b and not a for a, b in zip(r, s)) / n,
+        "either_right": sum(a or b for a, b in zip(r, s)) / n,
+    }
+
+
 def goal_summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals as figures: accuracy points and the latency ratio."""
     out: dict[str, Any] = {}
@@ -611,6 +627,7 @@ def run_mcqa_eval(
     settings: McqaSettings | None = None,
     oracle: bool = False,
     oracle_shots: int = 3,
+    device: str = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """``semcomm fusion eval --data``: the four methods on one multiple-choice file.
@@ -627,12 +644,16 @@ def run_mcqa_eval(
     questions = read_mcqa(data, limit=limit, skip=skip)
     s_side = load_pair_side(sharer or DEFAULT_SHARER)
     r_side = load_pair_side(receiver or DEFAULT_RECEIVER)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for side in (s_side, r_side):
+        side.model.to(device)
     fz: Fuser | None = None
     meta: dict[str, Any] = {}
     fpath = Path(fuser) if fuser is not None else shipped_pair_fuser_path()
     if "c2c" in st.methods:
         _, meta = read_fuser_config(fpath)
-        fz = load_fuser(fpath, sharer=s_side.spec, receiver=r_side.spec)
+        fz = load_fuser(fpath, sharer=s_side.spec, receiver=r_side.spec, device=device)
     t0 = time.perf_counter()
     results: dict[str, Any] = evaluate_mcqa(s_side, r_side, fz, questions, st, progress)
     oracle_res = None
@@ -645,6 +666,7 @@ def run_mcqa_eval(
         oracle_res = oracle_fewshot(r_side, questions, all_q[-oracle_shots:], bf16=st.bf16)
     doc: dict[str, Any] = dict(results)
     doc["summary"] = goal_summary(results)
+    doc["complementarity"] = complementarity(results)
     doc["oracle"] = oracle_res
     doc["setup"] = {
         "data": str(data),
@@ -653,6 +675,7 @@ def run_mcqa_eval(
         "rule": st.rule,
         "analysis_tokens": st.analysis_tokens,
         "bf16": st.bf16,
+        "device": device,
         "threads": torch.get_num_threads(),
         "sharer": str(sharer or DEFAULT_SHARER),
         "receiver": str(receiver or DEFAULT_RECEIVER),
