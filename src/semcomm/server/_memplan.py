@@ -1,0 +1,368 @@
+"""The memory plan of one server process: weights plus KV per model, checked against a limit.
+
+What limits several models in one place (docs/architecture.md, invariant 6): weights are fixed
+once loaded; the KV cache grows with tokens, batch and concurrency; the process must fit the
+sum of the weights, the peak KV of the running requests and the prefix cache it keeps in
+memory. The plan holds, per configured model:
+
+* ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once),
+  or before load from the safetensors headers of the model directory (``serve --check``);
+* ``kv_bytes_per_token``: layers x KV heads x (key dim + value dim) x dtype bytes, from the
+  model config; a sliding-window layer holds at most ``window - 1`` positions, so
+  :meth:`KVShape.bytes_for` caps those layers;
+* ``kv_budget_bytes``: the live KV this model's running requests may hold (``[models.X]
+  kv_bytes``; default: its share of what the limit leaves);
+
+and for the process: a baseline (the interpreter, torch, the embedder: measured, or a
+documented default before start-up) and the in-memory prefix-cache tier's budget.
+``planned_bytes`` is their sum: what the process should peak at.
+
+:class:`KVAccountant` admits a request only when its prompt plus ``max_tokens`` fits its
+model's KV headroom; otherwise it waits (bounded) or raises
+:class:`~semcomm.errors.OverloadedError` with a retry delay, never an out-of-memory crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, InvalidInputError, OverloadedError
+
+__all__ = [
+    "DEFAULT_BASELINE_BYTES",
+    "KVAccountant",
+    "KVReservation",
+    "KVShape",
+    "MemoryPlan",
+    "ModelPlan",
+    "current_rss_bytes",
+    "kv_shape_from_config",
+    "weight_bytes",
+    "weight_bytes_from_dir",
+]
+
+DEFAULT_BASELINE_BYTES = 900 * 2**20
+"""Resident bytes of a server process before any model is loaded (Python, torch, transformers,
+FastAPI, the MiniLM embedder and its index), used by ``serve --check`` before start-up. Measured
+on CPU with the embedded default (docs/server.md); a running server measures its own."""
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1,
+                "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    if hasattr(dtype, "itemsize"):
+        return int(dtype.itemsize)
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown dtype {dtype!r} for a memory plan") from None
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """The KV cache of one model: what one token costs in each kind of layer."""
+
+    full_layers: int  # layers that keep every position
+    sliding_layers: int  # layers that keep at most ``window`` positions
+    window: int | None  # sliding window (positions), None without sliding layers
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype_bytes: int
+
+    @property
+    def layers(self) -> int:
+        return self.full_layers + self.sliding_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token adds to every layer (the cost while below the window)."""
+        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * self.dtype_bytes
+
+    def bytes_for(self, tokens: int) -> int:
+        """KV bytes a cache of ``tokens`` holds: a sliding layer keeps the last ``window - 1``
+        positions (what transformers' sliding layers keep between steps, and all the next
+        token attends to besides itself)."""
+        per_layer = self.kv_heads * (self.key_dim + self.value_dim) * self.dtype_bytes
+        sliding = min(tokens, self.window - 1) if self.window is not None else tokens
+        return per_layer * (self.full_layers * tokens + self.sliding_layers * sliding)
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def kv_shape_from_config(config: Any, dtype: Any = "float32") -> KVShape:
+    """The :class:`KVShape` of a transformers config (``PretrainedConfig`` or its dict)."""
+    if isinstance(config, Mapping):
+        cfg: Any = type("Cfg", (), dict(config.get("text_config") or config))()
+    else:
+        cfg = _text_config(config)
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not (layers and heads and hidden):
+        raise InvalidInputError("model config lacks num_hidden_layers / num_attention_heads / "
+                                "hidden_size: cannot plan its KV memory")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    window = getattr(cfg, "sliding_window", None)
+    if layer_types:
+        sliding = sum(1 for t in layer_types if t in ("sliding_attention", "chunked_attention"))
+    elif window and getattr(cfg, "use_sliding_window", True):
+        sliding = int(layers)
+    else:
+        sliding = 0
+    return KVShape(full_layers=int(layers) - sliding, sliding_layers=sliding,
+                   window=int(window) if sliding and window else None, kv_heads=int(kv_heads),
+                   key_dim=int(head_dim), value_dim=int(head_dim),
+                   dtype_bytes=_dtype_bytes(dtype))
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a loaded model's parameters and buffers (tied tensors counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def weight_bytes_from_dir(path: str | Path, dtype: Any = None) -> int:
+    """Bytes the weights of a transformers directory take once loaded (from safetensors
+    headers, without reading the tensors); ``dtype`` re-prices floating tensors as a cast would."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise InvalidInputError(f"{path}: no *.safetensors files to plan the weights from")
+    target = _dtype_bytes(dtype) if dtype not in (None, "auto") else None
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            size = _dtype_bytes(info["dtype"])
+            if target is not None and info["dtype"] in ("F32", "F16", "BF16", "F64"):
+                size = target
+            total += count * size
+    return total
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; ``getrusage`` peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``VmHWM``)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass(slots=True)
+class ModelPlan:
+    """One model's line of the plan."""
+
+    name: str
+    weight_bytes: int  # measured after load, or from the safetensors headers before
+    kv: KVShape
+    max_context: int  # longest prompt + max_tokens one request may hold
+    kv_budget_bytes: int  # live KV its running requests may hold together
+    pinned: bool = False  # never unloaded by keep-alive
+    keep_alive_s: float | None = None  # unload idle weights after this long (None: never)
+    measured: bool = False  # weight_bytes measured on the loaded model
+
+    @property
+    def min_kv_bytes(self) -> int:
+        """KV of one request at ``max_context``: the least the model needs to serve at all."""
+        return self.kv.bytes_for(self.max_context)
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.weight_bytes + self.kv_budget_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv.bytes_per_token,
+                "kv_budget_bytes": self.kv_budget_bytes, "max_context": self.max_context,
+                "min_kv_bytes": self.min_kv_bytes, "pinned": self.pinned,
+                "keep_alive_s": self.keep_alive_s, "measured": self.measured,
+                "sliding_window": self.kv.window, "layers": self.kv.layers}
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    """The whole process: baseline + every model's weights and KV budget + the memory tier."""
+
+    limit_bytes: int | None  # ``[server] memory_bytes`` (None: no limit)
+    baseline_bytes: int
+    prefix_cache_bytes: int  # the in-memory KV tier's budget
+    models: dict[str, ModelPlan] = field(default_factory=dict)
+
+    @property
+    def planned_bytes(self) -> int:
+        return (self.baseline_bytes + self.prefix_cache_bytes
+                + sum(m.planned_bytes for m in self.models.values()))
+
+    @property
+    def pinned_floor_bytes(self) -> int:
+        """What must fit no matter what: baseline, pinned weights, one request per model."""
+        return (self.baseline_bytes
+                + sum(m.weight_bytes for m in self.models.values() if m.pinned)
+                + max((m.weight_bytes for m in self.models.values() if not m.pinned), default=0)
+                + sum(m.min_kv_bytes for m in self.models.values()))
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the numbers when the plan cannot fit the limit."""
+        if self.limit_bytes is None:
+            return
+        floor = self.pinned_floor_bytes
+        if floor > self.limit_bytes:
+            parts = [f"baseline {_mib(self.baseline_bytes)}"]
+            for m in self.models.values():
+                parts.append(f"{m.name}: weights {_mib(m.weight_bytes)}"
+                             f"{' (pinned)' if m.pinned else ''} + one {m.max_context}-token "
+                             f"request's KV {_mib(m.min_kv_bytes)}")
+            raise ConfigError(
+                f"server.memory_bytes = {_mib(self.limit_bytes)} cannot hold the configured "
+                f"models: at least {_mib(floor)} is needed ({'; '.join(parts)}); raise "
+                "memory_bytes, lower [models.X] max_context, or unpin a model")
+        if self.planned_bytes > self.limit_bytes:
+            raise ConfigError(
+                f"server.memory_bytes = {_mib(self.limit_bytes)} is below the plan's "
+                f"{_mib(self.planned_bytes)} (baseline {_mib(self.baseline_bytes)}, memory KV "
+                f"tier {_mib(self.prefix_cache_bytes)}, "
+                + ", ".join(f"{m.name} {_mib(m.weight_bytes)} weights + "
+                            f"{_mib(m.kv_budget_bytes)} KV" for m in self.models.values())
+                + "); lower [models.X] kv_bytes or kv.memory_bytes")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"limit_bytes": self.limit_bytes, "baseline_bytes": self.baseline_bytes,
+                "prefix_cache_bytes": self.prefix_cache_bytes,
+                "planned_bytes": self.planned_bytes,
+                "models": {n: m.as_dict() for n, m in self.models.items()}}
+
+    def rows(self) -> list[tuple[str, str, str, str, str]]:
+        """(part, weights, KV/token, KV budget, total) rows for a table."""
+        out = [("baseline (process)", "", "", "", _mib(self.baseline_bytes)),
+               ("prefix cache (memory tier)", "", "", "", _mib(self.prefix_cache_bytes))]
+        for m in self.models.values():
+            out.append((m.name + (" (pinned)" if m.pinned else ""), _mib(m.weight_bytes),
+                        f"{m.kv.bytes_per_token / 1024:.1f} KiB", _mib(m.kv_budget_bytes),
+                        _mib(m.planned_bytes)))
+        out.append(("planned", "", "", "", _mib(self.planned_bytes)))
+        if self.limit_bytes is not None:
+            out.append(("limit (server.memory_bytes)", "", "", "", _mib(self.limit_bytes)))
+        return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@dataclass(slots=True)
+class KVReservation:
+    """Live KV held by one running request (released when it finishes)."""
+
+    model: str
+    nbytes: int
+    tokens: int
+    released: bool = False
+
+
+class KVAccountant:
+    """Per-model live KV budgets: a request reserves its worst case before it runs.
+
+    A reservation is ``KVShape.bytes_for(prompt + max_tokens)``. When it does not fit the
+    model's headroom the request waits up to ``max_wait_s`` for running requests to finish, then
+    gets :class:`OverloadedError` (HTTP 429 with Retry-After). A request that could never fit
+    (larger than the whole budget) is refused at once with a message naming the numbers.
+    Thread-safe.
+    """
+
+    def __init__(self, plans: Mapping[str, ModelPlan], *, max_wait_s: float = 2.0) -> None:
+        self._plans = dict(plans)
+        self._live: dict[str, int] = dict.fromkeys(self._plans, 0)
+        self._cond = threading.Condition()
+        self.max_wait_s = max_wait_s
+        self.refused: dict[str, int] = dict.fromkeys(self._plans, 0)
+
+    def live_bytes(self, model: str) -> int:
+        with self._cond:
+            return self._live.get(model, 0)
+
+    def headroom(self, model: str) -> int:
+        with self._cond:
+            plan = self._plans[model]
+            return plan.kv_budget_bytes - self._live[model]
+
+    def reserve(self, model: str, tokens: int, *, wait_s: float | None = None) -> KVReservation:
+        plan = self._plans.get(model)
+        if plan is None:  # an upstream model: its memory is not ours
+            return KVReservation(model, 0, tokens, released=True)
+        if tokens > plan.max_context:
+            raise InvalidInputError(
+                f"{model}: prompt + max_tokens = {tokens} tokens exceeds its max_context of "
+                f"{plan.max_context}")
+        need = plan.kv.bytes_for(tokens)
+        if need > plan.kv_budget_bytes:
+            raise OverloadedError(
+                f"{model}: this request needs {_mib(need)} of KV ({tokens} tokens) but the "
+                f"model's KV budget is {_mib(plan.kv_budget_bytes)}", retry_after_s=60.0)
+        deadline = time.monotonic() + (self.max_wait_s if wait_s is None else wait_s)
+        with self._cond:
+            while self._live[model] + need > plan.kv_budget_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refused[model] += 1
+                    raise OverloadedError(
+                        f"{model}: KV headroom {_mib(plan.kv_budget_bytes - self._live[model])} "
+                        f"< {_mib(need)} needed; retry shortly", retry_after_s=1.0)
+                self._cond.wait(left)
+            self._live[model] += need
+        return KVReservation(model, need, tokens)
+
+    def release(self, r: KVReservation) -> None:
+        if r.released:
+            return
+        with self._cond:
+            self._live[r.model] -= r.nbytes
+            r.released = True
+            self._cond.notify_all()

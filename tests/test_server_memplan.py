@@ -1,0 +1,134 @@
+"""The memory plan: its arithmetic against measured tensor sizes, the fit check, KV admission."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from transformers import DynamicCache
+
+from semcomm.engine._cache_adapter import cache_kwargs
+from semcomm.errors import ConfigError, InvalidInputError, OverloadedError
+from semcomm.models import is_pulled, model_path
+from semcomm.server._memplan import (
+    KVAccountant,
+    MemoryPlan,
+    ModelPlan,
+    kv_shape_from_config,
+    weight_bytes,
+    weight_bytes_from_dir,
+)
+
+from ._engine_models import FAMILIES, tiny_model
+
+
+def _measured_kv_bytes(model: torch.nn.Module, tokens: int) -> int:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 200, (1, tokens - 1)), use_cache=True,
+              **cache_kwargs(model, cache))
+        model(torch.randint(3, 200, (1, 1)), use_cache=True, **cache_kwargs(model, cache))
+    return sum(layer.keys.numel() * layer.keys.element_size()
+               + layer.values.numel() * layer.values.element_size() for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("gpt2", "opt", "falcon",
+                                                                      "falcon_alibi", "gpt_neox")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_per_token_matches_the_cache_transformers_builds(family: str,
+                                                                  dtype: torch.dtype) -> None:
+    model = tiny_model(family).to(dtype)
+    shape = kv_shape_from_config(model.config, dtype)
+    for tokens in (2, 17):
+        assert _measured_kv_bytes(model, tokens) == shape.bytes_for(tokens), (family, tokens)
+    assert shape.bytes_per_token * 17 == shape.bytes_for(17)
+
+
+def test_sliding_layers_are_planned_at_their_window() -> None:
+    cfg = T.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    shape = kv_shape_from_config(cfg)
+    assert (shape.full_layers, shape.sliding_layers, shape.window) == (1, 3, 8)
+    for tokens in (5, 9, 40):
+        assert _measured_kv_bytes(model, tokens) == shape.bytes_for(tokens), tokens
+    # past the window only the full layer grows
+    assert shape.bytes_for(41) - shape.bytes_for(40) == 2 * 16 * 2 * 4
+
+
+def test_weight_bytes_count_tied_tensors_once_and_match_the_safetensors_headers(
+    tmp_path: Path,
+) -> None:
+    model = tiny_model("llama", tie_word_embeddings=True)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert weight_bytes(model) == sum(params.values()) + buffers
+    model.save_pretrained(tmp_path)
+    assert weight_bytes_from_dir(tmp_path) == sum(params.values())
+    assert weight_bytes_from_dir(tmp_path, "bfloat16") == sum(params.values()) // 2
+    with pytest.raises(InvalidInputError, match="no \\*.safetensors"):
+        weight_bytes_from_dir(tmp_path / "nowhere")
+
+
+@pytest.mark.skipif(not is_pulled("smollm2-135m-instruct"), reason="smollm2 not pulled")
+def test_real_model_plan_matches_the_loaded_model() -> None:
+    path = model_path("smollm2-135m-instruct", pull_missing=False)
+    model = T.AutoModelForCausalLM.from_pretrained(path).eval()
+    shape = kv_shape_from_config(model.config)
+    # 30 layers x 3 KV heads x (64 + 64) x 4 bytes
+    assert shape.bytes_per_token == 30 * 3 * 128 * 4
+    assert _measured_kv_bytes(model, 33) == shape.bytes_for(33)
+    planned = weight_bytes_from_dir(path)
+    assert abs(weight_bytes(model) - planned) <= 64 * 1024  # rotary buffers only
+
+
+def _plan(limit: int | None, *, pinned: bool = True, budget: int = 2**20) -> MemoryPlan:
+    shape = kv_shape_from_config(tiny_model("qwen2").config)
+    return MemoryPlan(limit_bytes=limit, baseline_bytes=100 * 2**20, prefix_cache_bytes=2**20,
+                      models={"m": ModelPlan("m", weight_bytes=50 * 2**20, kv=shape,
+                                             max_context=256, kv_budget_bytes=budget,
+                                             pinned=pinned)})
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_numbers() -> None:
+    ok = _plan(400 * 2**20)
+    ok.check()
+    assert ok.planned_bytes == 100 * 2**20 + 2**20 + 50 * 2**20 + 2**20
+    with pytest.raises(ConfigError, match=r"memory_bytes = 120\.0 MiB.*weights 50\.0 MiB \(pinned\)"):
+        _plan(120 * 2**20).check()
+    with pytest.raises(ConfigError, match="below the plan's"):
+        _plan(151 * 2**20 + 2**19).check()
+    _plan(None).check()  # no limit, nothing to refuse
+
+
+def test_kv_admission_waits_then_refuses_and_frees_on_release() -> None:
+    plan = _plan(None, budget=0)
+    m = plan.models["m"]
+    one = m.kv.bytes_for(100)
+    m.kv_budget_bytes = int(one * 1.5)  # room for one 100-token request at a time
+    acct = KVAccountant(plan.models, max_wait_s=0.2)
+    r1 = acct.reserve("m", 100)
+    assert acct.live_bytes("m") == one
+    t0 = time.monotonic()
+    with pytest.raises(OverloadedError) as err:
+        acct.reserve("m", 100)
+    assert time.monotonic() - t0 >= 0.2 and err.value.retry_after_s > 0
+    assert acct.refused["m"] == 1
+    # a waiting request gets in once the running one finishes
+    threading.Timer(0.05, acct.release, args=(r1,)).start()
+    r2 = acct.reserve("m", 100, wait_s=2.0)
+    acct.release(r2)
+    acct.release(r2)  # idempotent
+    assert acct.live_bytes("m") == 0
+    with pytest.raises(OverloadedError, match="KV budget"):
+        acct.reserve("m", 250)  # can never fit: refused at once
+    with pytest.raises(InvalidInputError, match="max_context"):
+        acct.reserve("m", 300)
+    assert acct.reserve("upstream-model", 10).nbytes == 0  # not ours to plan
