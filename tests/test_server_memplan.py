@@ -132,3 +132,25 @@ def test_kv_admission_waits_then_refuses_and_frees_on_release() -> None:
     with pytest.raises(InvalidInputError, match="max_context"):
         acct.reserve("m", 300)
     assert acct.reserve("upstream-model", 10).nbytes == 0  # not ours to plan
+
+
+def test_build_plan_shares_what_the_limit_leaves_and_keeps_set_budgets() -> None:
+    from semcomm.server._memplan import ModelFacts, build_plan
+
+    a, b = tiny_model("llama"), tiny_model("qwen2")
+    facts = {
+        "a": ModelFacts(a.config, weight_bytes(a), True, max_context=128, kv_bytes=2**20),
+        "b": ModelFacts(b.config, weight_bytes(b), True, max_context=128, pinned=True),
+    }
+    plan = build_plan(facts, limit_bytes=64 * 2**20, prefix_cache_bytes=4 * 2**20,
+                      baseline_bytes=32 * 2**20)
+    assert plan.models["a"].kv_budget_bytes == 2**20  # set in the config: kept
+    left = 64 * 2**20 - 32 * 2**20 - 4 * 2**20 - weight_bytes(a) - weight_bytes(b) - 2**20
+    assert plan.models["b"].kv_budget_bytes == left  # the only model without a budget
+    assert plan.planned_bytes == 64 * 2**20  # the whole limit is planned
+    plan.check()
+    unlimited = build_plan({"b": ModelFacts(b.config, 1, False, max_context=100, max_batch=3)},
+                           limit_bytes=None, prefix_cache_bytes=0, baseline_bytes=0)
+    shape = kv_shape_from_config(b.config)
+    assert unlimited.models["b"].kv_budget_bytes == 3 * shape.bytes_for(100)
+    assert unlimited.as_dict()["models"]["b"]["kv_bytes_per_token"] == shape.bytes_per_token

@@ -42,9 +42,12 @@ __all__ = [
     "KVReservation",
     "KVShape",
     "MemoryPlan",
+    "ModelFacts",
     "ModelPlan",
+    "build_plan",
     "current_rss_bytes",
     "kv_shape_from_config",
+    "peak_rss_bytes",
     "weight_bytes",
     "weight_bytes_from_dir",
 ]
@@ -366,3 +369,50 @@ class KVAccountant:
             self._live[r.model] -= r.nbytes
             r.released = True
             self._cond.notify_all()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the plan needs to know of one in-process model (loaded or not)."""
+
+    config: Any  # its transformers config (or config.json as a dict)
+    weight_bytes: int
+    measured: bool  # weight_bytes measured on the loaded model (else from the headers)
+    dtype: str = "float32"
+    max_context: int | None = None  # ``[models.X] max_context`` (None: the model's positions)
+    kv_bytes: int | None = None  # ``[models.X] kv_bytes`` (None: a share of what is left)
+    max_batch: int = 8  # requests decoded together (the default KV budget holds this many)
+    pinned: bool = False
+    keep_alive_s: float | None = None
+
+
+def build_plan(models: Mapping[str, ModelFacts], *, limit_bytes: int | None,
+               prefix_cache_bytes: int, baseline_bytes: int | None = None) -> MemoryPlan:
+    """The plan for ``models``: each model's KV budget is its ``kv_bytes`` when set; otherwise
+    an equal share of what the limit leaves after the baseline, the weights, the memory tier
+    and the set budgets, and without a limit ``max_batch`` requests at ``max_context``."""
+    base = current_rss_bytes() if baseline_bytes is None else baseline_bytes
+    plans: dict[str, ModelPlan] = {}
+    for name, f in models.items():
+        shape = kv_shape_from_config(f.config, f.dtype)
+        cfg = f.config if isinstance(f.config, Mapping) else _text_config(f.config).__dict__
+        positions = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 4096)
+        ctx = min(f.max_context or positions, positions)
+        plans[name] = ModelPlan(name=name, weight_bytes=f.weight_bytes, kv=shape, max_context=ctx,
+                                kv_budget_bytes=f.kv_bytes or 0, pinned=f.pinned,
+                                keep_alive_s=f.keep_alive_s, measured=f.measured)
+    unset = [n for n, f in models.items() if not f.kv_bytes]
+    if unset:
+        if limit_bytes is not None:
+            left = (limit_bytes - base - prefix_cache_bytes
+                    - sum(p.weight_bytes for p in plans.values())
+                    - sum(p.kv_budget_bytes for p in plans.values()))
+            share = max(0, left // len(unset))
+            for n in unset:
+                plans[n].kv_budget_bytes = share
+        else:
+            for n in unset:
+                p = plans[n]
+                p.kv_budget_bytes = p.min_kv_bytes * max(1, models[n].max_batch)
+    return MemoryPlan(limit_bytes=limit_bytes, baseline_bytes=base,
+                      prefix_cache_bytes=prefix_cache_bytes, models=plans)
