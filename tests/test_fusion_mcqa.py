@@ -335,3 +335,21 @@ def test_real_pair_eval_contract_with_the_shipped_fuser(tmp_path: Path) -> None:
     doc = json.loads(js.read_text())
     assert doc["c2c"]["n"] == 2 and doc["setup"]["fuser_params"] > 0
     assert doc["setup"]["receiver"] == "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_train_step_and_eval(sides, tmp_path: Path) -> None:
+    """The GPU recipe's code path: bf16 training steps and the evaluation on CUDA."""
+    from semcomm.fusion import FusionExample, FusionTrainer, TrainConfig
+
+    s, r = sides
+    rows = [
+        FusionExample(shared_text(MCQuestion(q["question"], tuple(q["choices"]), 0)), " x")
+        for q in QUESTIONS
+    ]
+    cfg = TrainConfig(steps=2, batch_size=2, device="cuda", bf16=True, fuser={"hidden_dim": 16})
+    tr = FusionTrainer(s, r, rows, cfg, out=tmp_path)
+    assert tr.train().steps == 2
+    qs = read_mcqa(_write(tmp_path / "q.jsonl", QUESTIONS))
+    res = evaluate_mcqa(s, r, tr.fuser, qs, McqaSettings(methods=("receiver", "c2c")))
+    assert res["c2c"]["n"] == 4
