@@ -1,0 +1,366 @@
+"""vLLM with semcomm's KV connector: a second process loads what the first one saved.
+
+Runs in the vLLM environment (``.venv-vllm``, see docs/vllm.md); ``make vllm-check`` runs it.
+Each phase is a fresh process (``--phase save`` / ``--phase load`` re-run this file), so the
+load really comes from the store, never from memory:
+
+* ``save``: vLLM with the connector on an empty store. A warm-up request, then the 2k-token
+  prompt (cold TTFT: nothing cached anywhere; its greedy text is the reference), the same prompt
+  again (vLLM's own prefix cache: APC TTFT), a second prompt (``--also``: the restarted-Redis
+  check) and a tenant's prompt (``cache_salt="acme"``). Waits until the chunks are stored.
+* ``load``: a fresh vLLM on the same store. A warm-up request, then the 2k-token prompt (warm
+  TTFT: its prefix loaded through semcomm; greedy text compared with the reference), the
+  tenant's prompt as another tenant (must not load) and as the tenant (must load). With
+  ``--restart-redis`` also: Redis restarted empty, the second prompt (a miss, not an error),
+  then Redis stopped, a third prompt (computed normally).
+
+Writes ``--out`` (default ``vllm_check.json`` at the repository root):
+``{"cold_ttft_s", "warm_ttft_s", "apc_ttft_s", "same_text", "hit_tokens", ...}`` plus the
+ratios and the isolation and outage checks, a table, and ``--png``.
+
+    python benchmarks/bench_vllm.py --model DIR --store disk:/tmp/kv      # two processes
+    python benchmarks/bench_vllm.py --model DIR --redis                    # a private redis
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_HOST_IP": "127.0.0.1",
+       "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       # each process compiles for itself: a compiled artifact reused from vLLM's on-disk cache
+       # by the second process produced wrong logits here (its own cold requests differed too)
+       "VLLM_DISABLE_COMPILE_CACHE": "1"}
+
+_TOPICS = ["river", "harbour", "library", "orchard", "observatory", "railway", "market",
+           "glacier", "workshop", "lighthouse", "vineyard", "monastery"]
+
+
+def long_text(seed: int) -> str:
+    """A deterministic document of plain sentences (about 12 tokens each)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(400):
+        a, b = rng.sample(_TOPICS, 2)
+        out.append(f"Note {i}: the {a} near the {b} was visited on day {rng.randint(1, 365)} "
+                   f"by {rng.randint(2, 90)} people.")
+    return " ".join(out)
+
+
+def prompt_ids(tok: Any, seed: int, n: int) -> list[int]:
+    question = tok.encode("\n\nQuestion: which place was visited most often? Answer:",
+                          add_special_tokens=False)
+    body = tok.encode(long_text(seed), add_special_tokens=False)
+    return body[: n - len(question)] + question
+
+
+def make_llm(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {"store": args.store}
+    if args.chunk_size:
+        extra["chunk_size"] = args.chunk_size
+    return LLM(
+        model=args.model, dtype=args.dtype, max_model_len=4096, enable_prefix_caching=True,
+        disable_log_stats=False, seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SemcommConnector",
+            kv_connector_module_path="semcomm.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        ),
+    )
+
+
+def run(llm: Any, ids: list[int], *, max_tokens: int, salt: str | None = None) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    m = out.metrics
+    ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    return {"ttft_s": float(ttft) if ttft else wall, "wall_s": wall,
+            "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
+            "cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+def stored_chunks(store: str) -> int:
+    if store.startswith("disk:"):
+        root = Path(store[5:]).expanduser()
+        return len(list(root.glob("??/*.sckv")))
+    import redis
+
+    r = redis.Redis.from_url(store)
+    return sum(1 for _ in r.scan_iter(match="semcomm:kv:*", count=1000)
+               if b"~" not in _)
+
+
+def phase(args: argparse.Namespace) -> dict[str, Any]:
+    llm = make_llm(args)
+    tok = llm.get_tokenizer()
+    main_ids = prompt_ids(tok, 1, args.tokens)
+    also_ids = prompt_ids(tok, 2, args.tokens)
+    third_ids = prompt_ids(tok, 3, args.tokens)
+    tenant_ids = prompt_ids(tok, 4, args.tokens)
+    out: dict[str, Any] = {"phase": args.phase, "prompt_tokens": len(main_ids)}
+    run(llm, tok.encode("Hello, how are you?"), max_tokens=4)  # warm-up (kernels, allocator)
+    if args.phase == "save":
+        out["cold"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        out["apc"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        out["also_cold"] = run(llm, also_ids, max_tokens=args.max_tokens)
+        out["third_cold"] = run(llm, third_ids, max_tokens=args.max_tokens)
+        out["tenant_cold"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
+        want = 4 * ((len(main_ids)) // args.chunk_tokens)
+        deadline = time.monotonic() + 120
+        while stored_chunks(args.store) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["stored_chunks"] = stored_chunks(args.store)
+    else:
+        out["warm"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        out["other_tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="globex")
+        out["tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
+        if args.restart_redis:
+            _signal_parent("restart")
+            out["after_restart"] = run(llm, also_ids, max_tokens=args.max_tokens)
+            _signal_parent("stop")
+            out["redis_down"] = run(llm, third_ids, max_tokens=args.max_tokens)
+    return out
+
+
+def _signal_parent(what: str) -> None:
+    """Ask the parent (which owns the private redis-server) to restart or stop it; wait."""
+    print(f"@@{what}", flush=True)
+    reply = sys.stdin.readline().strip()
+    assert reply == "ok", reply
+
+
+class PrivateRedis:
+    def __init__(self) -> None:
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
+            raise SystemExit("redis-server not found (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tempfile.mkdtemp(prefix="semcomm-vllm-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(self.exe), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def child(args: argparse.Namespace, which: str, redis: PrivateRedis | None) -> dict[str, Any]:
+    cmd = [args.vllm_python, __file__, "--phase", which, "--model", args.model, "--store",
+           args.store, "--tokens", str(args.tokens), "--max-tokens", str(args.max_tokens),
+           "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens)]
+    if args.chunk_size:
+        cmd += ["--chunk-size", str(args.chunk_size)]
+    if which == "load" and redis is not None:
+        cmd.append("--restart-redis")
+    env = {**os.environ, **ENV}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=str(ROOT))
+    assert proc.stdin is not None and proc.stdout is not None
+    result: dict[str, Any] | None = None
+    for line in proc.stdout:
+        if line.startswith("@@restart") and redis is not None:
+            redis.stop()
+            redis.start()
+            proc.stdin.write("ok\n")
+            proc.stdin.flush()
+        elif line.startswith("@@stop") and redis is not None:
+            redis.stop()
+            proc.stdin.write("ok\n")
+            proc.stdin.flush()
+        elif line.startswith("@@result "):
+            result = json.loads(line[len("@@result "):])
+        elif not args.quiet:
+            sys.stderr.write(line)
+    rc = proc.wait()
+    if rc != 0 or result is None:
+        raise SystemExit(f"vLLM {which} phase failed (exit {rc})")
+    result["process_s"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M)")
+    ap.add_argument("--store", default=None, help="connector store (default: a fresh disk dir)")
+    ap.add_argument("--redis", action="store_true", help="store in a private redis-server, "
+                    "restarted and stopped during the load phase")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=24, help="greedy tokens compared")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk-size", type=int, default=None, help="connector chunk size")
+    ap.add_argument("--chunk-tokens", type=int, default=128, help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["save", "load"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--restart-redis", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-python", default=sys.executable,
+                    help="python of the environment with vLLM (default: this one)")
+    ap.add_argument("--out", default=str(ROOT / "vllm_check.json"))
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--quiet", action="store_true", help="do not echo vLLM's output")
+    args = ap.parse_args(argv)
+    if args.phase is not None:
+        os.environ.update(ENV)
+        res = phase(args)
+        print("@@result " + json.dumps(res), flush=True)
+        return 0
+    if args.model is None:
+        raise SystemExit("--model DIR is required (make vllm-check passes SmolLM2-135M's)")
+    args.chunk_tokens = args.chunk_size or 128  # vLLM CPU block size: the default chunk
+    redis = PrivateRedis() if args.redis else None
+    tmp = None
+    if redis is not None:
+        args.store = redis.url
+    elif args.store is None:
+        tmp = tempfile.mkdtemp(prefix="semcomm-vllm-kv-")
+        args.store = f"disk:{tmp}"
+    try:
+        saved = child(args, "save", redis)
+        loaded = child(args, "load", redis)
+    finally:
+        if redis is not None:
+            redis.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    report = summarize(args, saved, loaded)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    if args.png:
+        draw(report, Path(args.png))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str, Any]
+              ) -> dict[str, Any]:
+    cold, apc, warm = saved["cold"], saved["apc"], loaded["warm"]
+    rep: dict[str, Any] = {
+        "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"], "apc_ttft_s": apc["ttft_s"],
+        "same_text": warm["token_ids"] == cold["token_ids"], "hit_tokens": warm["cached_tokens"],
+        "store": "redis" if args.redis else "disk", "model": args.model, "dtype": args.dtype,
+        "prompt_tokens": saved["prompt_tokens"], "greedy_tokens": args.max_tokens,
+        "cold_over_warm": cold["ttft_s"] / warm["ttft_s"],
+        "warm_over_apc": warm["ttft_s"] / apc["ttft_s"],
+        "apc_same_text": apc["token_ids"] == cold["token_ids"],
+        "stored_chunks": saved.get("stored_chunks"),
+        "tenant": {
+            "other_tenant_hit_tokens": loaded["other_tenant"]["cached_tokens"],
+            "tenant_hit_tokens": loaded["tenant"]["cached_tokens"],
+            "same_text": (loaded["tenant"]["token_ids"] == saved["tenant_cold"]["token_ids"]
+                          and loaded["other_tenant"]["token_ids"]
+                          == saved["tenant_cold"]["token_ids"]),
+        },
+        "process_s": {"save": saved["process_s"], "load": loaded["process_s"]},
+        "text": {"cold": cold["text"], "warm": warm["text"],
+                 "tenant_cold": saved["tenant_cold"]["text"],
+                 "other_tenant": loaded["other_tenant"]["text"],
+                 "tenant": loaded["tenant"]["text"]},
+    }
+    if "after_restart" in loaded:
+        rep["redis_restart"] = {
+            "hit_tokens": loaded["after_restart"]["cached_tokens"],
+            "same_text": loaded["after_restart"]["token_ids"] == saved["also_cold"]["token_ids"],
+        }
+        rep["redis_down"] = {
+            "hit_tokens": loaded["redis_down"]["cached_tokens"],
+            "same_text": loaded["redis_down"]["token_ids"] == saved["third_cold"]["token_ids"],
+        }
+    return rep
+
+
+def print_table(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"vLLM + semcomm connector, {rep['prompt_tokens']}-token prompt, "
+                    f"{rep['store']} store (one run)")
+    for col in ("measure", "value"):
+        t.add_column(col)
+    rows = [
+        ("cold TTFT (s)", f"{rep['cold_ttft_s']:.3f}"),
+        ("vLLM prefix cache (APC) TTFT (s)", f"{rep['apc_ttft_s']:.3f}"),
+        ("second process via semcomm TTFT (s)", f"{rep['warm_ttft_s']:.3f}"),
+        ("cold / semcomm", f"{rep['cold_over_warm']:.1f}x"),
+        ("semcomm / APC", f"{rep['warm_over_apc']:.2f}x"),
+        ("tokens loaded", str(rep["hit_tokens"])),
+        ("greedy text identical to cold", str(rep["same_text"])),
+        ("other tenant: tokens loaded", str(rep["tenant"]["other_tenant_hit_tokens"])),
+        ("tenant: tokens loaded", str(rep["tenant"]["tenant_hit_tokens"])),
+    ]
+    if "redis_restart" in rep:
+        rows += [("after Redis restart: tokens loaded / same text",
+                  f"{rep['redis_restart']['hit_tokens']} / {rep['redis_restart']['same_text']}"),
+                 ("Redis down: tokens loaded / same text",
+                  f"{rep['redis_down']['hit_tokens']} / {rep['redis_down']['same_text']}")]
+    for r in rows:
+        t.add_row(*r)
+    Console(width=120).print(t)
+
+
+def draw(rep: dict[str, Any], path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import agg_figure
+
+    with agg_figure(path, (6, 3.4)) as ax:
+        names = ["cold", "vLLM prefix cache", "semcomm (2nd process)"]
+        vals = [rep["cold_ttft_s"], rep["apc_ttft_s"], rep["warm_ttft_s"]]
+        ax.bar(names, vals, color=["#999999", "#4c72b0", "#dd8452"])
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.2f}s", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"{rep['prompt_tokens']}-token prompt, {rep['store']} store")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,627 @@
+"""The vLLM-independent half of the vLLM KV connector: settings, namespaces, plans, layouts.
+
+Everything here runs without vLLM installed (the connector in :mod:`semcomm.integrations.vllm`
+is a thin adapter over it), so it is tested with plain tensors:
+
+* :class:`ConnectorSettings`: the connector's ``kv_connector_extra_config``, validated;
+* :func:`build_store`: a semcomm ``ChunkStore`` (memory, disk, Redis or tiered) from them;
+* :class:`NamespaceFactory`: semcomm namespaces for a model directory, KV dtype, codec and the
+  tenant a request names (:func:`tenant_of`);
+* :class:`RequestPlan`: per request, the chunk keys of its prompt, what to load and what to save;
+* :func:`gather_chunk` / :func:`scatter_chunk`: vLLM's CPU paged layout
+  ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (per block and head: ``block_size``
+  key rows, then ``block_size`` value rows) to and from semcomm's ``[L, H, T, D]`` chunks,
+  the layout semcomm's HF engine stores too;
+* :func:`load_chunks` (a failure of any kind is a miss from that chunk on) and
+  :class:`ChunkSaver` (encodes and writes on a background thread, bounded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, SemcommError
+from ..kv import (
+    ChunkKey,
+    ChunkStore,
+    DiskStore,
+    MemoryStore,
+    Namespace,
+    NamespaceDigest,
+    TieredStore,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    get_codec,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "KEY_LAYOUTS",
+    "TENANT_PARAM",
+    "ChunkSaver",
+    "ConnectorSettings",
+    "LoadSpec",
+    "NamespaceFactory",
+    "RequestPlan",
+    "SaveSpec",
+    "build_store",
+    "chunk_size_for",
+    "gather_chunk",
+    "load_chunks",
+    "model_dir_fingerprint",
+    "ordered_layers",
+    "scatter_chunk",
+    "tenant_of",
+    "tokenizer_dir_fingerprint",
+]
+
+logger = logging.getLogger("semcomm.integrations.vllm")
+
+DEFAULT_CHUNK_TOKENS = 0
+"""Chunk size when the config names none: 0 means one vLLM block (the finest prefix vLLM can
+take; set ``chunk_size = 256`` to share chunks with semcomm's HF engine defaults)."""
+
+TENANT_PARAM = "semcomm_tenant"
+"""The ``kv_transfer_params`` field naming a request's tenant."""
+
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
+                      torch.bfloat16: "bfloat16"}
+_MIB = 1 << 20
+
+
+# ---- settings and stores --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's ``kv_connector_extra_config`` (see docs/vllm.md for every key)."""
+
+    store: tuple[str, ...]  # tier specs, fastest first: "memory", "disk:/path", "redis://..."
+    chunk_size: int | None = None  # tokens per chunk; None: DEFAULT_CHUNK_TOKENS, block aligned
+    codec: str = "lossless"  # semcomm codec spec ("lossless", "fp8", "int8", "int4:g32", ...)
+    seal: bool = False  # AES-GCM sealing at rest (disk, Redis) under the server secret
+    memory_bytes: int = 1 << 30  # budget of a "memory" tier
+    disk_bytes: int = 10 << 30  # budget of a "disk:" tier
+    redis_ttl_s: int | None = None  # expiry of Redis chunks
+    max_pending_bytes: int = 512 * _MIB  # saves queued for the background writer
+    tenant_param: str = TENANT_PARAM
+
+    _KEYS = frozenset({"store", "chunk_size", "codec", "seal", "memory_bytes", "disk_bytes",
+                       "redis_ttl_s", "max_pending_bytes", "tenant_param"})
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Validate ``kv_connector_extra_config``; ``ConfigError`` names a bad key or value."""
+        d = dict(extra or {})
+        unknown = sorted(set(d) - cls._KEYS)
+        if unknown:
+            raise ConfigError(f"SemcommConnector: unknown kv_connector_extra_config keys "
+                              f"{unknown} (known: {sorted(cls._KEYS)})")
+        store = d.get("store", "disk:~/.cache/semcomm/vllm-kv")
+        tiers = (store,) if isinstance(store, str) else tuple(store)
+        if not tiers or not all(isinstance(t, str) and t for t in tiers):
+            raise ConfigError("SemcommConnector: 'store' must be a tier spec or a list of them "
+                              "('memory', 'disk:/path', 'redis://host:port/db')")
+        for t in tiers:
+            _tier_kind(t)
+        chunk = d.get("chunk_size")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            raise ConfigError(f"SemcommConnector: chunk_size must be a positive int, got "
+                              f"{chunk!r}")
+        ints = {}
+        for name, default in (("memory_bytes", 1 << 30), ("disk_bytes", 10 << 30),
+                              ("max_pending_bytes", 512 * _MIB)):
+            v = d.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"SemcommConnector: {name} must be an int >= 0, got {v!r}")
+            ints[name] = v
+        ttl = d.get("redis_ttl_s")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ConfigError(f"SemcommConnector: redis_ttl_s must be a positive int, got {ttl!r}")
+        codec = d.get("codec", "lossless")
+        try:
+            codec = get_codec(codec).spec
+        except (SemcommError, ValueError) as exc:
+            raise ConfigError(f"SemcommConnector: bad codec {codec!r}: {exc}") from None
+        seal = d.get("seal", False)
+        if not isinstance(seal, bool):
+            raise ConfigError(f"SemcommConnector: seal must be true or false, got {seal!r}")
+        param = d.get("tenant_param", TENANT_PARAM)
+        if not isinstance(param, str) or not param:
+            raise ConfigError("SemcommConnector: tenant_param must be a non-empty string")
+        return cls(store=tiers, chunk_size=chunk, codec=codec, seal=seal, redis_ttl_s=ttl,
+                   tenant_param=param, **ints)
+
+
+def _tier_kind(spec: str) -> str:
+    if spec == "memory":
+        return "memory"
+    if spec.startswith("disk:") and len(spec) > 5:
+        return "disk"
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return "redis"
+    raise ConfigError(f"SemcommConnector: unknown store tier {spec!r} (use 'memory', "
+                      "'disk:/path' or 'redis://host:port/db')")
+
+
+def build_store(settings: ConnectorSettings, *, secret: bytes | str | None = None) -> ChunkStore:
+    """The ChunkStore the settings describe (a TieredStore when they name several tiers)."""
+    sealer = None
+    if settings.seal:
+        from ..security import ChunkSealer, TenantKeyring
+
+        sealer = ChunkSealer(TenantKeyring(secret))
+    tiers: list[Any] = []
+    for spec in settings.store:
+        kind = _tier_kind(spec)
+        if kind == "memory":
+            tiers.append(MemoryStore(capacity_bytes=settings.memory_bytes))
+        elif kind == "disk":
+            tiers.append(DiskStore(Path(spec[5:]).expanduser(),
+                                   capacity_bytes=settings.disk_bytes, sealer=sealer))
+        else:
+            from ..kv import RedisStore
+
+            tiers.append(RedisStore(spec, ttl_s=settings.redis_ttl_s, sealer=sealer))
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+def chunk_size_for(block_size: int, requested: int | None) -> int:
+    """Tokens per chunk: a multiple of vLLM's block size (chunks are whole blocks)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if requested is None:
+        requested = DEFAULT_CHUNK_TOKENS or block_size
+        return -(-requested // block_size) * block_size
+    if requested % block_size:
+        raise ConfigError(f"SemcommConnector: chunk_size {requested} is not a multiple of "
+                          f"vLLM's block size {block_size}")
+    return requested
+
+
+# ---- namespaces -----------------------------------------------------------------------------
+
+_SAMPLE_BYTES = 4096
+_SAMPLES = 64
+
+
+def model_dir_fingerprint(path: str | os.PathLike[str]) -> str:
+    """Digest naming a model directory's architecture and weights (cheap for big checkpoints).
+
+    BLAKE2b over ``config.json`` (canonical JSON), and for every ``*.safetensors`` file its
+    name, size, header (tensor names, dtypes, shapes, offsets) and 64 strided 4 KiB samples.
+    The same files give the same digest on any machine. A hub id that is not a local
+    directory is fingerprinted by its name (the weights are not at hand).
+    """
+    root = Path(path).expanduser()
+    h = hashlib.blake2b(digest_size=16)
+    if not root.is_dir():
+        h.update(f"name:{path}".encode())
+        return h.hexdigest()
+    cfg = root / "config.json"
+    if cfg.is_file():
+        h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True,
+                            separators=(",", ":")).encode())
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}|{size}".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) == 8:
+                n = int.from_bytes(head, "little")
+                h.update(fh.read(min(n, 1 << 26)))
+            step = max(1, size // _SAMPLES)
+            for off in range(0, size, step):
+                fh.seek(off)
+                h.update(fh.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def tokenizer_dir_fingerprint(path: str | os.PathLike[str] | None) -> str:
+    """Digest of a tokenizer directory's files (vocabulary, rules, chat template)."""
+    if path is None:
+        return ""
+    root = Path(path).expanduser()
+    h = hashlib.blake2b(digest_size=16)
+    if not root.is_dir():
+        h.update(f"name:{path}".encode())
+        return h.hexdigest()
+    for name in _TOKENIZER_FILES:
+        f = root / name
+        if f.is_file():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def tenant_of(kv_transfer_params: Mapping[str, Any] | None, cache_salt: str | None,
+              *, param: str = TENANT_PARAM) -> str | None:
+    """The tenant a request names: ``kv_transfer_params[param]``, else its ``cache_salt``.
+
+    None means public data (no tenant). Whoever sets these (the gateway, not end users) decides
+    isolation: a client that can reach vLLM directly can name any tenant.
+    """
+    if kv_transfer_params:
+        t = kv_transfer_params.get(param)
+        if t is not None:
+            if not isinstance(t, str) or not t:
+                raise ConfigError(f"kv_transfer_params[{param!r}] must be a non-empty string")
+            return t
+    if cache_salt:
+        return f"cache_salt:{cache_salt}"
+    return None
+
+
+class NamespaceFactory:
+    """Namespaces of one model, KV dtype and codec; one per tenant (salted with the secret)."""
+
+    def __init__(self, *, model: str, tokenizer: str, dtype: str, codec: str,
+                 secret: bytes | str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.codec = codec
+        self._secret = secret
+        self._salter: Any = None
+        self._cache: dict[tuple[str | None, str], NamespaceDigest] = {}
+
+    def namespace(self, tenant: str | None, adapter: str = "") -> Namespace:
+        from ..security import NO_TENANT_DIGEST, TenantSalter
+
+        if tenant is None:
+            digest = NO_TENANT_DIGEST
+        else:
+            if self._salter is None:
+                self._salter = TenantSalter(self._secret)
+            digest = self._salter.digest(tenant)
+        return Namespace(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                         codec=self.codec, tenant=digest, adapter=adapter)
+
+    def digest(self, tenant: str | None, adapter: str = "") -> NamespaceDigest:
+        key = (tenant, adapter)
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) > 4096:  # bounded: tenants come and go
+                self._cache.clear()
+            got = self._cache[key] = self.namespace(tenant, adapter).digest
+        return got
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _TORCH_DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ConfigError(f"SemcommConnector: KV cache dtype {dtype} is not supported "
+                          f"(use one of {sorted(_TORCH_DTYPE_NAMES.values())})") from None
+
+
+# ---- per-request plans ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Chunks to copy from the store into a request's blocks before its forward pass."""
+
+    req_id: str
+    namespace: NamespaceDigest
+    keys: tuple[ChunkKey, ...]  # chunks [first_chunk, first_chunk + len(keys)) of the prompt
+    first_chunk: int
+    block_ids: tuple[tuple[int, ...], ...]  # the vLLM blocks of each of those chunks
+    skip_blocks: int  # leading blocks of the first chunk already valid (vLLM's own cache)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """One full chunk of a prompt whose KV this step's forward completed."""
+
+    namespace: NamespaceDigest
+    key: ChunkKey
+    parent: ChunkKey | None
+    start: int  # first token position
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    """Scheduler-side state of one request (its prompt's keys, what is stored, what is saved).
+
+    Created by ``get_num_new_matched_tokens``; ``hit_chunks`` is written once there,
+    ``load_tokens`` by ``update_state_after_alloc``, the rest by ``build_connector_meta``.
+    """
+
+    req_id: str
+    namespace: NamespaceDigest
+    keys: list[ChunkKey]  # every full chunk of the prompt
+    chunk_size: int
+    block_size: int
+    num_prompt_tokens: int
+    hit_chunks: int  # leading chunks the store holds (never the prompt's last token)
+    load_tokens: int = 0  # tokens vLLM agreed to take from us (0: nothing to load)
+    next_save: int = 0  # first chunk not yet saved or known stored
+    block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, req_id: str, namespace: NamespaceDigest, token_ids: Sequence[int],
+            chunk_size: int, block_size: int, store: ChunkStore) -> RequestPlan:
+        keys = chunk_keys(namespace, token_ids, chunk_size, include_partial=False)
+        loadable = max(0, (len(token_ids) - 1) // chunk_size)  # keep >= 1 token to compute
+        hit = 0
+        if loadable:
+            try:
+                hit = store.lookup(keys[:loadable]).num_chunks
+            except Exception as exc:  # any backend trouble is a miss, never an error
+                logger.warning("semcomm KV lookup failed (%s); treating as a miss", exc)
+        return cls(req_id=req_id, namespace=namespace, keys=keys, chunk_size=chunk_size,
+                   block_size=block_size, num_prompt_tokens=len(token_ids), hit_chunks=hit,
+                   next_save=hit)
+
+    def matched_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens beyond vLLM's own prefix cache that the store can supply."""
+        return max(0, self.hit_chunks * self.chunk_size - num_computed_tokens)
+
+    def _blocks_of(self, chunk: int) -> tuple[int, ...] | None:
+        per = self.chunk_size // self.block_size
+        ids = self.block_ids[chunk * per : (chunk + 1) * per]
+        return tuple(ids) if len(ids) == per else None
+
+    def take_load(self) -> LoadSpec | None:
+        """The load of the agreed tokens (once), or None."""
+        if self.load_tokens <= 0:
+            return None
+        end = self.hit_chunks * self.chunk_size
+        first_token = end - self.load_tokens
+        first = first_token // self.chunk_size
+        blocks = [self._blocks_of(c) for c in range(first, self.hit_chunks)]
+        self.load_tokens = 0
+        if any(b is None for b in blocks):  # vLLM allocated fewer blocks than promised
+            return None
+        return LoadSpec(
+            req_id=self.req_id, namespace=self.namespace,
+            keys=tuple(self.keys[first : self.hit_chunks]), first_chunk=first,
+            block_ids=tuple(b for b in blocks if b is not None),
+            skip_blocks=(first_token - first * self.chunk_size) // self.block_size,
+        )
+
+    def take_saves(self, computed_tokens: int) -> list[SaveSpec]:
+        """Chunks fully computed once ``computed_tokens`` are done, not saved before."""
+        out: list[SaveSpec] = []
+        while self.next_save < len(self.keys):
+            c = self.next_save
+            if (c + 1) * self.chunk_size > computed_tokens:
+                break
+            blocks = self._blocks_of(c)
+            if blocks is None:
+                break
+            out.append(SaveSpec(namespace=self.namespace, key=self.keys[c],
+                                parent=self.keys[c - 1] if c else None,
+                                start=c * self.chunk_size, block_ids=blocks))
+            self.next_save += 1
+        return out
+
+
+# ---- layouts --------------------------------------------------------------------------------
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Attention layers in model order (by the first integer in each layer name)."""
+    def order(item: tuple[str, torch.Tensor]) -> tuple[int, str]:
+        m = _LAYER_INDEX.search(item[0])
+        return (int(m.group(1)) if m else -1, item[0])
+
+    return sorted(kv_caches.items(), key=order)
+
+
+KEY_LAYOUTS = ("d_bs", "bs_d")
+"""How a block's keys lie in vLLM's CPU cache: ``"d_bs"`` (``[head_size, block_size]`` per block
+and head: the ``vec`` attention ISA, checked against transformers' keys) or ``"bs_d"`` (token
+rows). Values are always token rows."""
+
+
+def _paged5(cache: torch.Tensor) -> torch.Tensor:
+    """``[nb, H, bs, 2D]`` -> ``[nb, H, 2, bs, D]``: per block and head, the K region, then V."""
+    if cache.dim() != 4 or cache.shape[-1] % 2:
+        raise ValueError(f"expected a [num_blocks, kv_heads, block_size, 2 * head_size] KV "
+                         f"cache, got shape {tuple(cache.shape)}")
+    nb, h, bs, d2 = cache.shape
+    return cache.view(nb, h, 2, bs, d2 // 2)
+
+
+def _check_layout(key_layout: str) -> None:
+    if key_layout not in KEY_LAYOUTS:
+        raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
+
+
+def gather_chunk(caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
+                 key_layout: str = "d_bs") -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy one chunk's KV out of vLLM's paged caches: keys, values ``[L, H, T, D]``."""
+    _check_layout(key_layout)
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+    ks, vs = [], []
+    for cache in caches:
+        x = _paged5(cache).index_select(0, idx)  # [m, H, 2, bs, D] (a copy)
+        m, h, _, bs, d = x.shape
+        kr = x[:, :, 0]
+        if key_layout == "d_bs":  # the K region holds [D, bs]
+            kr = kr.reshape(m, h, d, bs).transpose(-1, -2)
+        ks.append(kr.permute(1, 0, 2, 3).reshape(h, m * bs, d))
+        vs.append(x[:, :, 1].permute(1, 0, 2, 3).reshape(h, m * bs, d))
+    return torch.stack(ks), torch.stack(vs)
+
+
+def scatter_chunk(caches: Sequence[torch.Tensor], block_ids: Sequence[int], k: torch.Tensor,
+                  v: torch.Tensor, *, skip_blocks: int = 0, key_layout: str = "d_bs") -> None:
+    """Write keys/values ``[L, H, T, D]`` (``T`` = whole blocks) into vLLM's paged caches.
+
+    The first ``skip_blocks`` blocks are left alone (vLLM's own prefix cache filled them, and
+    they may be shared with running requests). One copy per layer for keys and one for values,
+    however many blocks.
+    """
+    _check_layout(key_layout)
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(caches):
+        raise ValueError(f"chunk keys/values {tuple(k.shape)}/{tuple(v.shape)} do not match "
+                         f"{len(caches)} layers")
+    ids = list(block_ids)[skip_blocks:]
+    if not ids:
+        return
+    idx = torch.as_tensor(ids, dtype=torch.long)
+    m = len(block_ids)
+    for layer, cache in enumerate(caches):
+        c5 = _paged5(cache)
+        nb, h, _, bs, d = c5.shape
+        if k.shape[1:] != (h, m * bs, d):
+            raise ValueError(f"chunk of shape {tuple(k.shape[1:])} does not fit {m} blocks of "
+                             f"[{h}, {bs}, {d}]")
+        kl = k[layer].view(h, m, bs, d).permute(1, 0, 2, 3)[skip_blocks:]  # [m', H, bs, D]
+        vl = v[layer].view(h, m, bs, d).permute(1, 0, 2, 3)[skip_blocks:]
+        if key_layout == "d_bs":
+            kl = kl.transpose(-1, -2).contiguous().view(len(ids), h, bs, d)
+        c5[idx, :, 0] = kl.to(cache.dtype)
+        c5[idx, :, 1] = vl.to(cache.dtype)
+
+
+# ---- loading and saving ---------------------------------------------------------------------
+
+def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
+                codec: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Decoded ``(k, v)`` of the spec's chunks, in order, stopping at the first that fails.
+
+    Absent, corrupt, sealed for another tenant, from another namespace, of the wrong size or
+    codec, or the backend down: that chunk and everything after it is a miss (the caller
+    reports those blocks so vLLM recomputes them). Never raises for store trouble.
+    """
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        many = getattr(store, "fetch_many", None)
+        got = (many(list(spec.keys)) if many is not None
+               else [store.fetch(k) for k in spec.keys])
+    except Exception as exc:
+        logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+        return out
+    for key, fetched in zip(spec.keys, got):
+        if fetched is None:
+            break
+        try:
+            chunk = decode_chunk(fetched.value, expect_key=key, expect_namespace=spec.namespace)
+            h = chunk.header
+            if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
+                    or h.codec_params.get("spec", codec.spec) != codec.spec):
+                raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of {h.dtype}/"
+                                   f"{h.codec}, expected {chunk_size} of {dtype}/{codec.spec}")
+            out.append(codec.decode(chunk.arrays, num_tokens=chunk_size, dtype=dtype))
+        except Exception as exc:  # a bad chunk is a miss from here on
+            logger.warning("semcomm KV chunk %s not usable (%s); recomputing", key.hex()[:16],
+                           exc)
+            break
+    return out
+
+
+@dataclass(slots=True)
+class _SaveJob:
+    namespace: NamespaceDigest
+    items: list[tuple[SaveSpec, torch.Tensor, torch.Tensor]]
+    nbytes: int
+
+
+class ChunkSaver:
+    """Encodes chunks and writes them to the store on one background thread.
+
+    ``submit`` returns at once (decode is never blocked by a store write); pending work is
+    bounded by ``max_pending_bytes`` of KV: beyond it new saves are dropped and counted in
+    ``dropped`` (a dropped save is only a future miss). Store failures are logged and counted,
+    never raised. ``flush`` waits for the queue to drain; ``close`` flushes and stops.
+    """
+
+    def __init__(self, store: ChunkStore, *, codec: Any, dtype: str,
+                 max_pending_bytes: int = 512 * _MIB, layers: int | None = None) -> None:
+        self.store = store
+        self.codec = codec
+        self.dtype = dtype
+        self.layers = layers
+        self.max_pending_bytes = max_pending_bytes
+        self.saved = self.dropped = self.failed = 0  # chunks; written by the worker thread
+        self._pending = 0  # bytes queued; guarded by _lock
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="semcomm-kv-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, namespace: NamespaceDigest,
+               items: Iterable[tuple[SaveSpec, torch.Tensor, torch.Tensor]]) -> bool:
+        batch = list(items)
+        if not batch:
+            return True
+        nbytes = sum(k.numel() * k.element_size() * 2 for _, k, _ in batch)
+        with self._lock:
+            if self._pending + nbytes > self.max_pending_bytes:
+                self.dropped += len(batch)
+                return False
+            self._pending += nbytes
+        self._queue.put(_SaveJob(namespace, batch, nbytes))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except Exception:
+                logger.exception("semcomm KV save failed")
+                if job is not None:
+                    self.failed += len(job.items)
+            finally:
+                if job is not None:
+                    with self._lock:
+                        self._pending -= job.nbytes
+                self._queue.task_done()
+
+    def _write(self, job: _SaveJob) -> None:
+        encoded: list[tuple[ChunkKey, bytes]] = []
+        for spec, k, v in job.items:
+            enc = self.codec.encode(k, v)
+            encoded.append((spec.key, encode_chunk(
+                namespace=job.namespace, key=spec.key, parent=spec.parent,
+                num_tokens=int(k.shape[2]), start=spec.start, dtype=self.dtype,
+                codec=self.codec.name, codec_params={**self.codec.params, "spec": self.codec.spec},
+                arrays=enc.arrays, bf16_names=enc.bf16_names,
+                meta={"layers": int(k.shape[0]), "writer": "vllm"},
+            )))
+        try:
+            many = getattr(self.store, "put_many", None)
+            if many is not None:
+                many(encoded)
+            else:
+                for key, value in encoded:
+                    self.store.put(key, value)
+            self.saved += len(encoded)
+        except Exception as exc:
+            logger.warning("semcomm KV store write failed (%s); %d chunks not saved", exc,
+                           len(encoded))
+            self.failed += len(encoded)
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=60)

@@ -1,0 +1,456 @@
+"""vLLM KV connector: the vLLM-independent logic with plain tensors, and (opt-in) real vLLM.
+
+The fast tests need neither vLLM nor a model: they pin down the paged-layout conversion against
+a reference of vLLM's CPU cache writes, the key plans, tenant selection and that every failure
+to load is a miss. The end-to-end tests run vLLM itself in its own environment; they take
+several minutes, so they run only when ``SEMCOMM_VLLM_PYTHON`` names that environment's python
+(``make vllm-test`` sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from semcomm.errors import ConfigError
+from semcomm.integrations._vllm_core import (
+    ChunkSaver,
+    ConnectorSettings,
+    LoadSpec,
+    NamespaceFactory,
+    RequestPlan,
+    build_store,
+    chunk_size_for,
+    gather_chunk,
+    load_chunks,
+    model_dir_fingerprint,
+    ordered_layers,
+    scatter_chunk,
+    tenant_of,
+)
+from semcomm.kv import DiskStore, MemoryStore, chunk_keys, get_codec
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "0123456789abcdef0123456789abcdef"
+L, H, BS, D = 3, 2, 4, 8  # layers, kv heads, block size, head size
+
+
+# ---- a reference of vLLM's CPU paged KV cache ------------------------------------------------
+
+def _regions(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's split of a ``[nb, H, bs, 2D]`` CPU cache (cpu_attn.py): viewed as
+    ``[nb, H, 2 * bs, D]`` and chunked at ``bs``: each block and head has a K region of
+    ``bs * D`` elements, then a V region of ``bs`` token rows."""
+    nb, h, bs, d2 = cache.shape
+    return cache.view(nb, h, 2 * bs, d2 // 2).chunk(2, dim=2)
+
+
+def vllm_write(cache: torch.Tensor, slots: list[int], k: torch.Tensor, v: torch.Tensor,
+               key_layout: str = "d_bs") -> None:
+    """What vLLM's CPU attention stores for tokens at ``slots`` (``k``/``v`` are ``[T, H, D]``).
+
+    With the ``vec`` ISA the K region is ``[D, bs]`` (matched against transformers' keys for
+    SmolLM2 in vLLM 0.32: cosine 1.00000 this way, 0.02 read as token rows).
+    """
+    kr, vr = _regions(cache)
+    nb, h, bs, d = kr.shape
+    for t, s in enumerate(slots):
+        b, off = divmod(s, bs)
+        vr[b, :, off] = v[t]
+        if key_layout == "d_bs":
+            kr[b].reshape(h, d, bs)[:, :, off] = k[t]
+        else:
+            kr[b, :, off] = k[t]
+
+
+def vllm_read(cache: torch.Tensor, slots: list[int], key_layout: str = "d_bs"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    kr, vr = _regions(cache)
+    nb, h, bs, d = kr.shape
+    if key_layout == "d_bs":
+        ks = [kr[s // bs].reshape(h, d, bs)[:, :, s % bs] for s in slots]
+    else:
+        ks = [kr[s // bs, :, s % bs] for s in slots]
+    vs = [vr[s // bs, :, s % bs] for s in slots]
+    return torch.stack(ks), torch.stack(vs)  # [T, H, D]
+
+
+def slots_of(blocks: list[int]) -> list[int]:
+    return [b * BS + o for b in blocks for o in range(BS)]
+
+
+@pytest.fixture
+def caches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(10, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
+
+
+@pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
+def test_gather_reads_what_vllm_wrote(caches: list[torch.Tensor], layout: str) -> None:
+    blocks = [7, 2]  # a chunk of two blocks, not in order
+    g = torch.Generator().manual_seed(1)
+    ks = [torch.randn(2 * BS, H, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    vs = [torch.randn(2 * BS, H, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    for c, k, v in zip(caches, ks, vs):
+        vllm_write(c, slots_of(blocks), k, v, layout)
+    k, v = gather_chunk(caches, blocks, key_layout=layout)
+    assert k.shape == v.shape == (L, H, 2 * BS, D)
+    for layer in range(L):  # semcomm layout: [L, H, T, D], token t of the chunk at T = t
+        assert torch.equal(k[layer], ks[layer].permute(1, 0, 2))
+        assert torch.equal(v[layer], vs[layer].permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
+def test_scatter_writes_what_vllm_reads(caches: list[torch.Tensor], layout: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(L, H, 2 * BS, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(L, H, 2 * BS, D, generator=g).to(torch.bfloat16)
+    before = [c.clone() for c in caches]
+    scatter_chunk(caches, [3, 5], k, v, key_layout=layout)
+    for layer, c in enumerate(caches):
+        rk, rv = vllm_read(c, slots_of([3, 5]), layout)
+        assert torch.equal(rk.permute(1, 0, 2), k[layer])
+        assert torch.equal(rv.permute(1, 0, 2), v[layer])
+        untouched = [b for b in range(10) if b not in (3, 5)]
+        assert torch.equal(c[untouched], before[layer][untouched])
+
+
+def test_scatter_skips_blocks_vllm_already_holds(caches: list[torch.Tensor]) -> None:
+    k = torch.ones(L, H, 2 * BS, D, dtype=torch.bfloat16)
+    before = [c.clone() for c in caches]
+    scatter_chunk(caches, [3, 5], k, k, skip_blocks=1)
+    for layer, c in enumerate(caches):
+        assert torch.equal(c[3], before[layer][3])  # shared prefix block: left alone
+        assert not torch.equal(c[5], before[layer][5])
+
+
+def test_scatter_refuses_mismatched_shapes(caches: list[torch.Tensor]) -> None:
+    k = torch.zeros(L, H, 3 * BS, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit"):
+        scatter_chunk(caches, [1, 2], k, k)
+
+
+def test_layers_are_ordered_by_index() -> None:
+    t = torch.zeros(1)
+    names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn",
+             "model.layers.0.self_attn.attn"]
+    assert [n for n, _ in ordered_layers(dict.fromkeys(names, t))] == [
+        names[2], names[1], names[0]]
+
+
+# ---- settings, namespaces, tenants ----------------------------------------------------------
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"stroe": "memory"}, "unknown"), ({"store": "s3://bucket"}, "unknown store tier"),
+    ({"store": []}, "tier spec"), ({"chunk_size": 0}, "chunk_size"),
+    ({"codec": "zip"}, "codec"), ({"seal": "yes"}, "seal"), ({"disk_bytes": -1}, "disk_bytes"),
+])
+def test_bad_settings_are_refused(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_settings_and_tiered_store(tmp_path: Path) -> None:
+    s = ConnectorSettings.from_extra_config({"store": ["memory", f"disk:{tmp_path}"],
+                                             "codec": "int8"})
+    assert s.store == ("memory", f"disk:{tmp_path}") and s.codec.startswith("int8")
+    store = build_store(s)
+    assert [t.name for t in store.tiers] == ["memory", "disk"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("block", "requested", "expect"), [
+    (128, None, 128), (16, None, 16), (96, None, 96), (16, 64, 64), (128, 256, 256)])
+def test_chunk_size_is_whole_blocks(block: int, requested: int | None, expect: int) -> None:
+    assert chunk_size_for(block, requested) == expect
+
+
+def test_chunk_size_must_be_whole_blocks() -> None:
+    with pytest.raises(ConfigError, match="multiple"):
+        chunk_size_for(128, 200)
+
+
+@pytest.mark.parametrize(("params", "salt", "expect"), [
+    ({"semcomm_tenant": "acme"}, "x", "acme"), (None, "s1", "cache_salt:s1"),
+    ({}, None, None), ({"other": 1}, None, None),
+])
+def test_tenant_selection(params: dict[str, object] | None, salt: str | None,
+                          expect: str | None) -> None:
+    assert tenant_of(params, salt) == expect
+
+
+def test_tenant_must_be_a_string() -> None:
+    with pytest.raises(ConfigError):
+        tenant_of({"semcomm_tenant": 7}, None)
+
+
+def test_namespaces_differ_per_tenant_and_are_stable() -> None:
+    f = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless",
+                         secret=SECRET)
+    g = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless",
+                         secret=SECRET)
+    assert f.digest("acme") == g.digest("acme")  # another process, same secret
+    assert len({f.digest("acme"), f.digest("globex"), f.digest(None)}) == 3
+    assert f.digest("acme", "lora:x") != f.digest("acme")
+    other_secret = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16",
+                                    codec="lossless", secret="f" * 32)
+    assert other_secret.digest("acme") != f.digest("acme")
+    assert other_secret.digest(None) == f.digest(None)  # public data needs no secret
+
+
+def test_model_dir_fingerprint_follows_the_files(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": 8, "a": 1}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    blob = len(header).to_bytes(8, "little") + header + np.arange(4, dtype="<f4").tobytes()
+    (d / "model.safetensors").write_bytes(blob)
+    a = model_dir_fingerprint(d)
+    (d / "config.json").write_text(json.dumps({"a": 1, "hidden_size": 8}))  # same JSON
+    assert model_dir_fingerprint(d) == a
+    (d / "model.safetensors").write_bytes(blob[:-4] + np.float32(9).tobytes())
+    assert model_dir_fingerprint(d) != a
+
+
+# ---- plans ----------------------------------------------------------------------------------
+
+CS = 2 * BS  # chunk: two blocks
+
+
+def stored_chain(store: MemoryStore, ns: bytes, tokens: list[int], n: int) -> None:
+    codec = get_codec("lossless")
+    saver = ChunkSaver(store, codec=codec, dtype="float32")
+    keys = chunk_keys(ns, tokens, CS, include_partial=False)
+    from semcomm.integrations._vllm_core import SaveSpec
+
+    items = []
+    for c in range(n):
+        k = torch.full((L, H, CS, D), float(c))
+        items.append((SaveSpec(ns, keys[c], keys[c - 1] if c else None, c * CS, ()), k, -k))
+    saver.submit(ns, items)  # type: ignore[arg-type]
+    saver.flush()
+    saver.close()
+
+
+def test_plan_matches_stored_chunks_and_keeps_the_last_token() -> None:
+    store = MemoryStore()
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(3 * CS))  # exactly three chunks
+    stored_chain(store, ns, tokens, 3)
+    plan = RequestPlan.new("r", ns, tokens, CS, BS, store)
+    assert plan.hit_chunks == 2  # the third would leave no token to compute
+    assert plan.matched_tokens(0) == 2 * CS
+    assert plan.matched_tokens(BS) == 2 * CS - BS  # vLLM's own cache holds one block
+    assert plan.matched_tokens(2 * CS) == 0
+
+
+def test_plan_load_and_saves(caches: list[torch.Tensor]) -> None:
+    store = MemoryStore()
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(4 * CS + 3))
+    stored_chain(store, ns, tokens, 2)
+    plan = RequestPlan.new("r", ns, tokens, CS, BS, store)
+    assert plan.hit_chunks == 2 and plan.next_save == 2
+    plan.load_tokens = plan.matched_tokens(BS)  # one block from vLLM's own prefix cache
+    plan.block_ids = list(range(9))
+    load = plan.take_load()
+    assert load is not None and load.first_chunk == 0 and load.skip_blocks == 1
+    assert load.block_ids == ((0, 1), (2, 3)) and plan.take_load() is None
+    # chunked prefill: saves follow the computed tokens, each chunk once
+    assert plan.take_saves(3 * CS - 1) == []
+    saves = plan.take_saves(3 * CS)
+    assert [s.start for s in saves] == [2 * CS] and saves[0].parent == plan.keys[1]
+    assert [s.block_ids for s in plan.take_saves(len(tokens))] == [(6, 7)]
+    assert plan.take_saves(len(tokens)) == []
+
+
+def test_tenants_never_see_each_others_chunks() -> None:
+    store = MemoryStore()
+    f = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless",
+                         secret=SECRET)
+    tokens = list(range(3 * CS + 1))
+    stored_chain(store, f.digest("acme"), tokens, 3)
+    assert RequestPlan.new("a", f.digest("acme"), tokens, CS, BS, store).hit_chunks == 3
+    assert RequestPlan.new("g", f.digest("globex"), tokens, CS, BS, store).hit_chunks == 0
+    assert RequestPlan.new("p", f.digest(None), tokens, CS, BS, store).hit_chunks == 0
+
+
+# ---- loads: every failure is a miss ---------------------------------------------------------
+
+def _spec(ns: bytes, tokens: list[int], n: int) -> LoadSpec:
+    keys = chunk_keys(ns, tokens, CS, include_partial=False)[:n]
+    return LoadSpec("r", ns, tuple(keys), 0, tuple((2 * c, 2 * c + 1) for c in range(n)), 0)
+
+
+def test_load_round_trip_is_exact_in_bf16(tmp_path: Path, caches: list[torch.Tensor]) -> None:
+    """One 'process' saves from its caches, another loads into fresh caches: equal bits."""
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
+    tokens = list(range(2 * CS + 1))
+    codec = get_codec("lossless")
+    plan = RequestPlan.new("r", ns, tokens, CS, BS, DiskStore(tmp_path))
+    plan.block_ids = [4, 1, 8, 6]
+    saver = ChunkSaver(DiskStore(tmp_path), codec=codec, dtype="bfloat16")
+    saver.submit(ns, [(s, *gather_chunk(caches, s.block_ids)) for s in plan.take_saves(2 * CS)])
+    saver.close()
+    fresh = [torch.zeros_like(c) for c in caches]
+    spec = LoadSpec("r2", ns, tuple(plan.keys[:2]), 0, ((0, 2), (3, 9)), 0)
+    got = load_chunks(DiskStore(tmp_path), spec, chunk_size=CS, dtype="bfloat16", codec=codec)
+    assert len(got) == 2
+    for blocks, (k, v) in zip(spec.block_ids, got):
+        scatter_chunk(fresh, blocks, k, v)
+    for c, f in zip(caches, fresh):
+        assert torch.equal(f[[0, 2, 3, 9]], c[[4, 1, 8, 6]])
+
+
+def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(3 * CS + 1))
+    mem = MemoryStore()
+    stored_chain(mem, ns, tokens, 3)
+    disk = DiskStore(tmp_path)
+    keys = chunk_keys(ns, tokens, CS, include_partial=False)
+    for k in keys:
+        disk.put(k, mem.get(k))  # type: ignore[arg-type]
+    f = tmp_path / keys[1].hex()[:2] / f"{keys[1].hex()}.sckv"
+    raw = bytearray(f.read_bytes())
+    raw[-100] ^= 1
+    f.write_bytes(bytes(raw))
+    got = load_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
+                      codec=get_codec("lossless"))
+    assert len(got) == 1 and torch.equal(got[0][0], torch.zeros(L, H, CS, D))
+
+
+@pytest.mark.parametrize("case", ["absent", "other_namespace", "wrong_dtype", "sealed_other"])
+def test_load_failures_are_misses(tmp_path: Path, case: str) -> None:
+    f = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless",
+                         secret=SECRET)
+    ns = f.digest("acme")
+    tokens = list(range(2 * CS + 1))
+    mem = MemoryStore()
+    codec = get_codec("lossless")
+    dtype = "float32"
+    store: object = mem
+    if case != "absent":
+        stored_chain(mem, ns, tokens, 2)
+    if case == "other_namespace":  # bytes copied under another tenant's keys
+        other = f.digest("globex")
+        for a, b in zip(chunk_keys(ns, tokens, CS, include_partial=False),
+                        chunk_keys(other, tokens, CS, include_partial=False)):
+            mem._data[b] = mem.get(a)  # type: ignore[assignment]  # a forged copy
+        ns = other
+    if case == "wrong_dtype":
+        dtype = "bfloat16"
+    if case == "sealed_other":
+        from semcomm.security import ChunkSealer, TenantKeyring
+
+        sealed = DiskStore(tmp_path / "a", sealer=ChunkSealer(TenantKeyring("a" * 32)))
+        for k in chunk_keys(ns, tokens, CS, include_partial=False):
+            sealed.put(k, mem.get(k))  # type: ignore[arg-type]
+        store = DiskStore(tmp_path / "a", sealer=ChunkSealer(TenantKeyring("b" * 32)))
+    got = load_chunks(store, _spec(ns, tokens, 2), chunk_size=CS, dtype=dtype,  # type: ignore[arg-type]
+                      codec=codec)
+    assert got == []
+
+
+def test_redis_down_is_a_miss_not_an_error() -> None:
+    import socket
+
+    from semcomm.kv import RedisStore
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.2)
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(2 * CS + 1))
+    with pytest.warns(Warning):
+        plan = RequestPlan.new("r", ns, tokens, CS, BS, store)
+        assert plan.hit_chunks == 0
+        assert load_chunks(store, _spec(ns, tokens, 2), chunk_size=CS, dtype="float32",
+                           codec=get_codec("lossless")) == []
+        saver = ChunkSaver(store, codec=get_codec("lossless"), dtype="float32")
+        k = torch.zeros(L, H, CS, D)
+        plan.block_ids = [0, 1, 2, 3]
+        saver.submit(ns, [(s, k, k) for s in plan.take_saves(2 * CS)])
+        saver.close()  # writes were no-ops, nothing raised
+
+
+# ---- saver ----------------------------------------------------------------------------------
+
+def test_saver_bounds_pending_work_and_survives_store_failures() -> None:
+    class Broken(MemoryStore):
+        def put(self, key: bytes, value: bytes) -> None:  # type: ignore[override]
+            raise OSError("disk full")
+
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(2 * CS + 1))
+    plan = RequestPlan.new("r", ns, tokens, CS, BS, MemoryStore())
+    plan.block_ids = [0, 1, 2, 3]
+    specs = plan.take_saves(2 * CS)
+    k = torch.zeros(L, H, CS, D)
+    small = ChunkSaver(MemoryStore(), codec=get_codec("lossless"), dtype="float32",
+                       max_pending_bytes=k.numel() * 4)  # room for half a chunk
+    assert small.submit(ns, [(specs[0], k, k)]) is False and small.dropped == 1
+    small.close()
+    broken = ChunkSaver(Broken(), codec=get_codec("lossless"), dtype="float32")
+    broken.submit(ns, [(s, k, k) for s in specs])
+    broken.flush()
+    assert broken.failed == 2 and broken.saved == 0
+    broken.close()
+
+
+# ---- the connector module itself ------------------------------------------------------------
+
+def test_connector_module_says_how_to_install_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"semcomm\[vllm\]"):
+            import semcomm.integrations.vllm  # noqa: F401
+    else:  # pragma: no cover - only where vLLM is installed
+        from semcomm.integrations.vllm import SemcommConnector
+
+        assert SemcommConnector.__name__ == "SemcommConnector"
+
+
+# ---- real vLLM (opt-in: several minutes) ----------------------------------------------------
+
+VLLM_PY = os.environ.get("SEMCOMM_VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(not VLLM_PY, reason="set SEMCOMM_VLLM_PYTHON (make vllm-test)")
+
+
+def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
+    from semcomm.models import model_path
+
+    out = tmp_path / "check.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--model",
+                    str(model_path("smollm2-135m-instruct")), "--vllm-python", str(VLLM_PY),
+                    "--tokens", "1024", "--max-tokens", "12", "--out", str(out), *extra],
+                   check=True, timeout=1500, cwd=str(ROOT))
+    return json.loads(out.read_text())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_second_process_loads_and_matches_cold(tmp_path: Path) -> None:
+    r = _bench(tmp_path, "--store", f"disk:{tmp_path / 'kv'}")
+    assert r["same_text"] is True
+    assert r["hit_tokens"] == 768  # three of four 256-token chunks; the last token recomputed
+    t = r["tenant"]
+    assert t["other_tenant_hit_tokens"] == 0 and t["tenant_hit_tokens"] > 0  # type: ignore[index]
+    assert t["same_text"] is True  # type: ignore[index]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_restarted_redis_gives_misses_not_errors(tmp_path: Path) -> None:
+    r = _bench(tmp_path, "--redis")
+    assert r["same_text"] is True and r["hit_tokens"] == 768
+    assert r["redis_restart"] == {"hit_tokens": 0, "same_text": True}
+    assert r["redis_down"] == {"hit_tokens": 0, "same_text": True}
