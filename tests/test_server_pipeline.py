@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,13 @@ def _serve(tmp: Path, pair: dict[str, Path], fuser: str | None) -> dict[str, Any
                 r2 = await c.post("/v1/chat/completions", json=body)
                 metrics = (await c.get("/metrics")).text
                 health = (await c.get("/health")).json()
+                streamed = await c.post("/v1/chat/completions", json={**body, "stream": True})
             assert r1.status_code == 200 and r2.status_code == 200, r1.text
-            return {"r1": r1, "r2": r2, "metrics": metrics, "health": health}
+            deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in streamed.text.splitlines()
+                      if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+            return {"r1": r1, "r2": r2, "metrics": metrics, "health": health,
+                    "streamed": "".join(deltas), "stream_hits": streamed.headers["x-semcomm-hits"]}
         finally:
             await gw.shutdown()
 
@@ -74,12 +80,17 @@ def test_c2c_handoff_between_different_models(tmp_path: Path, pair: dict[str, Pa
     assert meta["stages"][1]["c2c"]["fused_tokens"] > 0
     assert "c2c" in out["r1"].headers["x-semcomm-hits"]
     assert 'semcomm_pipeline_handoffs_total{mode="c2c",pipeline="chain"} 2.0' in out["metrics"]
+    # a streaming client gets the fused answer too, the same text as the JSON answer
+    answer = out["r1"].json()["choices"][0]["message"]["content"]
+    assert answer and out["streamed"] == answer
+    assert "c2c" in out["stream_hits"]
     # the second request reads the sharer's context KV from the KV store
     assert out["r2"].json()["semcomm"]["stages"][1]["c2c"]["sharer_source"] == "engine"
 
 
 def test_text_handoff_without_a_fuser(tmp_path: Path, pair: dict[str, Path]) -> None:
     out = _serve(tmp_path, pair, str(tmp_path / "no-such-fuser"))
+    assert out["streamed"] == out["r1"].json()["choices"][0]["message"]["content"]
     meta = out["r1"].json()["semcomm"]
     assert meta["handoffs"] == {"text": 1}
     assert meta["stages"][0]["completion_tokens"] > 0  # the first model wrote text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,34 @@ def test_ray_needs_a_shared_redis(tmp_path: Path) -> None:
     cfg = load_config(None, environ={}, overrides={"server": {"state_dir": str(tmp_path)}})
     with pytest.raises(ConfigError, match="redis_url"):
         _shared_kv(cfg)
+
+
+def test_a_replica_error_reaches_the_client_as_one_clean_line(ray_gateway: Any) -> None:
+    """The same typed error and message as the single-process path, never a traceback."""
+    _, app = ray_gateway
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=120) as c:
+            return await c.post("/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "x" * 5000}]})
+
+    r = asyncio.run(main())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert re.fullmatch(r"the prompt has \d+ tokens; model 'tiny' accepts at most 4095 prompt "
+                        r"tokens", err["message"]), err["message"]
+
+
+def test_the_router_hashes_under_the_replicas_namespace(ray_gateway: Any) -> None:
+    """The gateway sends the tenant's KV namespace: the same digest the replicas store under."""
+    from semcomm.security import TenantContext
+
+    _, app = ray_gateway
+    backend = app.state.gateway.backends["tiny"]
+    stats = backend.handle.stats.remote().result()
+    assert backend.namespace_hex(TenantContext.public()) == stats["namespace"]
+    other = TenantContext("acme", "ab" * 32, False)
+    assert backend.namespace_hex(other) not in ("", stats["namespace"])

@@ -11,7 +11,7 @@
 
 from ._chunks import SEAL_ALG, ChunkSealer
 from ._entries import ENTRY_SEAL_ALG, EntrySealer
-from ._guard import Admission, ProbeThrottledError, RequestGuard
+from ._guard import Admission, ProbeThrottledError, RequestGuard, TenantContext
 from ._probe import ProbeConfig, ProbeDetector, ProbeVerdict, RateLimiter
 from ._sealing import (
     ENVELOPE_OVERHEAD,
@@ -58,6 +58,7 @@ __all__ = [
     "SealStats",
     "SealedEntryError",
     "Sealer",
+    "TenantContext",
     "TenantId",
     "TenantKeyring",
     "TenantSalt",

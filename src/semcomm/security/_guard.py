@@ -17,7 +17,7 @@ from ..errors import OverloadedError
 from ._probe import ProbeDetector, ProbeVerdict, RateLimiter
 from ._tenancy import NO_TENANT_DIGEST, TenantSalter, reject_client_salt
 
-__all__ = ["Admission", "ProbeThrottledError", "RequestGuard"]
+__all__ = ["Admission", "ProbeThrottledError", "RequestGuard", "TenantContext"]
 
 
 class ProbeThrottledError(OverloadedError):
@@ -31,6 +31,24 @@ class ProbeThrottledError(OverloadedError):
 
 
 @dataclass(frozen=True, slots=True)
+class TenantContext:
+    """Who a request is served for, decided once by admission and carried with the request.
+
+    Every stage that keys, scopes or routes by tenant reads it from here: the semantic layer
+    (scope), the engine (KV namespace), the replica router (chunk keys), so they cannot disagree.
+    """
+
+    tenant: str | None  # configured tenant id from the API key (None: single-user server)
+    digest: str  # the tenant's salt digest (NO_TENANT_DIGEST when tenant is None)
+    isolate: bool = False  # serve without reusing anything: no semantic cache, no KV reuse
+
+    @classmethod
+    def public(cls) -> TenantContext:
+        """The single-user namespace (no tenant configured)."""
+        return cls(None, NO_TENANT_DIGEST, False)
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """Outcome of :meth:`RequestGuard.admit` for a request that may be served."""
 
@@ -38,6 +56,11 @@ class Admission:
     salt_digest: str  # goes into KV namespaces and semantic scopes
     isolate: bool  # serve without public/cross-tenant reuse (flagged prober in isolate mode)
     verdict: ProbeVerdict | None  # the detector's verdict (None when detection is off)
+
+    @property
+    def context(self) -> TenantContext:
+        """The :class:`TenantContext` the rest of the request path is served under."""
+        return TenantContext(self.tenant, self.salt_digest, self.isolate)
 
 
 class RequestGuard:

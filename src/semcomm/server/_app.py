@@ -255,8 +255,6 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                     if isinstance(item, Delta):
                         yield _sse(chat_chunk(rid, served.model, created, content=item.text))
                     elif isinstance(item, Completion):
-                        if served.hits_header == "semantic":
-                            yield _sse(chat_chunk(rid, served.model, created, content=item.text))
                         meta = {**item.meta, "hits": item.hits or ["none"]}
                         yield _sse(chat_chunk(rid, served.model, created,
                                               finish=item.finish_reason, meta=meta))
@@ -313,9 +311,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                     if isinstance(item, Delta):
                         yield _sse(completion_chunk(rid, served.model, created, text=item.text))
                     elif isinstance(item, Completion):
-                        text = item.text if served.hits_header == "semantic" else ""
                         meta = {**item.meta, "hits": item.hits or ["none"]}
-                        yield _sse(completion_chunk(rid, served.model, created, text=text,
+                        yield _sse(completion_chunk(rid, served.model, created, text="",
                                                     finish=item.finish_reason, meta=meta))
                         if include_usage:
                             yield _sse(completion_chunk(rid, served.model, created, empty=True,

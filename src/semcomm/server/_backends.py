@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidInputError, UpstreamError
+from ..security import TenantContext
 from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
 __all__ = [
@@ -59,6 +60,15 @@ class GenRequest:
     request_id: str = ""
     snapshot: Any = None  # KV snapshot to continue from (pipeline handoff on one model)
     stream: bool = True  # the client reads a stream (upstreams then stream too)
+    ctx: TenantContext | None = None  # set by admission; None only outside the gateway
+
+    @property
+    def tenant_ctx(self) -> TenantContext:
+        """The admitted tenant context (a public one for requests built outside the gateway)."""
+        if self.ctx is not None:
+            return self.ctx
+        return TenantContext.public() if self.tenant is None else TenantContext(
+            self.tenant, "", False)
 
 
 @dataclass(slots=True)
@@ -167,9 +177,11 @@ class LocalBackend:
         def emit(event: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
+        ctx = req.tenant_ctx
         job = Job(prompt_ids=ids, max_new_tokens=max_new, temperature=req.temperature,
-                  top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=req.tenant,
-                  emit=emit, snapshot=req.snapshot)
+                  top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=ctx.tenant,
+                  emit=emit, snapshot=req.snapshot, digest=ctx.digest or None,
+                  isolate=ctx.isolate)
         try:
             self.worker.submit(job)  # OverloadedError when the queue is full
         finally:

@@ -57,6 +57,7 @@ class Started:
     prompt_tokens: int
     hit_tokens: int
     hit_tiers: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()  # reuse layers other than KV known at the start ("c2c")
 
 
 @dataclass(slots=True)
@@ -92,6 +93,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when the client left
     enqueued_at: float = field(default_factory=time.perf_counter)
     snapshot: Any = None  # optional KV snapshot to continue from (pipelines, same model)
+    digest: str | None = None  # the admitted tenant's salt digest (None: derive from tenant)
+    isolate: bool = False  # no KV reuse: nothing read from or written to the shared store
 
 
 class EngineRunner(Protocol):

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..security import TenantContext
 from ._backends import Completion, GenRequest, LocalBackend
 
-__all__ = ["C2CHandoff", "find_fuser"]
+__all__ = ["C2CHandoff", "cut_at_stop", "find_fuser"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ def find_fuser(sharer: LocalBackend, receiver: LocalBackend, fuser: str | None
         return None, f"fuser {path} does not fit {sharer.name} -> {receiver.name}: {exc}"
 
 
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to (not including) its earliest stop string, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i != -1), default=-1)
+    return (text[:cut], True) if cut != -1 else (text, False)
+
+
 def _render(messages: list[dict[str, str]]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
@@ -66,13 +73,14 @@ class C2CHandoff:
         self.fuser.eval()
         self.path = path
 
-    def _pipeline(self, system: str, tenant: str | None) -> Any:
+    def _pipeline(self, system: str, ctx: TenantContext) -> Any:
         from ..fusion import FusionPipeline, ModelSide
 
         engine = None
         engine_of = getattr(self.sharer.runner, "engine", None)
-        if callable(engine_of):  # the sharer's prompt KV from the KV store (tenant namespace)
-            engine = engine_of(tenant)
+        if callable(engine_of) and not ctx.isolate:
+            # the sharer's prompt KV from the KV store, in the admitted tenant's namespace
+            engine = engine_of(ctx.tenant, ctx.digest or None)
         s_side = ModelSide(self._s_model, self._s_tok, _spec=self._s_spec)
         r_side = ModelSide(self._r_model, self._r_tok,
                            prefix=f"system: {system}\n" if system else "",
@@ -86,16 +94,20 @@ class C2CHandoff:
         if msgs and msgs[-1]["role"] == "system":  # the receiver stage's own instruction
             system = msgs.pop()["content"]
         shared = _render(msgs) or (sreq.prompt or "")
-        pipe = self._pipeline(system, sreq.tenant)
+        pipe = self._pipeline(system, sreq.tenant_ctx)
+        stops = [s for s in sreq.stop if s]
         t0 = time.perf_counter()
-        gen = await asyncio.to_thread(pipe.generate, shared, max_new_tokens=sreq.max_tokens)
+        gen = await asyncio.to_thread(
+            pipe.generate, shared, max_new_tokens=sreq.max_tokens,
+            stop=(lambda text: any(s in text for s in stops)) if stops else None)
         elapsed = time.perf_counter() - t0
+        text, stopped = cut_at_stop(gen.text, stops)
         stats = dict(getattr(gen, "stats", {}) or {})
         fused = int(stats.get("fused_tokens", 0))
         prompt_tokens = int(stats.get("receiver_prompt_tokens", 0))
         return Completion(
-            text=gen.text, finish_reason="length" if len(gen.token_ids) >= sreq.max_tokens
-            else "stop", prompt_tokens=prompt_tokens, completion_tokens=len(gen.token_ids),
+            text=text, finish_reason="length" if not stopped and len(gen.token_ids)
+            >= sreq.max_tokens else "stop", prompt_tokens=prompt_tokens, completion_tokens=len(gen.token_ids),
             hits=["c2c"], hit_tokens=0, ttft_s=elapsed,
             meta={"c2c": {"fused_tokens": fused, "fuser": str(self.path),
                           "sharer_prompt_tokens": int(stats.get("sharer_prompt_tokens", 0)),

@@ -36,8 +36,10 @@ __all__ = [
     "ModelConfig",
     "PipelineConfig",
     "PipelineStage",
+    "ProbeSection",
     "RayConfig",
     "RoutingConfig",
+    "SecurityConfig",
     "SemanticConfig",
     "ServerConfig",
     "ServerSection",
@@ -233,6 +235,46 @@ class RayConfig(_Section):
     num_cpus_per_replica: float = Field(1.0, gt=0)
 
 
+class ProbeSection(_Section):
+    """``[security.probe]``: thresholds of ``semcomm.security.ProbeDetector`` (its ProbeConfig)."""
+
+    window_s: float = Field(30.0, gt=0)
+    granule: int = Field(8, ge=1)
+    max_diff_tokens: int = Field(16, ge=0)
+    min_shared_tokens: int = Field(48, ge=0)
+    near_dup_threshold: float = Field(6.0, gt=0)
+    short_output_tokens: int = Field(2, ge=0)
+    short_output_weight: float = Field(1.5, ge=0)
+    block_s: float = Field(30.0, ge=0)
+    action: Literal["throttle", "isolate"] = "throttle"  # isolate: serve without any reuse
+    max_history: int = Field(256, ge=1)
+    max_tenants: int = Field(10_000, ge=1)
+    exempt_tenants: list[str] = []  # trusted tenants never checked
+
+
+class SecurityConfig(_Section):
+    """``[security]``: admission (probe detection, rate limit) and sealing at rest."""
+
+    seal_at_rest: bool = True  # AES-GCM seal KV chunks and semantic entries on disk/SQLite/Redis
+    seal_secrets: list[str] | None = None  # rotation list, oldest first (last seals new data)
+    probe_detection: bool = False  # flag prefix-probing tenants (429, or isolate)
+    probe: ProbeSection | None = None  # detector thresholds (None: the detector's defaults)
+    rate_limit_rps: float = Field(0.0, ge=0)  # per-tenant token bucket (0: off)
+    rate_limit_burst: int = Field(10, ge=1)
+
+    @field_validator("seal_secrets", mode="before")
+    @classmethod
+    def _one_secret(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("seal_secrets")
+    @classmethod
+    def _secrets_not_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not s for s in v):
+            raise ValueError("seal_secrets must not contain empty secrets")
+        return v or None
+
+
 class ServerConfig(_Section):
     """The whole server configuration (see the module docstring for layering)."""
 
@@ -244,7 +286,7 @@ class ServerConfig(_Section):
     tenants: dict[str, TenantConfig] = {}
     pipelines: dict[str, PipelineConfig] = {}
     ray: RayConfig = RayConfig()  # type: ignore[call-arg]
-    security: dict[str, Any] = {}  # passed through to semcomm.security's server hooks
+    security: SecurityConfig = SecurityConfig()  # type: ignore[call-arg]
 
     @field_validator("models")
     @classmethod
@@ -365,10 +407,12 @@ def load_config(
             user = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
-        # a file that defines its own models replaces the embedded ones (and their pipelines)
+        # a file that defines its own models replaces the embedded ones (and their pipelines
+        # and default model)
         if defaults and "models" in user:
             data.pop("models", None)
             data.pop("pipelines", None)
+            data.get("routing", {}).pop("default_model", None)
         data = _merge(data, user)
     data = _merge(data, _env_overrides(os.environ if environ is None else environ))
     if overrides:

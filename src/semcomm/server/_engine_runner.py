@@ -66,26 +66,40 @@ class EngineRunner:
         self.salter = salter
         self.chunk_size = chunk_size
         self.codec = codec
-        self._engines: dict[str | None, Any] = {}
+        self._engines: dict[tuple[str | None, bool], Any] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
         self.max_positions = int(first.max_positions or 2048)
         self.eos_ids = set(first.eos_token_ids)
         self.pad_id = pad_id_for(tokenizer, self.eos_ids)
 
-    def engine(self, tenant: str | None) -> Any:
+    def engine(self, tenant: str | None, digest: str | None = None, *,
+               isolate: bool = False) -> Any:
+        """The engine serving ``tenant``: its KV namespace carries the tenant's salt digest.
+
+        ``digest`` is the digest admission decided (``TenantContext.digest``); the engine's
+        namespace must carry exactly it (a mismatch is a wiring bug, refused). ``isolate``
+        gives an engine without a store: nothing is restored from or written to shared KV.
+        """
         with self._lock:
-            eng = self._engines.get(tenant)
+            eng = self._engines.get((tenant, isolate))
             if eng is None:
-                eng = self.engine_cls(self.model, self.tokenizer, store=self.store,
+                eng = self.engine_cls(self.model, self.tokenizer,
+                                      store=None if isolate else self.store,
                                       chunk_size=self.chunk_size, codec=self.codec,
                                       tenant=tenant, salter=self.salter)
-                self._engines[tenant] = eng
-            return eng
+                self._engines[(tenant, isolate)] = eng
+        if digest is not None and eng.namespace.tenant != digest:
+            raise RuntimeError(f"KV namespace digest {eng.namespace.tenant!r} differs from the "
+                               f"admitted tenant digest {digest!r}")
+        return eng
+
+    def _engine_for(self, job: Job) -> Any:
+        return self.engine(job.tenant, job.digest, isolate=job.isolate)
 
     # ------------------------------------------------------------------ one job
     def _run_one(self, job: Job) -> None:
-        eng = self.engine(job.tenant)
+        eng = self._engine_for(job)
         hit = eng.cached_tokens(job.prompt_ids) if job.snapshot is None else 0
         # at least one token is always recomputed (DESIGN invariant 3)
         hit = min(hit, len(job.prompt_ids) - 1)
@@ -120,7 +134,7 @@ class EngineRunner:
         t0 = time.perf_counter()
         pres = []
         for job in jobs:
-            eng = self.engine(job.tenant)
+            eng = self._engine_for(job)
             pre = eng.prefill(list(job.prompt_ids), snapshot=job.snapshot)
             pres.append(pre)
             job.emit(Started(prompt_tokens=pre.stats.prompt_tokens,

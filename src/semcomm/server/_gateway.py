@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, OverloadedError, TenantError, UpstreamError
-from ..security import TenantSalter
+from ..security import TenantContext, TenantSalter
 from ._backends import Completion, GenRequest, ModelBackend, StreamItem
-from ._batching import Started
+from ._batching import Delta, Started
 from ._config import ServerConfig
 from ._metrics import Metrics
 
@@ -121,6 +121,21 @@ def _fingerprint(tenant_digest: str, messages: list[dict[str, str]] | None,
         head = (prompt or "")[:256]
     h = hashlib.blake2b(f"{tenant_digest}\x00{head}".encode(), digest_size=6).hexdigest()
     return h, len(head)
+
+
+def _unsent(text: str, streamed: str, model: str) -> str:
+    """What a backend's deltas left out of its final ``text`` (normally nothing).
+
+    A backend that streamed a prefix of its answer (or nothing, as a whole-answer stage does)
+    gets the rest sent as one more delta, so every stream joins to its final text. Text that
+    was streamed and then dropped from the answer cannot be unsent: that is a backend bug, logged.
+    """
+    if streamed == text:
+        return ""
+    if text.startswith(streamed):
+        return text[len(streamed):]
+    log.error("model %s streamed text that is not in its final answer", model)
+    return ""
 
 
 class Gateway:
@@ -225,6 +240,21 @@ class Gateway:
     def tenant_digest(self, tenant: str | None) -> str:
         return self.salter.digest(tenant)
 
+    def admit(self, req: GenRequest, *, body: dict[str, Any] | None = None,
+              headers: dict[str, str] | None = None) -> TenantContext:
+        """Admission: the request's :class:`TenantContext`, or a refusal (400 / 429).
+
+        Runs the request guard (client salts refused, rate limit, probe detection) when one is
+        wired; without one every authenticated request is admitted, not isolated.
+        """
+        if self.guard is None:
+            return TenantContext(req.tenant, self.tenant_digest(req.tenant), False)
+        probe_tokens = list((req.prompt or "".join(m["content"] for m in req.messages or []))
+                            .encode("utf-8"))
+        admission = self.guard.admit(req.tenant, probe_tokens, max_tokens=req.max_tokens,
+                                     body=body, headers=headers)
+        return admission.context
+
     # --- models ----------------------------------------------------------------------------------
     def model_names(self, tenant: str | None = None) -> list[str]:
         names = list(self.backends)
@@ -263,30 +293,26 @@ class Gateway:
         t0 = time.perf_counter()
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
+        # 0. admission (auth happened in the app): salts, rate limit, probe detection, before
+        # any embedding or routing work is spent on the request
+        ctx = self.admit(req, body=body, headers=headers)
+        req.ctx = ctx
         routed = None
         if req.model in ("auto", "default") and self.model_router is not None:
             # the router embeds the conversation: off the event loop
             routed = await asyncio.to_thread(self.model_router, req, self.model_names(req.tenant))
         model, backend = self.resolve(req.model, req.tenant, req, routed)
         req.model = model
-        digest = self.tenant_digest(req.tenant)
-        isolate = False
-        if self.guard is not None:
-            probe_tokens = list((req.prompt or "".join(m["content"] for m in req.messages or []))
-                                .encode("utf-8"))
-            admission = self.guard.admit(req.tenant, probe_tokens, max_tokens=req.max_tokens,
-                                         body=body, headers=headers)
-            digest = admission.salt_digest
-            isolate = admission.isolate
+        isolate = ctx.isolate
         self.stats.requests += 1
-        fp, fp_len = _fingerprint(digest, req.messages, req.prompt)
+        fp, fp_len = _fingerprint(ctx.digest, req.messages, req.prompt)
 
         # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
         sem_ok = (self.semantic is not None and self.semantic.usable() and not isolate
                   and (req.temperature == 0 or not self.config.semantic.only_greedy))
         if sem_ok and not no_cache:
             self.stats.lookup("semantic")
-            hit = await self.semantic.lookup(req, digest)
+            hit = await self.semantic.lookup(req, ctx)
             self._semantic_health()
             if hit is not None:
                 return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len)
@@ -308,13 +334,14 @@ class Gateway:
             self.metrics.backend_up.labels(model).set(1 if backend.status().up else 0)
             raise
         hits: list[str] = []
-        if isinstance(first, Started) and first.hit_tokens:
-            hits.append(f"kv:{first.hit_tokens}")
+        if isinstance(first, Started):
+            hits.extend([f"kv:{first.hit_tokens}"] if first.hit_tokens else [])
+            hits.extend(first.layers)
         if isinstance(first, Completion):
             hits = list(first.hits)
         store = sem_ok and not no_store
         return Served(model=model, hits_header=",".join(hits) or "none",
-                      items=self._finish(req, backend, first, items, endpoint, t0, store, digest,
+                      items=self._finish(req, backend, first, items, endpoint, t0, store, ctx,
                                          fp, fp_len),
                       first=first)
 
@@ -346,24 +373,35 @@ class Gateway:
         )
         self._account(req.model, endpoint, comp, t0, status="200")
 
-        async def one() -> AsyncIterator[StreamItem]:
+        started = Started(prompt_tokens=hit.prompt_tokens, hit_tokens=0)
+
+        async def one() -> AsyncIterator[StreamItem]:  # the stream contract, as every backend
+            yield started
+            if answer:
+                yield Delta(answer)
             yield comp
 
-        return Served(model=req.model, hits_header="semantic", items=one(), first=comp)
+        return Served(model=req.model, hits_header="semantic", items=one(), first=started)
 
     async def _finish(self, req: GenRequest, backend: ModelBackend, first: StreamItem,
                       items: AsyncIterator[StreamItem], endpoint: str, t0: float, store: bool,
-                      digest: str, fp: str, fp_len: int) -> AsyncIterator[StreamItem]:
+                      ctx: TenantContext, fp: str, fp_len: int) -> AsyncIterator[StreamItem]:
         final: Completion | None = None
         status = "200"
+        sent: list[str] = []  # the deltas so far: joined, they must equal the final text
         try:
             yield first
             if isinstance(first, Completion):
                 final = first
             else:
                 async for item in items:
-                    if isinstance(item, Completion):
+                    if isinstance(item, Delta):
+                        sent.append(item.text)
+                    elif isinstance(item, Completion):
                         final = item
+                        rest = _unsent(final.text, "".join(sent), req.model)
+                        if rest:
+                            yield Delta(rest)
                     yield item
         except BaseException as exc:
             status = "error"
@@ -397,7 +435,7 @@ class Gateway:
                               time.perf_counter() - t0)
         if store and final.finish_reason in ("stop", "length") and final.text:
             try:
-                await self.semantic.store(req, digest, final)
+                await self.semantic.store(req, ctx, final)
             except Exception as exc:  # a cache write must never fail the request
                 log.warning("semantic store failed: %s", exc)
                 self.metrics.errors.labels("SemanticStoreError").inc()

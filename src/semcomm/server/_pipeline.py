@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ._backends import BackendStatus, Completion, GenRequest, StreamItem, collect
-from ._batching import Started
+from ._batching import Delta, Started
 from ._config import PipelineConfig
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class PipelineBackend:
                           stop=req.stop if i == len(self.cfg.stages) - 1 else [],
                           seed=req.seed, tenant=req.tenant,
                           request_id=f"{req.request_id}.{i}",
-                          stream=req.stream and i == len(self.cfg.stages) - 1)
+                          stream=req.stream and i == len(self.cfg.stages) - 1, ctx=req.ctx)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         base = req.messages if req.messages is not None else [
@@ -137,6 +137,11 @@ class PipelineBackend:
             if mode == "c2c":
                 comp = await self._fusion(i).generate(self, sreq, outputs)
                 items = None
+                if i == last:  # the fused answer is whole: it streams as one delta
+                    yield Started(prompt_tokens=prompt_total + comp.prompt_tokens,
+                                  hit_tokens=hit_total + comp.hit_tokens, layers=("c2c",))
+                    if comp.text:
+                        yield Delta(comp.text)
             elif i < last:
                 comp = await collect(backend.stream(sreq))
                 items = None
@@ -147,7 +152,8 @@ class PipelineBackend:
                 async for item in items:
                     if isinstance(item, Started):
                         yield Started(prompt_tokens=prompt_total + item.prompt_tokens,
-                                      hit_tokens=hit_total + item.hit_tokens)
+                                      hit_tokens=hit_total + item.hit_tokens,
+                                      layers=("c2c",) if handoffs.get("c2c") else ())
                     elif isinstance(item, Completion):
                         comp = item
                     else:

@@ -10,6 +10,10 @@ KV chunk keys and picks the replica most likely to hold the prefix, balanced aga
 
 Replica streams are not forwarded token by token: a streaming client gets the replica's answer
 as one chunk (the first-token time includes the whole generation).
+
+Errors cross the process boundary as data, never as a traceback: a replica answers
+``{"error": ...}`` (:func:`error_to_wire`) and the gateway raises the same typed
+:mod:`semcomm.errors` error with the same client-facing message (:func:`error_from_wire`).
 """
 
 from __future__ import annotations
@@ -18,14 +22,58 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..errors import ConfigError, require
+from .. import errors as _errors
+from ..errors import ConfigError, SemcommError, UpstreamError, require
+from ..security import TenantContext
 from ._backends import BackendStatus, Completion, GenRequest, StreamItem, render_prompt
 from ._batching import Delta, Started
 from ._config import ServerConfig
 
-__all__ = ["EngineReplica", "RayBackend", "deploy_models", "serve_ray"]
+__all__ = ["EngineReplica", "RayBackend", "deploy_models", "error_from_wire", "error_to_wire",
+           "serve_ray"]
 
 log = logging.getLogger(__name__)
+
+
+def error_to_wire(exc: BaseException, model: str) -> dict[str, Any]:
+    """A replica's error as plain data: its :mod:`semcomm.errors` class and client message.
+
+    A semcomm error keeps its class (the nearest one defined in ``semcomm.errors``), message,
+    ``param``, ``status`` and ``retry_after_s``; anything else is an internal failure whose
+    details stay in the replica's log.
+    """
+    if isinstance(exc, SemcommError):
+        cls = next(c for c in type(exc).__mro__
+                   if issubclass(c, SemcommError) and getattr(_errors, c.__name__, None) is c)
+        out: dict[str, Any] = {"type": cls.__name__, "message": str(exc)}
+        for attr in ("param", "status", "retryable", "retry_after_s", "status_code"):
+            v = getattr(exc, attr, None)
+            if isinstance(v, int | float | str | bool):
+                out[attr] = v
+        return out
+    log.error("model %s failed inside a replica", model, exc_info=exc)
+    return {"type": "UpstreamError", "status": 502,
+            "message": f"model {model!r} failed inside its replica ({type(exc).__name__}); "
+                       "see the replica's log"}
+
+
+def error_from_wire(data: dict[str, Any]) -> SemcommError:
+    """The typed error :func:`error_to_wire` described (same class, same message)."""
+    cls = getattr(_errors, str(data.get("type", "")), None)
+    if not (isinstance(cls, type) and issubclass(cls, SemcommError)):
+        cls = UpstreamError
+    msg = str(data.get("message", "the replica failed"))
+    exc: SemcommError
+    if cls is UpstreamError:
+        exc = UpstreamError(msg, status=data.get("status"), retryable=bool(data.get("retryable")))
+    elif issubclass(cls, _errors.OverloadedError):
+        exc = cls(msg, retry_after_s=float(data.get("retry_after_s", 1.0)))
+    else:
+        exc = cls(msg)
+    for attr in ("param", "status_code"):
+        if attr in data:
+            setattr(exc, attr, data[attr])
+    return exc
 
 
 class EngineReplica:
@@ -51,21 +99,39 @@ class EngineReplica:
             self.replica = "local"
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One request; failures come back as ``{"error": ...}`` (see :func:`error_to_wire`)."""
+        tenant = request.get("tenant")
+        ctx = TenantContext(tenant, str(request.get("digest") or ""),
+                            bool(request.get("isolate", False)))
         req = GenRequest(model=self.name, messages=request.get("messages"),
                          prompt=request.get("prompt"), max_tokens=int(request["max_tokens"]),
                          temperature=float(request.get("temperature", 0.0)),
                          top_p=float(request.get("top_p", 1.0)),
                          stop=list(request.get("stop") or []), seed=request.get("seed"),
-                         tenant=request.get("tenant"), request_id=request.get("request_id", ""))
+                         tenant=tenant, request_id=request.get("request_id", ""),
+                         ctx=ctx if ctx.digest else None)
         final: Completion | None = None
-        async for item in self.backend.stream(req):
-            if isinstance(item, Completion):
-                final = item
+        try:
+            async for item in self.backend.stream(req):
+                if isinstance(item, Completion):
+                    final = item
+        except Exception as exc:
+            return {"error": error_to_wire(exc, self.name)}
         assert final is not None
         return {"text": final.text, "finish_reason": final.finish_reason,
                 "prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
                 "hit_tokens": final.hit_tokens, "ttft_s": final.ttft_s,
                 "meta": {**final.meta, "replica": self.replica}}
+
+    def namespace_fields(self) -> dict[str, Any]:
+        """This replica's KV namespace without its tenant part (the gateway adds the digest)."""
+        import dataclasses
+
+        engine_of = getattr(self.backend.runner, "engine", None)
+        if not callable(engine_of):
+            return {}
+        return {k: v for k, v in dataclasses.asdict(engine_of(None).namespace).items()
+                if k != "tenant"}
 
     def stats(self) -> dict[str, Any]:
         st = self.backend.status()
@@ -87,8 +153,10 @@ class RayBackend:
     kind = "hf"
     kv_reuse = True  # every replica reuses KV prefixes through the shared store
 
-    def __init__(self, name: str, handle: Any, tokenizer: Any, replicas: int) -> None:
+    def __init__(self, name: str, handle: Any, tokenizer: Any, replicas: int,
+                 namespace_fields: dict[str, Any] | None = None) -> None:
         self.name = name
+        self.namespace_fields = dict(namespace_fields or {})  # replicas' namespace, no tenant
         self.handle = handle
         self.tokenizer = tokenizer
         self.replicas = replicas
@@ -99,22 +167,37 @@ class RayBackend:
     def status(self) -> BackendStatus:
         return BackendStatus(up=self._up, detail=self._detail, in_flight=self._in_flight)
 
+    def namespace_hex(self, ctx: TenantContext) -> str:
+        """The KV namespace digest the replicas store this tenant's chunks under ("" unknown)."""
+        if not self.namespace_fields:
+            return ""
+        from ..kv import Namespace
+
+        return Namespace(**{**self.namespace_fields, "tenant": ctx.digest}).digest.hex()
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         # the router needs the rendered prompt's token ids (the KV chunk keys come from them)
+        # and the tenant's namespace (the same keys as the replicas' KV store)
         ids = render_prompt(self.tokenizer, req)
+        ctx = req.tenant_ctx
         body = {"token_ids": ids, "messages": req.messages, "prompt": req.prompt,
                 "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "stop": req.stop, "seed": req.seed, "tenant": req.tenant,
+                "stop": req.stop, "seed": req.seed, "tenant": ctx.tenant, "digest": ctx.digest,
+                "isolate": ctx.isolate, "namespace_hex": self.namespace_hex(ctx),
                 "request_id": req.request_id}
         self._in_flight += 1
         try:
             out = await self.handle.generate.remote(body)
             self._up, self._detail = True, f"Ray Serve, {self.replicas} replicas"
-        except Exception as exc:
+        except Exception as exc:  # Ray itself failed (replica died, ...): no traceback out
             self._up, self._detail = False, f"Ray Serve failed: {exc.__class__.__name__}"
-            raise
+            log.error("model %s: Ray Serve call failed", self.name, exc_info=exc)
+            raise UpstreamError(f"model {self.name!r}: its Ray Serve replica failed "
+                                f"({exc.__class__.__name__})", status=502) from None
         finally:
             self._in_flight -= 1
+        if "error" in out:
+            raise error_from_wire(out["error"])
         hits = [f"kv:{out['hit_tokens']}"] if out["hit_tokens"] else []
         yield Started(prompt_tokens=out["prompt_tokens"], hit_tokens=out["hit_tokens"])
         if out["text"]:
@@ -173,7 +256,8 @@ def deploy_models(cfg: ServerConfig) -> dict[str, RayBackend]:
                                        "chunk_size": chunk}))
         handle = serve.run(dep.bind(name, rcfg.model_dump_json()), name=f"semcomm-{name}",
                            route_prefix=None)
-        backends[name] = RayBackend(name, handle, tok, cfg.ray.replicas)
+        fields = handle.namespace_fields.remote().result()
+        backends[name] = RayBackend(name, handle, tok, cfg.ray.replicas, fields)
         log.info("model %s deployed on Ray Serve: %d replicas", name, cfg.ray.replicas)
     return backends
 

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TenantError
+from ..security import TenantContext
 from ._backends import Completion, GenRequest
 
 __all__ = ["SCOPE_NAME", "SemanticHit", "SemanticLayer"]
@@ -50,8 +52,9 @@ class SemanticLayer:
     RETRY_DOWN_S = 5.0
 
     def __init__(self, cache: Any, *, threshold: float | None = None,
-                 ttl_s: float | None = None, backend: str = "memory") -> None:
+                 ttl_s: float | None = None, backend: str = "memory", salter: Any = None) -> None:
         self.cache = cache
+        self.salter = salter  # the TenantSalter the cache derives scope digests with
         self.threshold = threshold
         self.ttl_s = ttl_s
         self.backend = backend
@@ -69,9 +72,13 @@ class SemanticLayer:
         except ImportError:  # pragma: no cover - depends on the semantic package version
             pass
 
-    def _scope(self, req: GenRequest) -> Any:
+    def _scope(self, ctx: TenantContext) -> Any:
+        """The tenant's scope. The cache derives the scope's digest from the tenant id with the
+        same salter as admission: a context whose digest differs is refused, never served."""
+        if self.salter is not None and self.salter.digest(ctx.tenant) != ctx.digest:
+            raise TenantError("the admitted tenant digest does not match the semantic scope")
         if self._scope_cls is not None:
-            return self._scope_cls(name=SCOPE_NAME, tenant=req.tenant)
+            return self._scope_cls(name=SCOPE_NAME, tenant=ctx.tenant)
         return SCOPE_NAME
 
     @staticmethod
@@ -122,11 +129,11 @@ class SemanticLayer:
         self.up = False
         self.detail = f"down: {exc.__class__.__name__}: {exc}"
 
-    async def lookup(self, req: GenRequest, tenant_digest: str) -> SemanticHit | None:
+    async def lookup(self, req: GenRequest, ctx: TenantContext) -> SemanticHit | None:
         query, context = _split(req)
         if not query.strip():
             return None
-        kw: dict[str, Any] = {"scope": self._scope(req), "context": context,
+        kw: dict[str, Any] = {"scope": self._scope(ctx), "context": context,
                               "model": self._model(req), "tags": self._tags(req)}
         if self.threshold is not None:
             kw["threshold"] = self.threshold
@@ -147,11 +154,11 @@ class SemanticLayer:
             else 0,
         )
 
-    async def store(self, req: GenRequest, tenant_digest: str, comp: Completion) -> None:
+    async def store(self, req: GenRequest, ctx: TenantContext, comp: Completion) -> None:
         query, context = _split(req)
         if not query.strip():
             return
-        kw: dict[str, Any] = {"scope": self._scope(req), "context": context,
+        kw: dict[str, Any] = {"scope": self._scope(ctx), "context": context,
                               "model": self._model(req), "tags": self._tags(req),
                               "metadata": {"prompt_tokens": comp.prompt_tokens,
                                            "completion_tokens": comp.completion_tokens}}

@@ -122,22 +122,29 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
     return tiers[0], note + "; TieredStore unavailable, first tier only"
 
 
+def _keyring(config: ServerConfig) -> Any:
+    from ..security import keyring_from_config
+
+    return keyring_from_config({"seal_secrets": config.security.seal_secrets},
+                               config.server.secret)
+
+
 def _chunk_sealer(config: ServerConfig) -> Any:
     """AES-GCM sealing of KV chunks at rest (disk, Redis), unless ``security.seal_at_rest = false``."""
-    if not config.security.get("seal_at_rest", True):
+    if not config.security.seal_at_rest:
         return None
-    from ..security import ChunkSealer, keyring_from_config
+    from ..security import ChunkSealer
 
-    return ChunkSealer(keyring_from_config(config.security, config.server.secret))
+    return ChunkSealer(_keyring(config))
 
 
 def _entry_sealer(config: ServerConfig) -> Any:
     """AES-GCM sealing of semantic entries at rest (SQLite, Redis), unless ``seal_at_rest = false``."""
-    if not config.security.get("seal_at_rest", True):
+    if not config.security.seal_at_rest:
         return None
-    from ..security import EntrySealer, keyring_from_config
+    from ..security import EntrySealer
 
-    return EntrySealer(keyring_from_config(config.security, config.server.secret))
+    return EntrySealer(_keyring(config))
 
 
 def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
@@ -179,7 +186,8 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
     except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
         log.error("semantic cache (%s) could not start: %s", sc.backend, exc)
         return None, f"{sc.backend} semantic cache could not start: {exc}"
-    return SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend), f"{sc.backend} semantic cache"
+    layer = SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend, salter=gateway.salter)
+    return layer, f"{sc.backend} semantic cache"
 
 
 def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
@@ -261,16 +269,30 @@ def _wire_security(gateway: Gateway) -> None:
         return
     detector = None
     limiter = None
-    if sec.get("probe_detection", False):
-        pc = sec.get("probe", {})
-        detector = ProbeDetector(ProbeConfig(**pc)) if pc else ProbeDetector()
-    if sec.get("rate_limit_rps"):
-        limiter = RateLimiter(rate_per_s=float(sec["rate_limit_rps"]),
-                              burst=int(sec.get("rate_limit_burst", 10)))
+    if sec.probe_detection:
+        pc = sec.probe
+        detector = ProbeDetector(ProbeConfig(**{**pc.model_dump(), "exempt_tenants": tuple(
+            pc.exempt_tenants)}) if pc is not None else None)
+    if sec.rate_limit_rps:
+        limiter = RateLimiter(rate_per_s=sec.rate_limit_rps, burst=sec.rate_limit_burst)
     gateway.guard = RequestGuard(gateway.salter, detector=detector, limiter=limiter)
     gateway.notes["security"] = (f"request guard: client salts refused; probe detection "
                                  f"{'on' if detector else 'off'}; rate limit "
                                  f"{'on' if limiter else 'off'}")
+
+
+class AutoModel:
+    """Model "auto": the trained model router's choice among the models a request may use."""
+
+    def __init__(self, router: Any, allowed: set[str]) -> None:
+        self.router = router  # semcomm.routing.ModelRouter (embeds the conversation)
+        self.allowed = allowed
+
+    def __call__(self, req: Any, available: list[str]) -> str | None:
+        convo = req.messages if req.messages is not None else (req.prompt or "")
+        choice = self.router.route(convo)
+        ok = choice.model in available and choice.model in self.allowed
+        return choice.model if ok else None
 
 
 def _wire_router(gateway: Gateway) -> None:
@@ -291,12 +313,5 @@ def _wire_router(gateway: Gateway) -> None:
     if unknown:
         raise ConfigError(f"routing.model_router: {rc.model_router} routes to models that are "
                           f"not configured: {unknown}")
-    allowed = set(rc.auto_models or names)
-
-    def choose(req: Any, available: list[str]) -> str | None:
-        convo = req.messages if req.messages is not None else (req.prompt or "")
-        choice = router.route(convo)
-        return choice.model if choice.model in available and choice.model in allowed else None
-
-    gateway.model_router = choose
+    gateway.model_router = AutoModel(router, set(rc.auto_models or names))
     gateway.notes["model_router"] = f"semcomm.routing.ModelRouter over {names}"

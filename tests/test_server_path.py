@@ -1,0 +1,312 @@
+"""The request path through the gateway: stream contract, semantic key, isolation, admission.
+
+Each test drives :class:`semcomm.server.Gateway` in process on the config-built tiny model and
+would fail if the property it names were broken (each was checked by breaking it once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from semcomm.errors import ConfigError, InvalidInputError, OverloadedError, TenantError
+from semcomm.security import TenantContext
+from semcomm.server import load_config
+from semcomm.server._backends import Completion, GenRequest
+from semcomm.server._batching import Delta, Started
+from semcomm.server._gateway import Gateway
+
+LONG = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(40))
+
+
+def _config(tmp: Path, *, semantic: bool = False, **sections: Any) -> Any:
+    over: dict[str, Any] = {
+        "server": {"state_dir": str(tmp), "max_tokens_limit": 64},
+        "models": {"tiny": {"path": "tiny", "max_batch": 1},
+                   "tiny-batch": {"path": "tiny", "max_batch": 4},
+                   "plain": {"path": "tiny", "kv_cache": False, "max_batch": 4}},
+        "pipelines": {"chain": {"stages": [
+            {"model": "tiny", "system": "Route it.", "max_tokens": 3},
+            {"model": "tiny", "system": "Answer it."}]}},
+        "kv": {"tiers": ["memory"], "chunk_size": 32},
+        "semantic": {"enabled": semantic, "backend": "memory"},
+        "tenants": {"acme": {"api_key": "k-acme"}, "beta": {"api_key": "k-beta"}},
+    }
+    over.update(sections)
+    return load_config(None, overrides=over, defaults=False, environ={})
+
+
+class Run:
+    """One request's stream, as a client sees it."""
+
+    def __init__(self, served: Any, items: list[Any]) -> None:
+        self.hits = served.hits_header
+        self.items = items
+        self.final: Completion = items[-1]
+        self.deltas = "".join(i.text for i in items if isinstance(i, Delta))
+
+    @property
+    def started(self) -> Started:
+        assert isinstance(self.items[0], Started)
+        return self.items[0]
+
+
+async def _run(gw: Gateway, content: str, *, model: str = "tiny", tenant: str | None = "acme",
+               max_tokens: int = 12, stop: list[str] | None = None, stream: bool = True,
+               **kw: Any) -> Run:
+    req = GenRequest(model=model, messages=[{"role": "user", "content": content}], prompt=None,
+                     max_tokens=max_tokens, stop=list(stop or []), tenant=tenant, stream=stream)
+    served = await gw.serve(req, endpoint="chat", **kw)
+    return Run(served, [item async for item in served.items])
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Gateway]:
+    gw = Gateway(_config(tmp_path))
+    asyncio.run(gw.startup())
+    yield gw
+    asyncio.run(gw.shutdown())
+
+
+@pytest.fixture(scope="module")
+def sem_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = Gateway(_config(tmp_path_factory.mktemp("sem"), semantic=True))
+    asyncio.run(gw.startup())
+    yield gw
+    asyncio.run(gw.shutdown())
+
+
+# --- one stream contract ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-batch", "plain", "chain"])
+def test_deltas_join_to_the_final_text_with_stop_strings(gateway: Gateway, model: str) -> None:
+    """Started -> Delta* -> Completion; deltas joined == final text == the non-streamed text."""
+    prompt = "List the items: item-1 item-2 item-3"
+
+    async def main() -> None:
+        free = await _run(gateway, prompt, model=model, max_tokens=24, stream=False)
+        text = free.final.text
+        assert len(text) >= 8, text
+        # a stop string that ends the answer mid-way, one the model never writes, and "\n\n\n"
+        stops = [[text[4:7]], ["\u2603never\u2603"], ["\n\n\n"]]
+        for stop in stops:
+            cut = min((i for i in (text.find(s) for s in stop) if i != -1), default=len(text))
+            plain = await _run(gateway, prompt, model=model, max_tokens=24, stop=stop,
+                               stream=False)
+            assert plain.final.text == text[:cut]
+            # three at once: the batching models decode them in one batch
+            runs = await asyncio.gather(*[_run(gateway, prompt, model=model, max_tokens=24,
+                                               stop=stop) for _ in range(3)])
+            for r in runs:
+                assert isinstance(r.items[0], Started) and isinstance(r.final, Completion)
+                assert all(isinstance(i, Delta) for i in r.items[1:-1])
+                assert r.deltas == r.final.text == plain.final.text, (stop, r.deltas)
+
+    asyncio.run(main())
+
+
+def test_a_semantic_hit_streams_as_every_backend(sem_gateway: Gateway) -> None:
+    async def main() -> None:
+        first = await _run(sem_gateway, "Where is parcel 5120 now?", max_tokens=6)
+        hit = await _run(sem_gateway, "Where is parcel 5120 now?", max_tokens=6)
+        assert hit.hits == "semantic" and first.hits != "semantic"
+        assert isinstance(hit.items[0], Started)
+        assert hit.deltas == hit.final.text == first.final.text != ""
+
+    asyncio.run(main())
+
+
+# --- the semantic key -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "change", "hit"), [
+    # the control: the same request hits
+    ("How do I reset my account password?", {}, True),
+    # another model never gets this model's answer
+    ("Which plan includes priority phone support?", {"model": "tiny-batch"}, False),
+    # a shorter answer is never served for another length
+    ("Can I pay my invoice by bank transfer?", {"max_tokens": 5}, False),
+    # nor an answer made without the stop string
+    ("Why was my card charged twice this month?", {"stop": ["."]}, False),
+    # nor another tenant's
+    ("What is the warranty on the X200 router?", {"tenant": "beta"}, False),
+])
+def test_semantic_entries_are_served_only_where_they_were_made(
+        sem_gateway: Gateway, query: str, change: dict[str, Any], hit: bool) -> None:
+
+    async def main() -> None:
+        stored = await _run(sem_gateway, query, max_tokens=6)
+        assert stored.hits != "semantic"
+        again = await _run(sem_gateway, query, **{"max_tokens": 6, **change})
+        assert (again.hits == "semantic") is hit, (change, again.hits)
+
+    asyncio.run(main())
+
+
+# --- tenant context and isolation ------------------------------------------------------------
+
+@pytest.mark.parametrize("detect", [False, True])
+def test_an_isolated_request_reuses_no_kv(tmp_path: Path, detect: bool) -> None:
+    """A request admission isolates (a flagged prober) neither reads nor writes shared KV."""
+    probe = {"probe_detection": detect,
+             "probe": {"near_dup_threshold": 2.0, "action": "isolate", "min_shared_tokens": 8,
+                       "short_output_tokens": 0}}
+    gw = Gateway(_config(tmp_path, semantic=True, security=probe))
+
+    async def main() -> None:
+        await gw.startup()
+        try:
+            first = await _run(gw, LONG + " Summarise it.", max_tokens=4)
+            assert first.started.hit_tokens == 0
+            entries = gw.kv_store.stats().entries
+            # the same long prefix, the semantic cache bypassed: a KV prefix hit if not isolated
+            second = await _run(gw, LONG + " Summarise all.", max_tokens=4, no_cache=True)
+            third = await _run(gw, LONG + " Summarise it.", max_tokens=4)  # same as the first
+            if detect:  # the second and third requests are isolated: no reuse of any kind
+                assert second.started.hit_tokens == 0 and second.hits == "none"
+                assert third.hits == "none" and third.started.hit_tokens == 0
+                assert gw.kv_store.stats().entries == entries  # nothing written either
+            else:
+                assert second.started.hit_tokens >= 256
+                assert third.hits == "semantic"
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_admitted_digest_reaches_the_kv_namespace(gateway: Gateway) -> None:
+    async def main() -> None:
+        await _run(gateway, "hello from acme", max_tokens=2)
+
+    asyncio.run(main())
+    runner: Any = gateway.backends["tiny"].runner  # type: ignore[attr-defined]
+    digest = gateway.tenant_digest("acme")
+    assert runner.engine("acme", digest).namespace.tenant == digest
+    with pytest.raises(RuntimeError, match="differs from the admitted tenant digest"):
+        runner.engine("acme", gateway.tenant_digest("beta"))
+    assert gateway.admit(GenRequest(model="tiny", messages=None, prompt="x", max_tokens=1,
+                                    tenant="acme")) == TenantContext("acme", digest, False)
+
+
+def test_the_semantic_layer_refuses_a_context_it_would_scope_elsewhere(
+        sem_gateway: Gateway) -> None:
+    req = GenRequest(model="tiny", messages=[{"role": "user", "content": "hello?"}], prompt=None,
+                     max_tokens=2, tenant="acme")
+    wrong = TenantContext("acme", sem_gateway.tenant_digest("beta"), False)
+    assert sem_gateway.semantic is not None
+    with pytest.raises(TenantError):
+        asyncio.run(sem_gateway.semantic.lookup(req, wrong))
+
+
+# --- admission first --------------------------------------------------------------------------
+
+class _CountingEmbedder:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name, self.dim = inner.name, inner.dim
+        self.calls = 0
+
+    def embed(self, texts: Any) -> np.ndarray:
+        self.calls += 1
+        return np.asarray(self.inner.embed(texts))
+
+
+def test_a_rate_limited_request_costs_no_embedding(tmp_path: Path) -> None:
+    from semcomm.routing import ModelRouter, ModelSpec
+
+    router = ModelRouter([ModelSpec("tiny", 1.0), ModelSpec("plain", 1.0)])
+    texts = ["my invoice is wrong", "refund my payment", "the server does not boot",
+             "ssh connection refused"]
+    router.fit(texts, np.array([[1, 0], [1, 0], [0, 1], [0, 1]]), budget=None)
+    path = router.save(tmp_path / "router.json")
+    gw = Gateway(_config(tmp_path, security={"rate_limit_rps": 0.001, "rate_limit_burst": 1},
+                         routing={"model_router": str(path), "default_model": "tiny"}))
+
+    async def main() -> None:
+        await gw.startup()
+        try:
+            auto: Any = gw.model_router
+            counting = _CountingEmbedder(auto.router.embedder)
+            auto.router._embedder = counting
+            await _run(gw, "my invoice is wrong again", model="auto", max_tokens=2)
+            spent = counting.calls
+            assert spent > 0
+            with pytest.raises(OverloadedError):
+                await _run(gw, "the server does not boot", model="auto", max_tokens=2)
+            assert counting.calls == spent
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(main())
+
+
+# --- [security] is a strict section -----------------------------------------------------------
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"seal_at_rst": False}, "security.seal_at_rst"),
+    ({"probe_detection": True, "probe": {"windw_s": 3}}, "security.probe.windw_s"),
+    ({"rate_limit_rps": -1}, "security.rate_limit_rps"),
+])
+def test_security_typos_are_refused(tmp_path: Path, section: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _config(tmp_path, security=section)
+
+
+def test_every_security_key_still_works(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, security={
+        "seal_at_rest": False, "seal_secrets": "s" * 32, "probe_detection": True,
+        "probe": {"near_dup_threshold": 3.0, "window_s": 10, "block_s": 5, "action": "isolate",
+                  "exempt_tenants": ["beta"]},
+        "rate_limit_rps": 5, "rate_limit_burst": 2})
+    sec = cfg.security
+    assert (sec.seal_at_rest, sec.seal_secrets, sec.rate_limit_burst) == (False, ["s" * 32], 2)
+    gw = Gateway(cfg)
+    asyncio.run(gw.startup())
+    try:
+        guard: Any = gw.guard
+        assert guard.detector.config.exempt_tenants == ("beta",)
+        assert guard.detector.config.near_dup_threshold == 3.0
+        assert guard.limiter is not None
+    finally:
+        asyncio.run(gw.shutdown())
+
+
+# --- errors across process boundaries ---------------------------------------------------------
+
+@pytest.mark.parametrize("exc", [
+    InvalidInputError("the prompt has 5000 tokens; model 'tiny' accepts at most 4095"),
+    OverloadedError("model 'tiny' has 64 queued requests", retry_after_s=3.0),
+    TenantError("incorrect API key provided"),
+])
+def test_replica_errors_cross_as_the_same_typed_error(exc: Exception) -> None:
+    from semcomm.server._ray import error_from_wire, error_to_wire
+
+    back = error_from_wire(error_to_wire(exc, "tiny"))
+    assert type(back) is type(exc) and str(back) == str(exc)
+    if isinstance(exc, OverloadedError):
+        assert back.retry_after_s == 3.0  # type: ignore[attr-defined]
+
+
+def test_an_internal_replica_error_is_one_clean_line() -> None:
+    from semcomm.server._ray import error_from_wire, error_to_wire
+
+    try:
+        raise KeyError("/secret/path/inside/the/replica.py")
+    except KeyError as exc:
+        back = error_from_wire(error_to_wire(exc, "tiny"))
+    assert "secret" not in str(back) and "Traceback" not in str(back)
+    assert "model 'tiny' failed inside its replica (KeyError)" in str(back)
+
+
+def test_a_file_with_its_own_models_drops_the_embedded_default_model(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[models.target]\npath = "tiny"\n')
+    cfg = load_config(p, environ={})
+    assert list(cfg.models) == ["target"] and cfg.routing.default_model is None
+    p.write_text('[models.target]\npath = "tiny"\n[routing]\ndefault_model = "target"\n')
+    assert load_config(p, environ={}).routing.default_model == "target"
