@@ -36,8 +36,11 @@ __all__ = ["GuardResult", "LexicalGuard", "TextFeatures", "text_features"]
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*(?:\+\+|#)?|\d+(?:[.,]\d+)*")
 # a letter-digit code: M605n, A4, 3G, ps4, i7-8700k
 _CODE = re.compile(r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9][\w-]*\b")
-# "X and Y", "X or Y" (the words either side of a coordination)
-_COORD = re.compile(r"([A-Za-z][\w'-]*),? (?:and|or|&) ([A-Za-z][\w'-]*)")
+# "X and Y Z": two coordinated words and the word they share ("speaking and listening skills")
+_COORD = re.compile(r"([A-Za-z][\w'-]*) and ([A-Za-z][\w'-]*) ([A-Za-z][\w'-]*)")
+# words that make a reordering symmetric ("X or Y", "between X and Y", "X vs Y")
+_SYMMETRIC = frozenset({"or", "vs", "versus", "between", "difference", "compare", "compared",
+                        "better", "and"})
 
 _NEGATIONS = frozenset(
     ["not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "cant", "can't", "won't", "wont", "dont", "don't", "doesn't", "doesnt", "didn't", "didnt", "isn't", "isnt", "aren't", "arent", "wasn't", "wasnt", "weren't", "werent", "shouldn't", "shouldnt", "wouldn't", "wouldnt", "couldn't", "couldnt", "hasn't", "hasnt", "haven't", "havent", "hadn't", "mustn't", "neednt", "needn't", "nowhere", "unable"]
@@ -125,17 +128,20 @@ class TextFeatures:
     dates: frozenset[str]  # month/day names
     entities: frozenset[str]  # lower-cased capitalised words / acronyms, not sentence-initial
     qwords: frozenset[str]  # why / who / when / where present
-    codes: frozenset[str] = frozenset()  # lower-cased letter-digit codes
+    codes: frozenset[tuple[str, str]] = frozenset()  # letter-digit codes: (digits, letters)
     sequence: tuple[str, ...] = ()  # the lower-cased tokens in order
-    coordinated: frozenset[tuple[str, str]] = frozenset()  # (x, y) of "x and/or y"
+    coordinated: frozenset[tuple[str, str, str]] = frozenset()  # (x, y, z) of "x and y z"
 
 
 @lru_cache(maxsize=65536)
 def text_features(text: str) -> TextFeatures:
     """Extract :class:`TextFeatures` (cached: the same text is analysed once)."""
     raw = _WORD.findall(text)
-    codes = frozenset(m.lower() for m in _CODE.findall(text))
-    coord = frozenset((a.lower(), b.lower()) for a, b in _COORD.findall(text))
+    # a code's digits and its letters (in order): "rs500" and "500rs" are one code, M605n and
+    # M605x are two
+    codes = frozenset((re.sub(r"\D", "", m), re.sub(r"[^a-z]", "", m.lower()))
+                      for m in _CODE.findall(text))
+    coord = frozenset((a.lower(), b.lower(), c.lower()) for a, b, c in _COORD.findall(text))
     words: set[str] = set()
     numbers: set[str] = set()
     dates: set[str] = set()
@@ -229,10 +235,9 @@ class LexicalGuard:
                 bl, br = bool(b.words & left), bool(b.words & right)
                 if (al and not ar and br and not bl) or (ar and not al and bl and not br):
                     return GuardResult(False, "antonym")
-        if self.codes and a.codes != b.codes:
+        if self.codes and a.codes and b.codes and a.codes != b.codes:
             return GuardResult(False, "code")
-        if self.roles and a.sequence != b.sequence and len(a.sequence) >= 3 and \
-                sorted(a.sequence) == sorted(b.sequence):
+        if self.roles and _roles_swapped(a, b):
             return GuardResult(False, "roles")
         if self.scope and (_added_scope(a, b) or _added_scope(b, a)):
             return GuardResult(False, "scope")
@@ -243,11 +248,23 @@ class LexicalGuard:
 
 
 def _added_scope(a: TextFeatures, b: TextFeatures) -> bool:
-    """``a`` coordinates x and y where ``b`` has one of them and not the other."""
-    for x, y in a.coordinated:
-        if x == y or x in _STOP_CAPS or y in _STOP_CAPS or (x, y) in b.coordinated \
-                or (y, x) in b.coordinated:
-            continue
-        if (x in b.words) != (y in b.words):
+    """``a`` is ``b`` with "and y" added after a word ("speaking and listening skills" /
+    "speaking skills"): the same text otherwise, so the only change is the wider scope."""
+    if not a.coordinated or len(a.sequence) != len(b.sequence) + 2:
+        return False
+    seq = a.sequence
+    for i in range(1, len(seq) - 1):
+        if seq[i] == "and" and seq[:i] + seq[i + 2:] == b.sequence and \
+                seq[i + 1] not in _STOP_CAPS:
             return True
     return False
+
+
+def _roles_swapped(a: TextFeatures, b: TextFeatures) -> bool:
+    """The same words in another order, where order is not symmetric ("X or Y" is)."""
+    if a.sequence == b.sequence or len(a.sequence) < 3 or sorted(a.sequence) != sorted(b.sequence):
+        return False
+    moved = {w for w, v in zip(a.sequence, b.sequence, strict=True) if w != v}
+    if "not" in moved or any(w in _NEGATIONS for w in moved):
+        return True  # a negation moved to another clause
+    return not (a.words & _SYMMETRIC)
