@@ -287,10 +287,14 @@ def main() -> None:
             row = done.get((m, d, t)) or run_config(m, d, t, args.new_tokens, args.prompt_tokens,
                                                     llama, args.rounds)
             rows.append(row)
+            others = [r for k, r in done.items() if k not in set(configs)]  # other settings
             results = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
-                       "rows": rows}
+                       "rows": rows + others}
             write_json(args.json, results, console)  # checkpoint after every configuration
             prog.advance(task)
+    rows = rows + [r for k, r in done.items() if k not in set(configs)]
+    rows.sort(key=lambda r: (MODELS.index(r["model"]) if r["model"] in MODELS else 99,
+                             r["dtype"], r["threads"]))
     if args.vllm_json and args.vllm_json.exists():
         for v in json.loads(args.vllm_json.read_text()):
             for r in rows:

@@ -110,3 +110,21 @@ def test_sampling_is_seeded_and_respects_top_k() -> None:
     assert a.token_ids == b.token_ids != c.token_ids
     one = engine.generate(ids, max_new_tokens=12, temperature=1.5, top_k=1, seed=3)
     assert one.token_ids == reference_greedy(model, ids, 12)  # top-1 sampling is greedy
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "mistral_sw"])
+def test_bfloat16_cold_equals_the_models_own_generate(family: str) -> None:
+    """In bfloat16 the cold path runs the model's own kernels on the same shapes as
+    ``model.generate`` with its default cache: the tokens are identical (the preallocated
+    cache hands attention views, which the kernels read exactly as contiguous tensors)."""
+    import torch
+
+    model = tiny_model(family).to(torch.bfloat16)
+    engine = HFEngine(model, chunk_size=CHUNK, device="cpu")
+    assert engine.dtype == torch.bfloat16
+    ids = prompt_ids(45, seed=11)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2 * NEW,
+                             do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    assert engine.generate(ids, max_new_tokens=2 * NEW).token_ids == ref
