@@ -226,8 +226,8 @@ class SemanticCache:
     traffic, fewer hits on loose everyday paraphrases.
 
     Answer clusters: entries of one partition whose answers are the same text (case and
-    spacing aside) or, with ``answer_match`` (default 0.9: cosine of the two answers'
-    embeddings, checked against the stored query's near neighbours only; a callable
+    spacing aside) or, with ``answer_match`` (default 0.8: cosine of the two answers'
+    embeddings, chosen on a development stream (docs/BENCHMARKS.md), checked against the stored query's near neighbours only; a callable
     ``f(answer_a, answer_b) -> bool``; None: same text only), mean the same, form one cluster.
     The default policy (:class:`~semcomm.semantic.ClusterVotePolicy`) lets a cluster's
     phrasings vote together, and the lexical guard waives its number, entity, date and
@@ -266,7 +266,7 @@ class SemanticCache:
         cross_encoder: Any = False,
         hnsw: dict[str, Any] | None = None,
         ivf: dict[str, Any] | None = None,
-        answer_match: Any = 0.9,
+        answer_match: Any = 0.8,
         mode: str = "serve",
         shadow_log: str | os.PathLike[str] | None = None,
     ) -> None:
