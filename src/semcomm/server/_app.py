@@ -5,7 +5,8 @@ events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``G
 and ``GET /dashboard/data``, ``GET /admin/stats`` and ``POST /admin/invalidate`` (admin key).
 
 Every answer to a generation request carries ``x-semcomm-hits``: the layers that served this
-request from cache, for this tenant only (``semantic``, ``kv:<tokens>``, ``c2c`` or ``none``).
+request from cache, for this tenant only (``semantic``, ``kv:<tokens>``, ``c2c`` or ``none``);
+a model with several replicas adds ``x-semcomm-replica`` (``worker-0``, ``upstream-1``, ...).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -56,6 +57,7 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 HITS_HEADER = "x-semcomm-hits"
+REPLICA_HEADER = "x-semcomm-replica"  # which worker or upstream served it (several replicas)
 
 
 class InvalidateRequest(BaseModel):
@@ -218,8 +220,11 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             timeout=cfg.server.request_timeout_s)
 
     def _headers(served: Served, rid: str) -> dict[str, str]:
-        return {HITS_HEADER: served.hits_header, "x-semcomm-model": served.model,
-                "x-request-id": rid}
+        out = {HITS_HEADER: served.hits_header, "x-semcomm-model": served.model,
+               "x-request-id": rid}
+        if served.replica:
+            out[REPLICA_HEADER] = served.replica
+        return out
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -58,6 +58,7 @@ class Started:
     hit_tokens: int
     hit_tiers: tuple[str, ...] = ()
     layers: tuple[str, ...] = ()  # reuse layers other than KV known at the start ("c2c")
+    replica: str = ""  # which replica serves the request, when the model has several
 
 
 @dataclass(slots=True)

@@ -124,8 +124,13 @@ class ModelConfig(_Section):
     max_batch: int | None = Field(None, ge=1)  # overrides server.max_batch for this model
     max_queue: int | None = Field(None, ge=1)  # overrides server.max_queue for this model
     chunk_size: int | None = Field(None, ge=1)
+    # hf: in-process workers of this model (one batching thread each, shared weights and KV
+    # store); more than one routes each request with semcomm.routing.ReplicaRouter
+    workers: int = Field(1, ge=1, le=64)
     # upstream: an OpenAI-compatible server
     base_url: str | None = None  # e.g. "http://127.0.0.1:8001/v1"
+    # upstream replicas of one model (instead of base_url), routed like workers
+    base_urls: list[str] = []
     api_key: str | None = None
     upstream_model: str | None = None  # model name on the upstream (default: this name)
     timeout_s: float = Field(60.0, gt=0)
@@ -141,11 +146,23 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelConfig:
-        if self.kind == "upstream" and not self.base_url:
-            raise ValueError("kind = 'upstream' needs base_url")
-        if self.kind == "hf" and self.base_url:
-            raise ValueError("base_url is only for kind = 'upstream'")
+        if self.kind == "upstream" and not (self.base_url or self.base_urls):
+            raise ValueError("kind = 'upstream' needs base_url (or base_urls)")
+        if self.base_url and self.base_urls:
+            raise ValueError("give base_url or base_urls, not both")
+        if self.kind == "hf" and (self.base_url or self.base_urls):
+            raise ValueError("base_url and base_urls are only for kind = 'upstream'")
+        if self.kind == "upstream" and self.workers != 1:
+            raise ValueError("workers is for kind = 'hf'; an upstream's replicas are base_urls")
+        urls = [u.rstrip("/") for u in self.base_urls]
+        if any(not u for u in urls) or len(set(urls)) != len(urls):
+            raise ValueError(f"base_urls must be distinct, non-empty URLs, got {self.base_urls}")
         return self
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """The upstream's base URLs (one for ``base_url``)."""
+        return list(self.base_urls) if self.base_urls else [self.base_url] if self.base_url else []
 
 
 class KVConfig(_Section):

@@ -46,6 +46,7 @@ class Served:
     hits_header: str  # known before the first byte: "semantic", "kv:512", "none", ...
     items: AsyncIterator[StreamItem]
     first: StreamItem | None  # the first item, already taken from ``items``
+    replica: str = ""  # the replica serving it ("" when the model has one)
 
 
 @dataclass(slots=True)
@@ -341,6 +342,7 @@ class Gateway:
             hits = list(first.hits)
         store = sem_ok and not no_store
         return Served(model=model, hits_header=",".join(hits) or "none",
+                      replica=first.replica if isinstance(first, Started) else "",
                       items=self._finish(req, backend, first, items, endpoint, t0, store, ctx,
                                          fp, fp_len),
                       first=first)

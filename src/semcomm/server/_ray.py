@@ -199,7 +199,8 @@ class RayBackend:
         if "error" in out:
             raise error_from_wire(out["error"])
         hits = [f"kv:{out['hit_tokens']}"] if out["hit_tokens"] else []
-        yield Started(prompt_tokens=out["prompt_tokens"], hit_tokens=out["hit_tokens"])
+        yield Started(prompt_tokens=out["prompt_tokens"], hit_tokens=out["hit_tokens"],
+                      replica=str(out["meta"].get("replica", "")))
         if out["text"]:
             yield Delta(out["text"])
         yield Completion(text=out["text"], finish_reason=out["finish_reason"],

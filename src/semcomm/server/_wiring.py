@@ -200,10 +200,11 @@ def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
 
 
 def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
-                   gateway: Gateway) -> LocalBackend:
+                   gateway: Gateway, loaded: tuple[Any, Any, str] | None = None,
+                   worker_name: str | None = None) -> LocalBackend:
     from ._direct import DirectRunner
 
-    model, tok, model_id = load_hf(cfg, name)
+    model, tok, model_id = loaded if loaded is not None else load_hf(cfg, name)
     runner: Any = None
     kv_reuse = False
     if cfg.kv_cache and store is not None:
@@ -218,9 +219,44 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
         runner = DirectRunner(model, tok, model_id=model_id)
         gateway.notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
     worker = BatchingWorker(runner, max_batch=cfg.max_batch or config.server.max_batch,
-                            max_queue=cfg.max_queue or config.server.max_queue, name=name,
+                            max_queue=cfg.max_queue or config.server.max_queue,
+                            name=worker_name or name,
                             batch_wait_s=config.server.batch_wait_ms / 1000)
     return LocalBackend(name, worker, kv_reuse=kv_reuse)
+
+
+def _chunk(cfg: ModelConfig, config: ServerConfig) -> int:
+    from ..engine import DEFAULT_CHUNK_SIZE
+
+    return cfg.chunk_size or config.kv.chunk_size or DEFAULT_CHUNK_SIZE
+
+
+def _upstream(name: str, mcfg: ModelConfig, config: ServerConfig) -> ModelBackend:
+    """One upstream, or several (``base_urls``) behind the replica router."""
+    ups: list[ModelBackend] = [
+        UpstreamBackend(name, base_url=url, api_key=mcfg.api_key,
+                        upstream_model=mcfg.upstream_model, timeout_s=mcfg.timeout_s,
+                        connect_timeout_s=mcfg.connect_timeout_s, max_retries=mcfg.max_retries)
+        for url in mcfg.replica_urls]
+    if len(ups) == 1:
+        return ups[0]
+    from ._replicas import upstream_replicas
+
+    return upstream_replicas(name, ups, chunk_size=_chunk(mcfg, config),
+                             policy=config.routing.replica_policy)
+
+
+def _local_workers(name: str, mcfg: ModelConfig, config: ServerConfig,
+                   gateway: Gateway) -> ModelBackend:
+    """``workers`` in-process workers over one loaded model, behind the replica router."""
+    from ._replicas import local_replicas
+
+    loaded = load_hf(mcfg, name)
+    workers = [_local_backend(name, mcfg, config, gateway.kv_store, gateway, loaded=loaded,
+                              worker_name=f"{name}/worker-{i}") for i in range(mcfg.workers)]
+    gateway.notes[f"model:{name}"] += f"; {mcfg.workers} workers, replica router"
+    return local_replicas(name, workers, chunk_size=_chunk(mcfg, config),
+                          policy=config.routing.replica_policy)
 
 
 def wire(gateway: Gateway) -> None:
@@ -235,13 +271,10 @@ def wire(gateway: Gateway) -> None:
             continue
         backend: ModelBackend
         if mcfg.kind == "upstream":
-            assert mcfg.base_url is not None
-            backend = UpstreamBackend(name, base_url=mcfg.base_url, api_key=mcfg.api_key,
-                                      upstream_model=mcfg.upstream_model,
-                                      timeout_s=mcfg.timeout_s,
-                                      connect_timeout_s=mcfg.connect_timeout_s,
-                                      max_retries=mcfg.max_retries)
-            gateway.notes[f"model:{name}"] = f"upstream {mcfg.base_url}"
+            backend = _upstream(name, mcfg, config)
+            gateway.notes[f"model:{name}"] = f"upstream {', '.join(mcfg.replica_urls)}"
+        elif mcfg.workers > 1:
+            backend = _local_workers(name, mcfg, config, gateway)
         else:
             backend = _local_backend(name, mcfg, config, gateway.kv_store, gateway)
         if mcfg.fail_mode != "none":
