@@ -122,7 +122,8 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
     also_ids = prompt_ids(tok, 2, args.tokens)
     third_ids = prompt_ids(tok, 3, args.tokens)
     tenant_ids = prompt_ids(tok, 4, args.tokens)
-    out: dict[str, Any] = {"phase": args.phase, "prompt_tokens": len(main_ids)}
+    out: dict[str, Any] = {"phase": args.phase, "prompt_tokens": len(main_ids),
+                           "first_chunk_ids": main_ids[: args.chunk_tokens]}
     run(llm, tok.encode("Hello, how are you?"), max_tokens=4)  # warm-up (kernels, allocator)
     if args.phase == "save":
         out["cold"] = run(llm, main_ids, max_tokens=args.max_tokens)
@@ -130,6 +131,7 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
         out["also_cold"] = run(llm, also_ids, max_tokens=args.max_tokens)
         out["third_cold"] = run(llm, third_ids, max_tokens=args.max_tokens)
         out["tenant_cold"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
+        out["tenant_apc"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
         want = 4 * ((len(main_ids)) // args.chunk_tokens)
         deadline = time.monotonic() + 120
         while stored_chunks(args.store) < want and time.monotonic() < deadline:
@@ -265,15 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.store is None:
         tmp = tempfile.mkdtemp(prefix="semcomm-vllm-kv-")
         args.store = f"disk:{tmp}"
+    layout_dir = Path(args.store[5:]) if args.store.startswith("disk:") else None
     try:
         saved = child(args, "save", redis)
         loaded = child(args, "load", redis)
+        report = summarize(args, saved, loaded)
+        if layout_dir is not None:
+            report["layout_vs_transformers"] = layout_check(args, layout_dir,
+                                                            saved["first_chunk_ids"])
     finally:
         if redis is not None:
             redis.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    report = summarize(args, saved, loaded)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     if args.png:
@@ -297,13 +303,17 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
         "tenant": {
             "other_tenant_hit_tokens": loaded["other_tenant"]["cached_tokens"],
             "tenant_hit_tokens": loaded["tenant"]["cached_tokens"],
-            "same_text": (loaded["tenant"]["token_ids"] == saved["tenant_cold"]["token_ids"]
-                          and loaded["other_tenant"]["token_ids"]
-                          == saved["tenant_cold"]["token_ids"]),
+            # the tenant's prompt through semcomm, through vLLM's own prefix cache (same
+            # process as the cold run) and cold in the second process, against its cold text
+            "same_text": loaded["tenant"]["token_ids"] == saved["tenant_cold"]["token_ids"],
+            "apc_same_text": saved["tenant_apc"]["token_ids"] == saved["tenant_cold"]["token_ids"],
+            "other_process_cold_same_text": (loaded["other_tenant"]["token_ids"]
+                                             == saved["tenant_cold"]["token_ids"]),
         },
         "process_s": {"save": saved["process_s"], "load": loaded["process_s"]},
         "text": {"cold": cold["text"], "warm": warm["text"],
                  "tenant_cold": saved["tenant_cold"]["text"],
+                 "tenant_apc": saved["tenant_apc"]["text"],
                  "other_tenant": loaded["other_tenant"]["text"],
                  "tenant": loaded["tenant"]["text"]},
     }
@@ -317,6 +327,54 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
             "same_text": loaded["redis_down"]["token_ids"] == saved["third_cold"]["token_ids"],
         }
     return rep
+
+
+def layout_check(args: argparse.Namespace, store_dir: Path, ids: list[int]) -> dict[str, Any]:
+    """vLLM's stored first chunk against transformers' KV cache for the same tokens.
+
+    Runs in this (the orchestrating) environment, which has semcomm's transformers; skipped
+    when it has none. Among the stored first chunks (one per prompt) the one whose values match
+    best is the main prompt's; reports the worst layer's cosine and relative error.
+    """
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from semcomm.kv import decode_chunk, get_codec
+    except ImportError as exc:
+        return {"skipped": str(exc)}
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    hk = torch.stack([cache.layers[i].keys[0] for i in range(len(cache.layers))]).float()
+    hv = torch.stack([cache.layers[i].values[0] for i in range(len(cache.layers))]).float()
+    codec = get_codec("lossless")
+
+    def cos(a: Any, b: Any) -> float:
+        return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+    best: dict[str, Any] | None = None
+    for f in store_dir.glob("??/*.sckv"):
+        c = decode_chunk(f.read_bytes())
+        if c.header.start != 0 or c.header.num_tokens != len(ids):
+            continue
+        k, v = (t.float() for t in codec.decode(c.arrays, num_tokens=len(ids),
+                                                 dtype=args.dtype))
+        score = cos(v[0], hv[0])
+        if best is None or score > best["score"]:
+            best = {"score": score, "k": k, "v": v}
+    if best is None:
+        return {"skipped": "no first chunk found"}
+    k, v = best["k"], best["v"]
+    return {
+        "tokens": len(ids),
+        "k_cos_min": min(cos(k[i], hk[i]) for i in range(len(hk))),
+        "v_cos_min": min(cos(v[i], hv[i]) for i in range(len(hv))),
+        "k_rel_err_max": max(float((k[i] - hk[i]).norm() / hk[i].norm()) for i in range(len(hk))),
+        "v_rel_err_max": max(float((v[i] - hv[i]).norm() / hv[i].norm()) for i in range(len(hv))),
+    }
 
 
 def print_table(rep: dict[str, Any]) -> None:
@@ -343,6 +401,10 @@ def print_table(rep: dict[str, Any]) -> None:
                   f"{rep['redis_restart']['hit_tokens']} / {rep['redis_restart']['same_text']}"),
                  ("Redis down: tokens loaded / same text",
                   f"{rep['redis_down']['hit_tokens']} / {rep['redis_down']['same_text']}")]
+    lay = rep.get("layout_vs_transformers", {})
+    if "k_cos_min" in lay:
+        rows.append(("stored chunk vs transformers: min cosine K / V",
+                     f"{lay['k_cos_min']:.5f} / {lay['v_cos_min']:.5f}"))
     for r in rows:
         t.add_row(*r)
     Console(width=120).print(t)

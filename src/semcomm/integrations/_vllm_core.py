@@ -25,7 +25,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ __all__ = [
     "build_store",
     "chunk_size_for",
     "gather_chunk",
+    "iter_chunks",
     "load_chunks",
     "model_dir_fingerprint",
     "ordered_layers",
@@ -361,15 +362,15 @@ class RequestPlan:
             chunk_size: int, block_size: int, store: ChunkStore) -> RequestPlan:
         keys = chunk_keys(namespace, token_ids, chunk_size, include_partial=False)
         loadable = max(0, (len(token_ids) - 1) // chunk_size)  # keep >= 1 token to compute
-        hit = 0
-        if loadable:
+        stored = 0
+        if keys:
             try:
-                hit = store.lookup(keys[:loadable]).num_chunks
+                stored = store.lookup(keys).num_chunks
             except Exception as exc:  # any backend trouble is a miss, never an error
                 logger.warning("semcomm KV lookup failed (%s); treating as a miss", exc)
         return cls(req_id=req_id, namespace=namespace, keys=keys, chunk_size=chunk_size,
-                   block_size=block_size, num_prompt_tokens=len(token_ids), hit_chunks=hit,
-                   next_save=hit)
+                   block_size=block_size, num_prompt_tokens=len(token_ids),
+                   hit_chunks=min(stored, loadable), next_save=stored)
 
     def matched_tokens(self, num_computed_tokens: int) -> int:
         """Tokens beyond vLLM's own prefix cache that the store can supply."""
@@ -451,19 +452,41 @@ def _check_layout(key_layout: str) -> None:
 
 def gather_chunk(caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
                  key_layout: str = "d_bs") -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy one chunk's KV out of vLLM's paged caches: keys, values ``[L, H, T, D]``."""
+    """Copy one chunk's KV out of vLLM's paged caches: keys, values ``[L, H, T, D]``.
+
+    One strided copy per run of consecutive blocks, per layer, for keys and for values.
+    """
     _check_layout(key_layout)
-    idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-    ks, vs = [], []
-    for cache in caches:
-        x = _paged5(cache).index_select(0, idx)  # [m, H, 2, bs, D] (a copy)
-        m, h, _, bs, d = x.shape
-        kr = x[:, :, 0]
-        if key_layout == "d_bs":  # the K region holds [D, bs]
-            kr = kr.reshape(m, h, d, bs).transpose(-1, -2)
-        ks.append(kr.permute(1, 0, 2, 3).reshape(h, m * bs, d))
-        vs.append(x[:, :, 1].permute(1, 0, 2, 3).reshape(h, m * bs, d))
-    return torch.stack(ks), torch.stack(vs)
+    ids = list(block_ids)
+    runs = _runs(ids)
+    first = _paged5(caches[0])
+    _, h, _, bs, d = first.shape
+    m = len(ids)
+    k = torch.empty((len(caches), h, m * bs, d), dtype=caches[0].dtype)
+    v = torch.empty_like(k)
+    for layer, cache in enumerate(caches):
+        c5 = _paged5(cache)
+        kk = k[layer].view(h, m, bs, d)
+        vv = v[layer].view(h, m, bs, d)
+        for j, b, n in runs:
+            src_k = c5[b : b + n, :, 0]  # [n, H, bs, D] as stored
+            if key_layout == "d_bs":  # each region holds [D, bs]
+                src_k = src_k.reshape(n, h, d, bs).transpose(-1, -2)
+            kk[:, j : j + n].copy_(src_k.permute(1, 0, 2, 3))
+            vv[:, j : j + n].copy_(c5[b : b + n, :, 1].permute(1, 0, 2, 3))
+    return k, v
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(index, first block, length)`` of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for j, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            i, b0, n = runs[-1]
+            runs[-1] = (i, b0, n + 1)
+        else:
+            runs.append((j, b, 1))
+    return runs
 
 
 def scatter_chunk(caches: Sequence[torch.Tensor], block_ids: Sequence[int], k: torch.Tensor,
@@ -471,66 +494,102 @@ def scatter_chunk(caches: Sequence[torch.Tensor], block_ids: Sequence[int], k: t
     """Write keys/values ``[L, H, T, D]`` (``T`` = whole blocks) into vLLM's paged caches.
 
     The first ``skip_blocks`` blocks are left alone (vLLM's own prefix cache filled them, and
-    they may be shared with running requests). One copy per layer for keys and one for values,
-    however many blocks.
+    they may be shared with running requests). Each run of consecutive blocks is one strided
+    copy per layer for keys and one for values, straight from ``k``/``v`` (no staging copy).
     """
     _check_layout(key_layout)
     if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(caches):
         raise ValueError(f"chunk keys/values {tuple(k.shape)}/{tuple(v.shape)} do not match "
                          f"{len(caches)} layers")
-    ids = list(block_ids)[skip_blocks:]
-    if not ids:
-        return
-    idx = torch.as_tensor(ids, dtype=torch.long)
     m = len(block_ids)
+    runs = [(j + skip_blocks, b, n) for j, b, n in _runs(list(block_ids)[skip_blocks:])]
     for layer, cache in enumerate(caches):
         c5 = _paged5(cache)
         nb, h, _, bs, d = c5.shape
         if k.shape[1:] != (h, m * bs, d):
             raise ValueError(f"chunk of shape {tuple(k.shape[1:])} does not fit {m} blocks of "
                              f"[{h}, {bs}, {d}]")
-        kl = k[layer].view(h, m, bs, d).permute(1, 0, 2, 3)[skip_blocks:]  # [m', H, bs, D]
-        vl = v[layer].view(h, m, bs, d).permute(1, 0, 2, 3)[skip_blocks:]
-        if key_layout == "d_bs":
-            kl = kl.transpose(-1, -2).contiguous().view(len(ids), h, bs, d)
-        c5[idx, :, 0] = kl.to(cache.dtype)
-        c5[idx, :, 1] = vl.to(cache.dtype)
+        kk = k[layer].view(h, m, bs, d)
+        vv = v[layer].view(h, m, bs, d)
+        for j, b, n in runs:
+            src_k = kk[:, j : j + n].permute(1, 0, 2, 3)  # [n, H, bs, D]
+            dst_k = c5[b : b + n, :, 0]  # the K regions of blocks b..b+n-1
+            if key_layout == "d_bs":  # each region holds [D, bs]
+                dst_k.view(n, h, d, bs).copy_(src_k.transpose(-1, -2))
+            else:
+                dst_k.copy_(src_k)
+            c5[b : b + n, :, 1].copy_(vv[:, j : j + n].permute(1, 0, 2, 3))
 
 
 # ---- loading and saving ---------------------------------------------------------------------
 
-def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
-                codec: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+_NP_OF = {"bfloat16": "<i2", "float16": "<f2", "float32": "<f4"}
+_TORCH_OF = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FETCH_BATCH = 4  # chunks fetched per round trip while loading (bounds the memory held)
+
+
+def _lossless_view(arrays: Mapping[str, Any], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read-only tensor views of a lossless chunk's bytes (no copy: they are only read)."""
+    import warnings
+
+    import numpy as np
+
+    out = []
+    with warnings.catch_warnings():  # torch warns about non-writable buffers; nothing writes
+        warnings.simplefilter("ignore", UserWarning)
+        for name in ("k", "v"):
+            a = np.asarray(arrays[name]).view(_NP_OF[dtype])
+            out.append(torch.from_numpy(a).view(_TORCH_OF[dtype]))
+    return out[0], out[1]
+
+
+def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
+                codec: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Decoded ``(k, v)`` of the spec's chunks, in order, stopping at the first that fails.
 
     Absent, corrupt, sealed for another tenant, from another namespace, of the wrong size or
     codec, or the backend down: that chunk and everything after it is a miss (the caller
-    reports those blocks so vLLM recomputes them). Never raises for store trouble.
+    reports those blocks so vLLM recomputes them). Never raises for store trouble. Chunks are
+    fetched a few at a time and yielded one by one, so a caller that copies each into place
+    before asking for the next holds a few chunks' bytes, not the whole prefix.
     """
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
-        many = getattr(store, "fetch_many", None)
-        got = (many(list(spec.keys)) if many is not None
-               else [store.fetch(k) for k in spec.keys])
-    except Exception as exc:
-        logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
-        return out
-    for key, fetched in zip(spec.keys, got):
-        if fetched is None:
-            break
+    many = getattr(store, "fetch_many", None)
+    keys = list(spec.keys)
+    for i in range(0, len(keys), _FETCH_BATCH):
+        batch = keys[i : i + _FETCH_BATCH]
         try:
-            chunk = decode_chunk(fetched.value, expect_key=key, expect_namespace=spec.namespace)
-            h = chunk.header
-            if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
-                    or h.codec_params.get("spec", codec.spec) != codec.spec):
-                raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of {h.dtype}/"
-                                   f"{h.codec}, expected {chunk_size} of {dtype}/{codec.spec}")
-            out.append(codec.decode(chunk.arrays, num_tokens=chunk_size, dtype=dtype))
-        except Exception as exc:  # a bad chunk is a miss from here on
-            logger.warning("semcomm KV chunk %s not usable (%s); recomputing", key.hex()[:16],
-                           exc)
-            break
-    return out
+            got = many(batch) if many is not None else [store.fetch(k) for k in batch]
+        except Exception as exc:
+            logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+            return
+        for key, fetched in zip(batch, got):
+            if fetched is None:
+                return
+            try:
+                # stores serve only verified bytes (checksum, key): no second checksum here
+                chunk = decode_chunk(fetched.value, expect_key=key,
+                                     expect_namespace=spec.namespace, verify=False)
+                h = chunk.header
+                if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
+                        or h.codec_params.get("spec", codec.spec) != codec.spec):
+                    raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
+                                       f"{h.dtype}/{h.codec}, expected {chunk_size} of "
+                                       f"{dtype}/{codec.spec}")
+                if codec.name == "lossless" and set(chunk.arrays) == {"k", "v"}:
+                    kv = _lossless_view(chunk.arrays, dtype)
+                else:
+                    kv = codec.decode(chunk.arrays, num_tokens=chunk_size, dtype=dtype)
+            except Exception as exc:  # a bad chunk is a miss from here on
+                logger.warning("semcomm KV chunk %s not usable (%s); recomputing",
+                               key.hex()[:16], exc)
+                return
+            yield kv
+
+
+def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
+                codec: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`iter_chunks` as a list (every usable chunk held at once)."""
+    return list(iter_chunks(store, spec, chunk_size=chunk_size, dtype=dtype, codec=codec))
 
 
 @dataclass(slots=True)

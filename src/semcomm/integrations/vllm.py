@@ -59,7 +59,7 @@ from ._vllm_core import (
     chunk_size_for,
     dtype_name,
     gather_chunk,
-    load_chunks,
+    iter_chunks,
     model_dir_fingerprint,
     ordered_layers,
     scatter_chunk,
@@ -238,18 +238,18 @@ class SemcommConnector(KVConnectorBase_V1):
             return
         caches = self._caches()
         for spec in meta.loads:
-            got = load_chunks(self.store, spec, chunk_size=self.chunk_size, dtype=self.dtype,
-                              codec=self.codec)
-            if got:  # all chunks in one copy per layer: [L, H, n * chunk, D]
-                k = got[0][0] if len(got) == 1 else torch.cat([g[0] for g in got], dim=2)
-                v = got[0][1] if len(got) == 1 else torch.cat([g[1] for g in got], dim=2)
-                ids = [b for blocks in spec.block_ids[: len(got)] for b in blocks]
-                scatter_chunk(caches, ids, k, v, skip_blocks=spec.skip_blocks,
+            done = 0
+            for k, v in iter_chunks(self.store, spec, chunk_size=self.chunk_size,
+                                    dtype=self.dtype, codec=self.codec):
+                # straight from the chunk's bytes into its blocks, one chunk at a time
+                scatter_chunk(caches, spec.block_ids[done], k, v,
+                              skip_blocks=spec.skip_blocks if done == 0 else 0,
                               key_layout=self.key_layout)
-            self.loaded_chunks += len(got)
-            if len(got) < len(spec.keys):  # a miss from here on: vLLM recomputes these blocks
-                self.missed_chunks += len(spec.keys) - len(got)
-                for j in range(len(got), len(spec.keys)):
+                done += 1
+            self.loaded_chunks += done
+            if done < len(spec.keys):  # a miss from here on: vLLM recomputes these blocks
+                self.missed_chunks += len(spec.keys) - done
+                for j in range(done, len(spec.keys)):
                     skip = spec.skip_blocks if j == 0 else 0
                     self._load_errors.update(spec.block_ids[j][skip:])
 
