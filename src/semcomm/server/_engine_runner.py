@@ -3,7 +3,7 @@
 One engine per tenant (each has its own salted namespace), all sharing one model and one store.
 
 * A batch of one job runs ``engine.generate(..., stream=True)``: exactly the engine's greedy
-  path (token for token what the model's own ``generate`` gives, DESIGN invariant 2).
+  path (token for token what the model's own ``generate`` gives, docs/architecture.md, invariant 2).
 * A batch of several jobs prefills each job through ``engine.prefill`` (longest cached prefix
   restored, the rest computed, new chunks stored: per-sequence prefix hits), then decodes all
   of them together, one forward per step, over a left-padded batch cache built from the
@@ -101,7 +101,7 @@ class EngineRunner:
     def _run_one(self, job: Job) -> None:
         eng = self._engine_for(job)
         hit = eng.cached_tokens(job.prompt_ids) if job.snapshot is None else 0
-        # at least one token is always recomputed (DESIGN invariant 3)
+        # at least one token is always recomputed (docs/architecture.md, invariant 3)
         hit = min(hit, len(job.prompt_ids) - 1)
         job.emit(Started(prompt_tokens=len(job.prompt_ids), hit_tokens=hit))
         stream = eng.generate(list(job.prompt_ids), max_new_tokens=job.max_new_tokens,

@@ -254,7 +254,8 @@ class Gateway:
                             .encode("utf-8"))
         admission = self.guard.admit(req.tenant, probe_tokens, max_tokens=req.max_tokens,
                                      body=body, headers=headers)
-        return admission.context
+        # any guard returning ``salt_digest`` and ``isolate`` fits (docs/server.md)
+        return TenantContext(req.tenant, admission.salt_digest, bool(admission.isolate))
 
     # --- models ----------------------------------------------------------------------------------
     def model_names(self, tenant: str | None = None) -> list[str]:
