@@ -339,15 +339,16 @@ class HFEngine:
         it needs to continue (``KVLayout.first_needed``) unless ``full`` (re-chunking needs
         them all). ``capacity``: tokens the cache must hold without growing.
         """
-        total = min(upto, sum(c.header.num_tokens for c in chunks))
+        stored = sum(c.header.num_tokens for c in chunks)
+        total = min(upto, stored)
         lay = self.layout
-        cap = max(capacity, total, 1)
-        if total == 0:
+        cap = max(capacity, stored, 1)  # whole chunks fit (a position past ``total`` is
+        if total == 0:                  # overwritten by the recomputed token)
             return ca.buffer_cache(lay, cap, self.device), 0
         lo = [0 if full else lay.first_needed(i, total) for i in range(lay.num_layers)]
         on_cpu = self.device.type == "cpu"
         # the cache's own buffer on the CPU; a pinned staging buffer for an accelerator
-        width = cap if on_cpu else total
+        width = cap if on_cpu else stored
         pin = self.device.type == "cuda"
         out_k = torch.empty((lay.num_layers, lay.kv_heads, width, lay.k_dim), dtype=self.dtype,
                             pin_memory=pin)
@@ -355,17 +356,9 @@ class HFEngine:
                             pin_memory=pin)
         pos = 0
         for c in chunks:
-            n = min(c.header.num_tokens, total - pos)
-            if n <= 0:
-                break
+            n = c.header.num_tokens
             if not any(lo):  # every layer needs every position: decode the chunk whole
-                if n == c.header.num_tokens:
-                    self.codec.decode_into(c.arrays, out_k, out_v, pos, n)
-                else:
-                    k, v = self.codec.decode(c.arrays, num_tokens=c.header.num_tokens,
-                                             dtype=self.namespace.dtype)
-                    out_k[:, :, pos : pos + n].copy_(k[:, :, :n])
-                    out_v[:, :, pos : pos + n].copy_(v[:, :, :n])
+                self.codec.decode_into(c.arrays, out_k, out_v, pos, n)
             else:
                 self._decode_layers(c, out_k, out_v, pos, n, lo)
             pos += n
@@ -375,8 +368,8 @@ class HFEngine:
                          device=self.device)
         bv = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.v_dim), dtype=self.dtype,
                          device=self.device)
-        bk[:, :, :total].copy_(out_k, non_blocking=True)
-        bv[:, :, :total].copy_(out_v, non_blocking=True)
+        bk[:, :, :stored].copy_(out_k, non_blocking=True)
+        bv[:, :, :stored].copy_(out_v, non_blocking=True)
         return ca.buffer_cache(lay, cap, self.device, total, (bk, bv), full), total
 
     def _decode_layers(self, chunk: Chunk, out_k: torch.Tensor, out_v: torch.Tensor, pos: int,
