@@ -310,3 +310,44 @@ def test_a_file_with_its_own_models_drops_the_embedded_default_model(tmp_path: P
     assert list(cfg.models) == ["target"] and cfg.routing.default_model is None
     p.write_text('[models.target]\npath = "tiny"\n[routing]\ndefault_model = "target"\n')
     assert load_config(p, environ={}).routing.default_model == "target"
+
+
+# --- one split of a chat into query and context -----------------------------------------------
+
+SYS = {"role": "system", "content": "You are the support desk."}
+Q1 = {"role": "user", "content": "Where is parcel 7?"}
+A1 = {"role": "assistant", "content": "In Lyon."}
+Q2 = {"role": "user", "content": "And parcel 9?"}
+EMPTY = {"role": "user", "content": "  "}
+
+
+@pytest.mark.parametrize(("messages", "query", "context"), [
+    ([SYS, Q1], "Where is parcel 7?", [SYS]),
+    ([SYS, Q1, A1, Q2], "And parcel 9?", [SYS, Q1, A1]),
+    ([SYS, Q1, EMPTY], "Where is parcel 7?", [SYS, EMPTY]),  # an empty turn is no query
+    ([SYS, Q2, A1], "And parcel 9?", [SYS, A1]),  # an assistant prefill changes the answer
+    ([SYS, A1], None, [SYS, A1]),  # nothing to key on: not cached
+])
+def test_the_gateway_and_every_integration_split_a_chat_alike(
+        messages: list[dict[str, str]], query: str | None, context: list[dict[str, str]]
+        ) -> None:
+    from semcomm.integrations.openai import request_key
+    from semcomm.server._semantic_layer import _split
+
+    req = GenRequest(model="tiny", messages=messages, prompt=None, max_tokens=4)
+    assert _split(req) == (query or "", context)
+    q, ctx, _ = request_key({"model": "gpt", "messages": messages})
+    assert (q, ctx) == (query, context)
+    lc = pytest.importorskip("semcomm.integrations.langchain")
+    from langchain_core.load import dumps
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
+    prompt = dumps([kinds[m["role"]](content=m["content"]) for m in messages])
+    if query is not None:
+        assert lc.parse_prompt(prompt) == (query, context)
+    li = pytest.importorskip("semcomm.integrations.llamaindex")
+    from llama_index.core.llms import ChatMessage
+
+    chat = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    assert li.SemcommLLM._chat_key(chat) == (query, context)

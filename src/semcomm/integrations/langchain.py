@@ -19,6 +19,7 @@ import json
 import warnings
 from typing import Any
 
+from .._query import split_query
 from ..errors import require
 from ..semantic import Scope, SemanticCache
 
@@ -56,7 +57,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[dict[str, str]]]:
     """Split a LangChain cache prompt into (query, context messages).
 
     A plain-text prompt is the query itself. A ``dumps(messages)`` prompt yields the last human
-    message as the query and the messages before it as context.
+    message with text as the query and every other message as context (``semcomm._query``).
     """
     s = prompt.lstrip()
     if not s.startswith("[{"):
@@ -79,10 +80,8 @@ def parse_prompt(prompt: str) -> tuple[str, list[dict[str, str]]]:
             content = " ".join(p.get("text", "") if isinstance(p, dict) else str(p)
                                for p in content)
         msgs.append({"role": role, "content": str(content)})
-    for i in range(len(msgs) - 1, -1, -1):
-        if msgs[i]["role"] == "user" and msgs[i]["content"].strip():
-            return msgs[i]["content"], msgs[:i]
-    return prompt, []
+    query, context = split_query(msgs)
+    return (query, context) if query is not None else (prompt, [])
 
 
 class SemcommCache(BaseCache):

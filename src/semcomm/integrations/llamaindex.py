@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .._query import split_query
 from ..errors import require
 from ..semantic import Scope, SemanticCache
 
@@ -80,10 +81,7 @@ class SemcommLLM(LLM):
     def _chat_key(messages: Sequence[ChatMessage]) -> tuple[str | None, list[dict[str, str]]]:
         msgs = [{"role": str(getattr(m.role, "value", m.role)), "content": m.content or ""}
                 for m in messages]
-        for i in range(len(msgs) - 1, -1, -1):
-            if msgs[i]["role"] == MessageRole.USER.value and msgs[i]["content"].strip():
-                return msgs[i]["content"], msgs[:i]
-        return None, msgs
+        return split_query(msgs)
 
     def _kw(self, ctx: Any, kind: str) -> dict[str, Any]:
         return {"scope": self._scope, "context": ctx, "model": f"{self._model_id}:{kind}"}

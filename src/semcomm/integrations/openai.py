@@ -19,9 +19,9 @@ import hashlib
 import json
 from typing import Any
 
+from .._query import split_query
 from ..errors import require
 from ..semantic import Scope, SemanticCache
-from ..semantic._context import _content
 
 __all__ = ["CachedAsyncOpenAI", "CachedOpenAI", "request_key"]
 
@@ -38,13 +38,8 @@ def request_key(kwargs: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]
     ident = {k: v for k, v in kwargs.items() if k not in _NOT_IDENTITY}
     model = "openai:" + hashlib.sha256(
         json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    for i in range(len(msgs) - 1, -1, -1):
-        m = msgs[i]
-        role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
-        if role == "user":
-            q = _content(m)
-            return (q if q.strip() else None), msgs[:i], model
-    return None, msgs, model
+    query, context = split_query(msgs)
+    return query, context, model
 
 
 class _Base:

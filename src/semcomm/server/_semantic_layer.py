@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._query import split_query
 from ..errors import TenantError
 from ..security import TenantContext
 from ._backends import Completion, GenRequest
@@ -38,12 +39,11 @@ class SemanticHit:
 
 
 def _split(req: GenRequest) -> tuple[str, list[dict[str, str]] | None]:
-    """(query, context): the last user message and everything before it."""
+    """(query, context) by the one rule the integrations share (``semcomm._query``)."""
     if req.messages is None:
         return req.prompt or "", None
-    msgs = req.messages
-    last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=len(msgs) - 1)
-    return msgs[last]["content"], msgs[:last] + msgs[last + 1:]
+    query, context = split_query(req.messages)
+    return query or "", context
 
 
 class SemanticLayer:
