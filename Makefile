@@ -52,13 +52,14 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 # two vLLM processes (save, then a fresh one loads) on SmolLM2-135M-Instruct: vllm_check.json
-vllm-check: $(STAMP) $(VLLM_STAMP) system-deps
+vllm-check: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/bench_vllm.py --quiet --vllm-python $(VLLM_VENV)/bin/python \
 		--model "$$($(BIN)/python -c 'from semcomm.models import model_path; print(model_path("smollm2-135m-instruct"))')" \
 		--out vllm_check.json --png benchmarks/results/vllm_check.png
 
 # the connector's end-to-end tests with real vLLM (disk and Redis; several minutes)
-vllm-test: $(STAMP) $(VLLM_STAMP) system-deps
+vllm-test: $(STAMP) $(VLLM_STAMP)
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	SEMCOMM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrations_vllm.py
 
 clean:
