@@ -65,9 +65,11 @@ STAGES = [
 
 def build(kind: str, model: Any, tok: Any, tmp: Path) -> Any:
     from semcomm.kv import MemoryStore
-    from semcomm.server import BatchingWorker, Gateway, LocalBackend, load_config
+    from semcomm.security import TenantSalter
+    from semcomm.server import BatchingWorker, LocalBackend, load_config
     from semcomm.server._direct import DirectRunner
     from semcomm.server._engine_runner import engine_runner
+    from semcomm.server._wiring import build_gateway
 
     cfg = load_config(None, environ={}, defaults=False, overrides={
         "server": {"state_dir": str(tmp / kind), "max_tokens_limit": 4096},
@@ -77,17 +79,20 @@ def build(kind: str, model: Any, tok: Any, tmp: Path) -> Any:
         "pipelines": {"chain": {"stages": [{"model": "m", "system": s["system"], "role": s["role"],
                                             "max_tokens": 8} for s in STAGES]}},
     })
-    gw = Gateway(cfg)
+    store = None
     if kind == "semcomm":
         store = MemoryStore(capacity_bytes=2**30)
         runner, note = engine_runner(model, tok, model_id="bench", store=store,
-                                     salter=gw.salter, chunk_size=64, codec=None)
+                                     salter=TenantSalter(cfg.server.secret), chunk_size=64,
+                                     codec=None)
         assert runner is not None, note
-        gw.kv_store = store
     else:
         runner = DirectRunner(model, tok, model_id="bench")
-    gw.backends["m"] = LocalBackend("m", BatchingWorker(runner, max_batch=1, name="m"),
-                                    kv_reuse=kind == "semcomm")
+    backend = LocalBackend("m", BatchingWorker(runner, max_batch=1, name="m"),
+                           kv_reuse=kind == "semcomm")
+    gw = build_gateway(cfg, backends={"m": backend})
+    if store is not None:
+        gw.kv_store = store  # the store the bench's engine writes (for the store figures)
     return gw
 
 

@@ -68,9 +68,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from semcomm.kv import MemoryStore
-    from semcomm.server import BatchingWorker, Gateway, LocalBackend, create_app, load_config
+    from semcomm.security import TenantSalter
+    from semcomm.server import BatchingWorker, LocalBackend, create_app, load_config
     from semcomm.server._engine_runner import engine_runner
     from semcomm.server._tiny import build_tiny_model
+    from semcomm.server._wiring import build_gateway
 
     per = 2 if args.quick else 4
     model, tok = build_tiny_model(hidden_size=args.hidden, layers=args.layers,
@@ -87,15 +89,15 @@ def main() -> None:
             "models": {"m": {"path": "tiny"}},
             "kv": {"tiers": ["memory"]}, "semantic": {"enabled": False},
             "tenants": {"bench": {"api_key": "bench"}}})
-        gw = Gateway(cfg)
         store = MemoryStore(capacity_bytes=2**30)
-        runner, note = engine_runner(model, tok, model_id="bench", store=store, salter=gw.salter,
-                                     chunk_size=64, codec=None)
+        runner, note = engine_runner(model, tok, model_id="bench", store=store,
+                                     salter=TenantSalter(cfg.server.secret), chunk_size=64,
+                                     codec=None)
         assert runner is not None, note
         runner.eos_ids = set()
+        gw = build_gateway(cfg, backends={"m": LocalBackend(
+            "m", BatchingWorker(runner, max_batch=max_batch, name="m"), kv_reuse=True)})
         gw.kv_store = store
-        gw.backends["m"] = LocalBackend("m", BatchingWorker(runner, max_batch=max_batch,
-                                                            name="m"), kv_reuse=True)
         app = create_app(gateway=gw)
         asyncio.run(gw.startup())
         asyncio.run(drive(app, 1, 1, 4, "warm-up"))

@@ -20,6 +20,7 @@ from semcomm.server import load_config
 from semcomm.server._backends import Completion, GenRequest
 from semcomm.server._batching import Delta, Started
 from semcomm.server._gateway import Gateway
+from semcomm.server._wiring import build_gateway
 
 LONG = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(40))
 
@@ -67,7 +68,7 @@ async def _run(gw: Gateway, content: str, *, model: str = "tiny", tenant: str | 
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    gw = Gateway(_config(tmp_path))
+    gw = build_gateway(_config(tmp_path))
     asyncio.run(gw.startup())
     yield gw
     asyncio.run(gw.shutdown())
@@ -75,7 +76,7 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def sem_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(_config(tmp_path_factory.mktemp("sem"), semantic=True))
+    gw = build_gateway(_config(tmp_path_factory.mktemp("sem"), semantic=True))
     asyncio.run(gw.startup())
     yield gw
     asyncio.run(gw.shutdown())
@@ -155,7 +156,7 @@ def test_an_isolated_request_reuses_no_kv(tmp_path: Path, detect: bool) -> None:
     probe = {"probe_detection": detect,
              "probe": {"near_dup_threshold": 2.0, "action": "isolate", "min_shared_tokens": 8,
                        "short_output_tokens": 0}}
-    gw = Gateway(_config(tmp_path, semantic=True, security=probe))
+    gw = build_gateway(_config(tmp_path, semantic=True, security=probe))
 
     async def main() -> None:
         await gw.startup()
@@ -224,7 +225,7 @@ def test_a_rate_limited_request_costs_no_embedding(tmp_path: Path) -> None:
              "ssh connection refused"]
     router.fit(texts, np.array([[1, 0], [1, 0], [0, 1], [0, 1]]), budget=None)
     path = router.save(tmp_path / "router.json")
-    gw = Gateway(_config(tmp_path, security={"rate_limit_rps": 0.001, "rate_limit_burst": 1},
+    gw = build_gateway(_config(tmp_path, security={"rate_limit_rps": 0.001, "rate_limit_burst": 1},
                          routing={"model_router": str(path), "default_model": "tiny"}))
 
     async def main() -> None:
@@ -265,7 +266,7 @@ def test_every_security_key_still_works(tmp_path: Path) -> None:
         "rate_limit_rps": 5, "rate_limit_burst": 2})
     sec = cfg.security
     assert (sec.seal_at_rest, sec.seal_secrets, sec.rate_limit_burst) == (False, ["s" * 32], 2)
-    gw = Gateway(cfg)
+    gw = build_gateway(cfg)
     asyncio.run(gw.startup())
     try:
         guard: Any = gw.guard

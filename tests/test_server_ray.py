@@ -23,8 +23,8 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> 
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from semcomm.server._gateway import Gateway
     from semcomm.server._ray import deploy_models
+    from semcomm.server._wiring import build_gateway
 
     tmp = tmp_path_factory.mktemp("ray")
     cfg = load_config(None, environ={}, defaults=False, overrides={
@@ -41,7 +41,7 @@ def ray_gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
     try:
-        gw = Gateway(cfg, backends=dict(deploy_models(cfg)))
+        gw = build_gateway(cfg, backends=deploy_models(cfg))
         app = create_app(gateway=gw)
         asyncio.run(gw.startup())
         yield cfg, app

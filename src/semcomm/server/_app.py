@@ -51,6 +51,7 @@ from ._schemas import (
     error_body,
     usage_dict,
 )
+from ._wiring import build_gateway
 
 __all__ = ["create_app"]
 
@@ -146,11 +147,12 @@ class _HitsHeader:
 
 def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | None = None
                ) -> FastAPI:
-    """Build the app. ``config`` is a :class:`ServerConfig`, a TOML path, or None (defaults)."""
+    """Build the app. ``config`` is a :class:`ServerConfig`, a TOML path, or None (defaults);
+    its gateway is built at once (models loaded), unless ``gateway`` is given."""
     if gateway is None:
         if config is None or isinstance(config, str):
             config = load_config(config)
-        gateway = Gateway(config)
+        gateway = build_gateway(config)
     gw = gateway
     cfg: ServerConfig = gw.config
 

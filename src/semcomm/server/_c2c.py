@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..security import TenantContext
 from ._backends import Completion, GenRequest, LocalBackend
 
-__all__ = ["C2CHandoff", "cut_at_stop", "find_fuser"]
+__all__ = ["C2CHandoff", "FusionRegistry", "cut_at_stop", "find_fuser"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,31 @@ def find_fuser(sharer: LocalBackend, receiver: LocalBackend, fuser: str | None
     except Exception as exc:  # a fuser for another pair, a damaged file: say so, use text
         log.warning("fuser %s cannot join %s -> %s: %s", path, sharer.name, receiver.name, exc)
         return None, f"fuser {path} does not fit {sharer.name} -> {receiver.name}: {exc}"
+
+
+class FusionRegistry:
+    """The C2C handoffs of a server's in-process model pairs, each loaded once on first use.
+
+    ``get`` answers None (text handoff then) for pairs that are not both in-process models or
+    have no fitting fuser, and records why in ``notes`` (shown by ``/health``).
+    """
+
+    def __init__(self, models: Mapping[str, Any], notes: dict[str, str]) -> None:
+        self.models = models  # the server's model backends by name (not pipelines)
+        self.notes = notes
+        self._handoffs: dict[tuple[str, str, str | None], C2CHandoff | None] = {}
+
+    def get(self, sharer: str, receiver: str, fuser: str | None) -> C2CHandoff | None:
+        key = (sharer, receiver, fuser)
+        if key not in self._handoffs:
+            s, r = self.models.get(sharer), self.models.get(receiver)
+            if not (isinstance(s, LocalBackend) and isinstance(r, LocalBackend)):
+                self._handoffs[key] = None
+            else:
+                handoff, why = find_fuser(s, r, fuser)
+                self._handoffs[key] = handoff
+                self.notes[f"c2c:{sharer}->{receiver}"] = why
+        return self._handoffs[key]
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -1,8 +1,10 @@
-"""The request path, independent of HTTP: auth -> admission -> semantic cache -> model -> store.
+"""The request path, independent of HTTP: admission -> semantic cache -> model -> store.
 
 A :class:`Gateway` owns the backends, the semantic cache layer, the shared KV store, the
-metrics and the dashboard statistics of one server. The FastAPI app (``_app``) only parses
-requests and formats responses; ``run_demo`` and the Ray deployment reuse the same object.
+metrics and the dashboard statistics of one server; ``build_gateway(config)`` (``_wiring``)
+builds one from the config in one step. The FastAPI app (``_app``) only parses requests and
+formats responses; ``run_demo`` and the Ray deployment reuse the same object. The path is
+drawn in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,20 +16,34 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import InvalidInputError, OverloadedError, TenantError, UpstreamError
+from ..kv import ChunkStore
 from ..security import TenantContext, TenantSalter
 from ._backends import Completion, GenRequest, ModelBackend, StreamItem
 from ._batching import Delta, Started
 from ._config import ServerConfig
 from ._metrics import Metrics
+from ._semantic_layer import SemanticLayer
 
-__all__ = ["DashboardStats", "Gateway", "ModelNotFound", "Served"]
+__all__ = ["Admitter", "DashboardStats", "Gateway", "ModelChooser", "ModelNotFound", "Served"]
 
 log = logging.getLogger(__name__)
+
+
+class Admitter(Protocol):
+    """Admission: what ``semcomm.security.RequestGuard`` provides (see docs/server.md)."""
+
+    def admit(self, tenant: str | None, tokens: Sequence[int], *, max_tokens: int | None = None,
+              body: Mapping[str, Any] | None = None,
+              headers: Mapping[str, str] | None = None) -> Any: ...
+
+
+ModelChooser = Callable[[GenRequest, list[str]], "str | None"]
+"""Model "auto": ``(request, the models it may use) -> a model name or None``."""
 
 
 class ModelNotFound(InvalidInputError):
@@ -142,36 +158,35 @@ def _unsent(text: str, streamed: str, model: str) -> str:
 class Gateway:
     """The request path of one server (see the module docstring)."""
 
-    def __init__(self, config: ServerConfig, *, backends: dict[str, ModelBackend] | None = None,
-                 semantic: Any = None, kv_store: Any = None) -> None:
+    def __init__(self, config: ServerConfig, *, backends: Mapping[str, ModelBackend] | None = None,
+                 semantic: SemanticLayer | None = None, kv_store: ChunkStore | None = None,
+                 guard: Admitter | None = None, model_router: ModelChooser | None = None,
+                 salter: TenantSalter | None = None, notes: dict[str, str] | None = None
+                 ) -> None:
+        """A gateway over parts that are already built (``build_gateway(config)`` builds them
+        from the config in one step); nothing is filled in later."""
         self.config = config
-        self.salter = TenantSalter(config.server.secret)
+        self.salter = salter if salter is not None else TenantSalter(config.server.secret)
         self._keys: dict[str, str] = {}
         for name, t in config.tenants.items():
             for key in [t.api_key, *t.api_keys]:
                 self._keys[key] = name
         self.backends: dict[str, ModelBackend] = dict(backends or {})
-        self.semantic = semantic  # a SemanticLayer or None
-        self.kv_store = kv_store  # the ChunkStore shared by in-process engines, or None
+        self.semantic = semantic
+        self.kv_store = kv_store  # the ChunkStore shared by in-process engines
+        self.guard = guard  # admission (semcomm.security.RequestGuard); None admits everyone
+        self.model_router = model_router  # model "auto"; None: routing.default_model
+        # what is wired and what is not (/health); shared with the parts that add to it
+        self.notes: dict[str, str] = notes if notes is not None else {}
         self.stats = DashboardStats()
         self.metrics = Metrics(self.store_stats)
-        self.guard: Any = None  # semcomm.security.RequestGuard, set by ``_wiring``
-        self.model_router: Any = None  # semcomm.routing model router, set by ``_wiring``
-        self.notes: dict[str, str] = {}  # what is wired and what is not (for /health)
-        self._fusions: dict[tuple[str, str, str | None], Any] = {}
         self._started = False
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:
+        """Warm the semantic cache (embedder, index) and publish the backends' state."""
         if self._started:
             return
-        from ._wiring import wire
-
-        if self.config.server.torch_threads:
-            import torch
-
-            torch.set_num_threads(self.config.server.torch_threads)
-        await asyncio.to_thread(wire, self)
         if self.semantic is not None:
             await asyncio.to_thread(self.semantic.warm)
         self._started = True
@@ -191,22 +206,6 @@ class Gateway:
         if self.kv_store is not None and hasattr(self.kv_store, "close"):
             await asyncio.to_thread(self.kv_store.close)
         self._started = False
-
-    def fusion_for(self, sharer: str, receiver: str, fuser: str | None) -> Any:
-        """The C2C handoff for an in-process (sharer, receiver) pair, or None (text then)."""
-        key = (sharer, receiver, fuser)
-        if key not in self._fusions:
-            from ._backends import LocalBackend
-            from ._c2c import find_fuser
-
-            s, r = self.backends.get(sharer), self.backends.get(receiver)
-            if not (isinstance(s, LocalBackend) and isinstance(r, LocalBackend)):
-                self._fusions[key] = None
-            else:
-                handoff, why = find_fuser(s, r, fuser)
-                self._fusions[key] = handoff
-                self.notes[f"c2c:{sharer}->{receiver}"] = why
-        return self._fusions[key]
 
     # --- auth ------------------------------------------------------------------------------------
     def authenticate(self, authorization: str | None) -> str | None:
@@ -310,11 +309,12 @@ class Gateway:
         fp, fp_len = _fingerprint(ctx.digest, req.messages, req.prompt)
 
         # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
-        sem_ok = (self.semantic is not None and self.semantic.usable() and not isolate
+        sem = self.semantic
+        sem_ok = (sem is not None and sem.usable() and not isolate
                   and (req.temperature == 0 or not self.config.semantic.only_greedy))
-        if sem_ok and not no_cache:
+        if sem is not None and sem_ok and not no_cache:
             self.stats.lookup("semantic")
-            hit = await self.semantic.lookup(req, ctx)
+            hit = await sem.lookup(req, ctx)
             self._semantic_health()
             if hit is not None:
                 return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len)
@@ -350,6 +350,8 @@ class Gateway:
 
     def _semantic_health(self) -> None:
         sem = self.semantic
+        if sem is None:
+            return
         self.metrics.semantic_up.set(1 if sem.up else 0)
         if sem.rejections_delta:
             self.metrics.verifier_rejections.inc(sem.rejections_delta)
@@ -436,7 +438,8 @@ class Gateway:
         self.stats.prefix(fp, fp_len, final.hit_tokens)
         self.stats.learn_cost(final.prompt_tokens, final.hit_tokens, final.ttft_s,
                               time.perf_counter() - t0)
-        if store and final.finish_reason in ("stop", "length") and final.text:
+        if (store and self.semantic is not None and final.finish_reason in ("stop", "length")
+                and final.text):
             try:
                 await self.semantic.store(req, ctx, final)
             except Exception as exc:  # a cache write must never fail the request

@@ -24,15 +24,13 @@ The modes used are reported in ``response["semcomm"]["handoffs"]`` and the
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
-from ._backends import BackendStatus, Completion, GenRequest, StreamItem, collect
+from ._backends import BackendStatus, Completion, GenRequest, ModelBackend, StreamItem, collect
 from ._batching import Delta, Started
+from ._c2c import C2CHandoff, FusionRegistry
 from ._config import PipelineConfig
-
-if TYPE_CHECKING:
-    from ._gateway import Gateway
 
 __all__ = ["PipelineBackend", "stage_messages"]
 
@@ -56,13 +54,16 @@ class PipelineBackend:
 
     kind = "pipeline"
 
-    def __init__(self, name: str, cfg: PipelineConfig, gateway: Gateway) -> None:
+    def __init__(self, name: str, cfg: PipelineConfig, models: Mapping[str, ModelBackend],
+                 fusions: FusionRegistry | None = None) -> None:
+        """``models``: the backends the stages name; ``fusions``: C2C handoffs (None: none)."""
         self.name = name
         self.cfg = cfg
-        self.gateway = gateway
+        self.models = models
+        self.fusions = fusions
 
-    def _backend(self, i: int) -> Any:
-        return self.gateway.backends[self.cfg.stages[i].model]
+    def _backend(self, i: int) -> ModelBackend:
+        return self.models[self.cfg.stages[i].model]
 
     def handoff_mode(self, i: int) -> str:
         """Mode of the handoff into stage ``i`` (i >= 1)."""
@@ -77,11 +78,11 @@ class PipelineBackend:
             return "c2c"
         return "text"
 
-    def _fusion(self, i: int) -> Any:
-        getter = getattr(self.gateway, "fusion_for", None)
-        if getter is None:
+    def _fusion(self, i: int) -> C2CHandoff | None:
+        if self.fusions is None:
             return None
-        return getter(self.cfg.stages[i - 1].model, self.cfg.stages[i].model, self.cfg.fuser)
+        return self.fusions.get(self.cfg.stages[i - 1].model, self.cfg.stages[i].model,
+                                self.cfg.fuser)
 
     def plan_note(self) -> str:
         try:
@@ -135,7 +136,9 @@ class PipelineBackend:
             sreq = self._stage_req(req, i, stage_messages(base, systems, outputs, i))
             backend = self._backend(i)
             if mode == "c2c":
-                comp = await self._fusion(i).generate(self, sreq, outputs)
+                handoff = self._fusion(i)
+                assert handoff is not None  # handoff_mode chose c2c because it exists
+                comp = await handoff.generate(self, sreq, outputs)
                 items = None
                 if i == last:  # the fused answer is whole: it streams as one delta
                     yield Started(prompt_tokens=prompt_total + comp.prompt_tokens,

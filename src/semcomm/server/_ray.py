@@ -80,15 +80,15 @@ class EngineReplica:
     """One Ray Serve replica: a model, its KV-reusing engine and a batching worker."""
 
     def __init__(self, name: str, config_json: str) -> None:
+        from ..security import TenantSalter
         from ._backends import LocalBackend
         from ._config import ServerConfig
-        from ._gateway import Gateway
         from ._wiring import _local_backend, build_kv_store
 
         cfg = ServerConfig.model_validate_json(config_json)
-        gw = Gateway(cfg)  # salts and notes only; this replica serves one model
-        gw.kv_store, note = build_kv_store(cfg)
-        self.backend: LocalBackend = _local_backend(name, cfg.models[name], cfg, gw.kv_store, gw)
+        store, note = build_kv_store(cfg)
+        self.backend: LocalBackend = _local_backend(
+            name, cfg.models[name], cfg, store, TenantSalter(cfg.server.secret), {})
         self.name = name
         self.note = note
         try:
@@ -270,12 +270,12 @@ def serve_ray(cfg: ServerConfig) -> None:
     from ray import serve
 
     from ._app import create_app
-    from ._gateway import Gateway
+    from ._wiring import build_gateway
 
     ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
     try:
-        gw = Gateway(cfg, backends=dict(deploy_models(cfg)))
+        gw = build_gateway(cfg, backends=deploy_models(cfg))
         gw.notes["ray"] = f"{cfg.ray.replicas} replicas per model, KV shared through Redis"
         app = create_app(gateway=gw)
         uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, access_log=False)

@@ -1,26 +1,32 @@
-"""Builds a gateway's parts from its config: models, KV store, semantic cache, security hooks.
+"""``build_gateway(config)``: the gateway and all its parts, built from the config in one step.
+
+Parts: the KV store, the semantic layer, the models (in-process engines, several workers or
+upstream URLs behind the replica router, upstreams), pipelines over them with their C2C
+fusion registry, the admission guard and the model router.
 
 Each part comes from its own package (``semcomm.engine``, ``semcomm.kv``, ``semcomm.semantic``,
 ``semcomm.security``, ``semcomm.routing``, ``semcomm.fusion``, ``semcomm.reference``). What
-could not be wired is recorded in ``gateway.notes`` (shown by ``/health``) and logged, never
+could not be wired is recorded in the gateway's ``notes`` (shown by ``/health``) and logged, never
 silently dropped.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError, SemcommError
+from ..security import TenantSalter
 from ._backends import FaultyBackend, LocalBackend, ModelBackend, UpstreamBackend
 from ._batching import BatchingWorker
+from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
+from ._gateway import Admitter, Gateway, ModelChooser
+from ._pipeline import PipelineBackend
 
-if TYPE_CHECKING:
-    from ._gateway import Gateway
-
-__all__ = ["build_kv_store", "build_semantic", "load_hf", "wire"]
+__all__ = ["AutoModel", "build_gateway", "build_kv_store", "build_semantic", "load_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +153,13 @@ def _entry_sealer(config: ServerConfig) -> Any:
     return EntrySealer(_keyring(config))
 
 
-def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
+def build_semantic(config: ServerConfig, salter: TenantSalter | Any) -> tuple[Any, str]:
+    """The gateway's semantic layer (None when disabled or unavailable) and a note.
+
+    ``salter``: the server's :class:`~semcomm.security.TenantSalter` (or anything holding it
+    as ``.salter``, e.g. a :class:`Gateway`).
+    """
+    salter = getattr(salter, "salter", salter)
     sc = config.semantic
     if not sc.enabled:
         return None, "disabled in config"
@@ -182,11 +194,11 @@ def build_semantic(config: ServerConfig, gateway: Gateway) -> tuple[Any, str]:
     if sc.ivf:
         kw["ivf"] = dict(sc.ivf)
     try:
-        cache = SemanticCache(salter=gateway.salter, context_turns=sc.context_turns, **kw)
+        cache = SemanticCache(salter=salter, context_turns=sc.context_turns, **kw)
     except Exception as exc:  # a broken semantic backend must not stop the server: loud, not silent
         log.error("semantic cache (%s) could not start: %s", sc.backend, exc)
         return None, f"{sc.backend} semantic cache could not start: {exc}"
-    layer = SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend, salter=gateway.salter)
+    layer = SemanticLayer(cache, ttl_s=sc.ttl_s, backend=sc.backend, salter=salter)
     return layer, f"{sc.backend} semantic cache"
 
 
@@ -200,7 +212,8 @@ def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
 
 
 def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
-                   gateway: Gateway, loaded: tuple[Any, Any, str] | None = None,
+                   salter: TenantSalter, notes: dict[str, str],
+                   loaded: tuple[Any, Any, str] | None = None,
                    worker_name: str | None = None) -> LocalBackend:
     from ._direct import DirectRunner
 
@@ -210,14 +223,14 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
     if cfg.kv_cache and store is not None:
         from ._engine_runner import engine_runner
 
-        runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=gateway.salter,
+        runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=salter,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec)
         kv_reuse = runner is not None
-        gateway.notes[f"model:{name}"] = why
+        notes[f"model:{name}"] = why
     if runner is None:
         runner = DirectRunner(model, tok, model_id=model_id)
-        gateway.notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
+        notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
     worker = BatchingWorker(runner, max_batch=cfg.max_batch or config.server.max_batch,
                             max_queue=cfg.max_queue or config.server.max_queue,
                             name=worker_name or name,
@@ -246,60 +259,81 @@ def _upstream(name: str, mcfg: ModelConfig, config: ServerConfig) -> ModelBacken
                              policy=config.routing.replica_policy)
 
 
-def _local_workers(name: str, mcfg: ModelConfig, config: ServerConfig,
-                   gateway: Gateway) -> ModelBackend:
+def _local_workers(name: str, mcfg: ModelConfig, config: ServerConfig, store: Any,
+                   salter: TenantSalter, notes: dict[str, str]) -> ModelBackend:
     """``workers`` in-process workers over one loaded model, behind the replica router."""
     from ._replicas import local_replicas
 
     loaded = load_hf(mcfg, name)
-    workers = [_local_backend(name, mcfg, config, gateway.kv_store, gateway, loaded=loaded,
+    workers = [_local_backend(name, mcfg, config, store, salter, notes, loaded=loaded,
                               worker_name=f"{name}/worker-{i}") for i in range(mcfg.workers)]
-    gateway.notes[f"model:{name}"] += f"; {mcfg.workers} workers, replica router"
+    notes[f"model:{name}"] += f"; {mcfg.workers} workers, replica router"
     return local_replicas(name, workers, chunk_size=_chunk(mcfg, config),
                           policy=config.routing.replica_policy)
 
 
-def wire(gateway: Gateway) -> None:
-    """Fill in a gateway's backends, stores and hooks from its config (idempotent per name)."""
-    config = gateway.config
-    if gateway.kv_store is None:
-        gateway.kv_store, gateway.notes["kv"] = build_kv_store(config)
-    if gateway.semantic is None:
-        gateway.semantic, gateway.notes["semantic"] = build_semantic(config, gateway)
+def build_models(config: ServerConfig, store: Any, salter: TenantSalter,
+                 notes: dict[str, str], *, given: Mapping[str, ModelBackend] | None = None
+                 ) -> dict[str, ModelBackend]:
+    """Every configured model's backend (``given`` ones, e.g. Ray deployments, used as they are)."""
+    models: dict[str, ModelBackend] = dict(given or {})
     for name, mcfg in config.models.items():
-        if name in gateway.backends:
+        if name in models:
             continue
         backend: ModelBackend
         if mcfg.kind == "upstream":
             backend = _upstream(name, mcfg, config)
-            gateway.notes[f"model:{name}"] = f"upstream {', '.join(mcfg.replica_urls)}"
+            notes[f"model:{name}"] = f"upstream {', '.join(mcfg.replica_urls)}"
         elif mcfg.workers > 1:
-            backend = _local_workers(name, mcfg, config, gateway)
+            backend = _local_workers(name, mcfg, config, store, salter, notes)
         else:
-            backend = _local_backend(name, mcfg, config, gateway.kv_store, gateway)
+            backend = _local_backend(name, mcfg, config, store, salter, notes)
         if mcfg.fail_mode != "none":
             log.warning("model %s fails on purpose (fail_mode=%s): test configuration", name,
                         mcfg.fail_mode)
             backend = FaultyBackend(backend, mcfg.fail_mode, delay_s=mcfg.fail_delay_s,
                                     count=mcfg.fail_count)
-        gateway.backends[name] = backend
-    from ._pipeline import PipelineBackend
+        models[name] = backend
+    return models
 
+
+def build_gateway(config: ServerConfig, *,
+                  backends: Mapping[str, ModelBackend] | None = None) -> Gateway:
+    """The gateway of ``config``, every part built and typed, ready to serve.
+
+    ``backends`` supplies models built elsewhere (``serve --ray`` deploys them on Ray Serve);
+    every other configured model, the pipelines and the hooks are built here.
+    """
+    if config.server.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.server.torch_threads)
+    salter = TenantSalter(config.server.secret)
+    notes: dict[str, str] = {}
+    kv_store, notes["kv"] = build_kv_store(config)
+    semantic, notes["semantic"] = build_semantic(config, salter)
+    models = build_models(config, kv_store, salter, notes, given=backends)
+    fusions = FusionRegistry(dict(models), notes)
+    every: dict[str, ModelBackend] = dict(models)
     for pname, pcfg in config.pipelines.items():
-        if pname not in gateway.backends:
-            gateway.backends[pname] = PipelineBackend(pname, pcfg, gateway)
-            gateway.notes[f"pipeline:{pname}"] = gateway.backends[pname].plan_note()  # type: ignore[attr-defined]
-    _wire_security(gateway)
-    _wire_router(gateway)
+        pipe = PipelineBackend(pname, pcfg, models, fusions)
+        every[pname] = pipe
+        notes[f"pipeline:{pname}"] = pipe.plan_note()
+    guard = build_guard(config, salter, notes)
+    router = build_model_router(config, semantic, models, notes)
+    return Gateway(config, backends=every, semantic=semantic, kv_store=kv_store, guard=guard,
+                   model_router=router, salter=salter, notes=notes)
 
 
-def _wire_security(gateway: Gateway) -> None:
-    sec = gateway.config.security
+def build_guard(config: ServerConfig, salter: TenantSalter, notes: dict[str, str]
+                ) -> Admitter | None:
+    """Admission from ``[security]``: client salts refused, probe detection, rate limit."""
+    sec = config.security
     try:
         from ..security import ProbeConfig, ProbeDetector, RateLimiter, RequestGuard
-    except ImportError as exc:
-        gateway.notes["security"] = f"semcomm.security guard unavailable: {exc}"
-        return
+    except ImportError as exc:  # pragma: no cover
+        notes["security"] = f"semcomm.security guard unavailable: {exc}"
+        return None
     detector = None
     limiter = None
     if sec.probe_detection:
@@ -308,10 +342,9 @@ def _wire_security(gateway: Gateway) -> None:
             pc.exempt_tenants)}) if pc is not None else None)
     if sec.rate_limit_rps:
         limiter = RateLimiter(rate_per_s=sec.rate_limit_rps, burst=sec.rate_limit_burst)
-    gateway.guard = RequestGuard(gateway.salter, detector=detector, limiter=limiter)
-    gateway.notes["security"] = (f"request guard: client salts refused; probe detection "
-                                 f"{'on' if detector else 'off'}; rate limit "
-                                 f"{'on' if limiter else 'off'}")
+    notes["security"] = (f"request guard: client salts refused; probe detection "
+                         f"{'on' if detector else 'off'}; rate limit {'on' if limiter else 'off'}")
+    return RequestGuard(salter, detector=detector, limiter=limiter)
 
 
 class AutoModel:
@@ -328,23 +361,25 @@ class AutoModel:
         return choice.model if ok else None
 
 
-def _wire_router(gateway: Gateway) -> None:
-    rc = gateway.config.routing
+def build_model_router(config: ServerConfig, semantic: Any, models: Mapping[str, ModelBackend],
+                       notes: dict[str, str]) -> ModelChooser | None:
+    """Model "auto" from ``routing.model_router`` (None: ``routing.default_model``)."""
+    rc = config.routing
     if not rc.model_router:
-        gateway.notes["model_router"] = "none: 'auto' means routing.default_model"
-        return
+        notes["model_router"] = "none: 'auto' means routing.default_model"
+        return None
     try:
         from ..routing import ModelRouter
     except ImportError as exc:
         raise ConfigError(f"routing.model_router: semcomm.routing is unavailable ({exc})") from exc
     embedder = None
-    if gateway.semantic is not None:  # share the semantic cache's embedder (one copy in memory)
-        embedder = getattr(gateway.semantic.cache, "embedder", None)
+    if semantic is not None:  # share the semantic cache's embedder (one copy in memory)
+        embedder = getattr(semantic.cache, "embedder", None)
     router = ModelRouter.load(rc.model_router, embedder=embedder)
     names = [m.name for m in router.models]
-    unknown = [n for n in names if n not in gateway.backends]
+    unknown = [n for n in names if n not in models]
     if unknown:
         raise ConfigError(f"routing.model_router: {rc.model_router} routes to models that are "
                           f"not configured: {unknown}")
-    gateway.model_router = AutoModel(router, set(rc.auto_models or names))
-    gateway.notes["model_router"] = f"semcomm.routing.ModelRouter over {names}"
+    notes["model_router"] = f"semcomm.routing.ModelRouter over {names}"
+    return AutoModel(router, set(rc.auto_models or names))
