@@ -22,15 +22,19 @@ from semcomm.server._batching import Delta, Started
 from semcomm.server._gateway import Gateway
 from semcomm.server._wiring import build_gateway
 
+from .test_server_support import LiveServer, live_server, server_config
+
 LONG = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(40))
 
 
-def _config(tmp: Path, *, semantic: bool = False, **sections: Any) -> Any:
+def _config(tmp: Path, *, semantic: bool = False, extra_models: dict[str, Any] | None = None,
+            **sections: Any) -> Any:
     over: dict[str, Any] = {
         "server": {"state_dir": str(tmp), "max_tokens_limit": 64},
         "models": {"tiny": {"path": "tiny", "max_batch": 1},
                    "tiny-batch": {"path": "tiny", "max_batch": 4},
-                   "plain": {"path": "tiny", "kv_cache": False, "max_batch": 4}},
+                   "plain": {"path": "tiny", "kv_cache": False, "max_batch": 4},
+                   **(extra_models or {})},
         "pipelines": {"chain": {"stages": [
             {"model": "tiny", "system": "Route it.", "max_tokens": 3},
             {"model": "tiny", "system": "Answer it."}]}},
@@ -66,9 +70,23 @@ async def _run(gw: Gateway, content: str, *, model: str = "tiny", tenant: str | 
     return Run(served, [item async for item in served.items])
 
 
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """Another semcomm server with the tiny model: the upstream of model "up"."""
+    cfg = server_config(tmp_path_factory.mktemp("up"), tenants=False, semantic=False,
+                        pipelines={}, models={"tiny": {"path": "tiny", "max_batch": 4}})
+    with live_server(cfg) as srv:
+        yield srv
+
+
 @pytest.fixture
-def gateway(tmp_path: Path) -> Iterator[Gateway]:
-    gw = build_gateway(_config(tmp_path))
+def gateway(tmp_path: Path, upstream: LiveServer) -> Iterator[Gateway]:
+    url = f"{upstream.url}/v1"
+    gw = build_gateway(_config(tmp_path, extra_models={
+        "up": {"kind": "upstream", "base_url": url, "upstream_model": "tiny"},
+        "ups": {"kind": "upstream", "upstream_model": "tiny",
+                "base_urls": [url, url.replace("127.0.0.1", "localhost")]},
+        "multi": {"path": "tiny", "workers": 2, "max_batch": 2}}))
     asyncio.run(gw.startup())
     yield gw
     asyncio.run(gw.shutdown())
@@ -84,7 +102,7 @@ def sem_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 # --- one stream contract ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-batch", "plain", "chain"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-batch", "plain", "chain", "up", "ups", "multi"])
 def test_deltas_join_to_the_final_text_with_stop_strings(gateway: Gateway, model: str) -> None:
     """Started -> Delta* -> Completion; deltas joined == final text == the non-streamed text."""
     prompt = "List the items: item-1 item-2 item-3"
