@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -38,7 +38,7 @@ def list_models(
     """The catalog: name, family, kind, size, license, hub id and whether it is pulled."""
     from ..models import CATALOG, is_pulled, models_home
 
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"name": e.name, "family": e.family, "kind": e.kind, "gguf_bytes": e.size,
          "license": e.license, "hub_id": e.hub_id, "sha256": e.sha256,
          "sources": e.requirements, "pulled": is_pulled(e.name)}
