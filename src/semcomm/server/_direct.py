@@ -16,7 +16,8 @@ from typing import Any
 from ..engine._cache_adapter import cache_kwargs
 from ._batching import Delta, Finished, GenOutput, Job, Started
 
-__all__ = ["BatchDecode", "DirectRunner", "TextStream", "pad_id_for", "sample_next"]
+__all__ = ["BatchDecode", "DirectRunner", "TextStream", "decode_batch", "pad_id_for",
+           "sample_next"]
 
 
 class TextStream:
@@ -178,6 +179,32 @@ def _cache_of(out: Any) -> Any:
     return cache if cache is not None else out.past_key_values
 
 
+def decode_batch(model: Any, dec: BatchDecode, logits: Any, cache: Any, mask: Any,
+                 pos: Any) -> None:
+    """The server's one batched decode loop, after a prefill (both runners end in it).
+
+    ``logits`` [B, V] are the prefill's last-position logits, ``cache`` the batch's KV cache
+    (passed back to the model opaquely), ``mask`` [B, T] the attention mask (left padding is 0)
+    and ``pos`` [B, >=1] the position ids, whose last column is each row's last position.
+    :class:`BatchDecode` picks tokens, streams text, applies stop strings and decides when
+    each row ends; every step feeds all rows (finished ones get the pad token) in one forward.
+    """
+    import torch
+
+    bsz = mask.shape[0]
+    while True:
+        nxt = dec.select(logits)
+        if dec.done:
+            return
+        mask = torch.cat([mask, mask.new_ones((bsz, 1))], 1)
+        pos = pos[:, -1:] + 1
+        ids = torch.tensor(nxt, dtype=torch.long, device=mask.device).unsqueeze(1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **cache_kwargs(model, cache))
+        cache = _cache_of(out)
+        logits = out.logits[:, -1, :].float()
+
+
 class DirectRunner:
     """Serves batches of jobs on one plain transformers causal LM (no KV prefix cache)."""
 
@@ -216,15 +243,5 @@ class DirectRunner:
             logits = out.logits[:, -1, :]
             for job in jobs:
                 job.emit(Started(prompt_tokens=len(job.prompt_ids), hit_tokens=0))
-            while not dec.done:
-                nxt = dec.select(logits)
-                if dec.done:
-                    break
-                mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], 1)
-                pos = pos[:, -1:] + 1
-                step_ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                 use_cache=True, **cache_kwargs(self.model, cache))
-                cache = _cache_of(out)
-                logits = out.logits[:, -1, :]
+            decode_batch(self.model, dec, logits, cache, mask, pos)
         dec.finish(lambda row: {"prompt_tokens": len(jobs[row].prompt_ids)})

@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Any
 
-from ..engine._cache_adapter import cache_kwargs
 from ._batching import Delta, Finished, GenOutput, Job, Started
-from ._direct import BatchDecode, pad_id_for
+from ._direct import BatchDecode, decode_batch, pad_id_for
 
 __all__ = ["EngineRunner", "engine_runner"]
 
@@ -168,16 +167,7 @@ class EngineRunner:
                           pad_id=self.pad_id, max_positions=self.max_positions, t0=t0)
         logits = torch.stack([p.last_logits for p in pres])
         with torch.inference_mode():
-            while True:
-                nxt = dec.select(logits)
-                if dec.done:
-                    break
-                mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], 1)
-                pos = pos + 1
-                ids = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                 use_cache=True, **cache_kwargs(self.model, cache))
-                logits = out.logits[:, -1, :].float()
+            decode_batch(self.model, dec, logits, cache, mask, pos)
 
         def fields(row: int) -> dict[str, Any]:
             st = pres[row].stats
