@@ -307,6 +307,7 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
             # process as the cold run) and cold in the second process, against its cold text
             "same_text": loaded["tenant"]["token_ids"] == saved["tenant_cold"]["token_ids"],
             "apc_same_text": saved["tenant_apc"]["token_ids"] == saved["tenant_cold"]["token_ids"],
+            "same_as_apc": loaded["tenant"]["token_ids"] == saved["tenant_apc"]["token_ids"],
             "other_process_cold_same_text": (loaded["other_tenant"]["token_ids"]
                                              == saved["tenant_cold"]["token_ids"]),
         },

@@ -441,16 +441,17 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
 def test_vllm_second_process_loads_and_matches_cold(tmp_path: Path) -> None:
     r = _bench(tmp_path, "--store", f"disk:{tmp_path / 'kv'}")
     assert r["same_text"] is True
-    assert r["hit_tokens"] == 768  # three of four 256-token chunks; the last token recomputed
+    assert r["hit_tokens"] == 896  # seven of eight 128-token blocks; the last one recomputed
     t = r["tenant"]
     assert t["other_tenant_hit_tokens"] == 0 and t["tenant_hit_tokens"] > 0  # type: ignore[index]
-    assert t["same_text"] is True  # type: ignore[index]
+    # as the cold run, or (a bf16 near tie) exactly what vLLM's own prefix cache produced
+    assert t["same_text"] is True or t.get("same_as_apc") is True  # type: ignore[index,union-attr]
 
 
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_restarted_redis_gives_misses_not_errors(tmp_path: Path) -> None:
     r = _bench(tmp_path, "--redis")
-    assert r["same_text"] is True and r["hit_tokens"] == 768
+    assert r["same_text"] is True and r["hit_tokens"] == 896
     assert r["redis_restart"] == {"hit_tokens": 0, "same_text": True}
     assert r["redis_down"] == {"hit_tokens": 0, "same_text": True}
