@@ -28,7 +28,7 @@ LONG = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(40))
 
 
 def _config(tmp: Path, *, semantic: bool = False, extra_models: dict[str, Any] | None = None,
-            **sections: Any) -> Any:
+            only_greedy: bool = True, **sections: Any) -> Any:
     over: dict[str, Any] = {
         "server": {"state_dir": str(tmp), "max_tokens_limit": 64},
         "models": {"tiny": {"path": "tiny", "max_batch": 1},
@@ -39,7 +39,7 @@ def _config(tmp: Path, *, semantic: bool = False, extra_models: dict[str, Any] |
             {"model": "tiny", "system": "Route it.", "max_tokens": 3},
             {"model": "tiny", "system": "Answer it."}]}},
         "kv": {"tiers": ["memory"], "chunk_size": 32},
-        "semantic": {"enabled": semantic, "backend": "memory"},
+        "semantic": {"enabled": semantic, "backend": "memory", "only_greedy": only_greedy},
         "tenants": {"acme": {"api_key": "k-acme"}, "beta": {"api_key": "k-beta"}},
     }
     over.update(sections)
@@ -64,8 +64,10 @@ class Run:
 async def _run(gw: Gateway, content: str, *, model: str = "tiny", tenant: str | None = "acme",
                max_tokens: int = 12, stop: list[str] | None = None, stream: bool = True,
                **kw: Any) -> Run:
+    sampling = {k: kw.pop(k) for k in ("temperature", "seed") if k in kw}
     req = GenRequest(model=model, messages=[{"role": "user", "content": content}], prompt=None,
-                     max_tokens=max_tokens, stop=list(stop or []), tenant=tenant, stream=stream)
+                     max_tokens=max_tokens, stop=list(stop or []), tenant=tenant, stream=stream,
+                     **sampling)
     served = await gw.serve(req, endpoint="chat", **kw)
     return Run(served, [item async for item in served.items])
 
@@ -94,7 +96,7 @@ def gateway(tmp_path: Path, upstream: LiveServer) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def sem_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = build_gateway(_config(tmp_path_factory.mktemp("sem"), semantic=True))
+    gw = build_gateway(_config(tmp_path_factory.mktemp("sem"), semantic=True, only_greedy=False))
     asyncio.run(gw.startup())
     yield gw
     asyncio.run(gw.shutdown())
@@ -153,6 +155,8 @@ def test_a_semantic_hit_streams_as_every_backend(sem_gateway: Gateway) -> None:
     ("Why was my card charged twice this month?", {"stop": ["."]}, False),
     # nor another tenant's
     ("What is the warranty on the X200 router?", {"tenant": "beta"}, False),
+    # nor a greedy answer for a sampled request
+    ("How long does a refund to my card take?", {"temperature": 0.8, "seed": 1}, False),
 ])
 def test_semantic_entries_are_served_only_where_they_were_made(
         sem_gateway: Gateway, query: str, change: dict[str, Any], hit: bool) -> None:
@@ -181,14 +185,16 @@ def test_an_isolated_request_reuses_no_kv(tmp_path: Path, detect: bool) -> None:
         try:
             first = await _run(gw, LONG + " Summarise it.", max_tokens=4)
             assert first.started.hit_tokens == 0
-            entries = gw.kv_store.stats().entries
+            store = gw.kv_store
+            assert store is not None
+            entries = store.stats().entries
             # the same long prefix, the semantic cache bypassed: a KV prefix hit if not isolated
             second = await _run(gw, LONG + " Summarise all.", max_tokens=4, no_cache=True)
             third = await _run(gw, LONG + " Summarise it.", max_tokens=4)  # same as the first
             if detect:  # the second and third requests are isolated: no reuse of any kind
                 assert second.started.hit_tokens == 0 and second.hits == "none"
                 assert third.hits == "none" and third.started.hit_tokens == 0
-                assert gw.kv_store.stats().entries == entries  # nothing written either
+                assert store.stats().entries == entries  # nothing written either
             else:
                 assert second.started.hit_tokens >= 256
                 assert third.hits == "semantic"

@@ -3,8 +3,9 @@
 What a key means here: the query is the last user message; the context (every system message
 and the earlier turns) and the model must match exactly, which the cache enforces through its
 partition; the scope carries the tenant, whose salt digest the cache derives server-side; the
-scope name also carries the sampling settings that change an answer (``max_tokens``), so that a
-short answer is never served for a request that asked for a long one.
+model key also carries the settings that change an answer (``max_tokens``, ``stop``, and for
+sampled requests ``temperature``, ``top_p`` and ``seed``), so that a short answer is never
+served for a request that asked for a long one.
 """
 
 from __future__ import annotations
@@ -83,8 +84,15 @@ class SemanticLayer:
 
     @staticmethod
     def _model(req: GenRequest) -> str:
-        """Model identity plus the settings that change an answer."""
-        return f"{req.model}#max_tokens={req.max_tokens}#stop={'|'.join(req.stop)}"
+        """Model identity plus the settings that change an answer.
+
+        Sampling settings join the key only for sampled requests, so greedy entries keep the
+        key they always had (the system prompt and earlier turns are the cache's context).
+        """
+        key = f"{req.model}#max_tokens={req.max_tokens}#stop={'|'.join(req.stop)}"
+        if req.temperature > 0:
+            key += f"#temperature={req.temperature:g}#top_p={req.top_p:g}#seed={req.seed}"
+        return key
 
     @staticmethod
     def _tags(req: GenRequest) -> list[str]:
