@@ -80,6 +80,33 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return sets
 
 
+def markdown(sets: dict[str, Any]) -> str:
+    """The results as a Markdown table (docs/fusion.md, docs/BENCHMARKS.md)."""
+    lines = [
+        "| set | n | receiver | sharer | T2T | C2C | C2C - receiver | C2C - T2T | C2C - sharer "
+        "| T2T / C2C latency |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in sets.items():
+        ms, g = e["methods"], e["goals"]
+        cells = []
+        for m in METHODS:
+            r = ms.get(m)
+            cells.append(f"{r['accuracy']:.3f} ({r['latency_s']:.2f} s, n={r['n']})" if r else "-")
+        pts = [
+            f"{g[k]:+.1f}" if k in g else "-"
+            for k in (
+                "c2c_minus_receiver_points",
+                "c2c_minus_t2t_points",
+                "c2c_minus_sharer_points",
+            )
+        ]
+        lat = f"{g['t2t_over_c2c_latency']:.2f}x" if "t2t_over_c2c_latency" in g else "-"
+        n = max((r["n"] for r in ms.values()), default=0)
+        lines.append(f"| {name} | {n} | " + " | ".join(cells + pts + [lat]) + " |")
+    return "\n".join(lines)
+
+
 def plot(sets: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -169,6 +196,7 @@ def main() -> None:
                 f"examples): question {o['accuracy_question']:.3f}, enriched (same length) "
                 f"{o['accuracy_enriched']:.3f}, examples kept {o['accuracy_full_context']:.3f}"
             )
+    print(markdown(sets))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"sets": sets, "inputs": [str(p) for p in inputs]}, indent=2) + "\n",

@@ -507,6 +507,8 @@ def oracle_fewshot(
     out: dict[str, Any] = {"n": n, "context_examples": len(context)}
     for name, by_rule in res.items():
         for r, v in by_rule.items():
+            if r == "letter":  # the oracle's prompts do not list the choices
+                continue
             key = f"accuracy_{name}" if r == "loglik" else f"accuracy_{name}_{r}"
             out[key] = sum(v) / n if n else 0.0
     out["note"] = (
