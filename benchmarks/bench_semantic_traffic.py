@@ -316,7 +316,12 @@ def main() -> None:
     ap.add_argument("--judge-samples", type=int, default=40,
                     help="borderline Quora candidates the instruct-model judge scores (0: none)")
     ap.add_argument("--judge-model", default="smollm2-135m-instruct")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        _plot(json.loads((args.out / "semantic_traffic.json").read_text()),
+              args.out / "semantic_traffic.png")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     wl = {
         "clinc-dev (development)": clinc_faq("train", DEV_FAQ_INTENTS, queries_per_intent=20),
@@ -390,6 +395,7 @@ def main() -> None:
 def _plot(res: dict, path: Path) -> None:
     with agg_figure(path, (8, 5)) as ax:
         marks = {"SemanticCache() default": ("o", "red"),
+                 "ClusterVotePolicy(0.88, scorer=cross-encoder, P >= 0.7) (opt-in)": ("o", "green"),
                  "SemanticCache(threshold=0.92) (previous default)": ("s", "orange"),
                  "plain MiniLM cosine >= 0.80": ("^", "blue"),
                  "plain MiniLM cosine >= 0.75": ("v", "blue"),
@@ -402,17 +408,23 @@ def _plot(res: dict, path: Path) -> None:
                 if r is None or "precision" not in r:
                     continue
                 ax.scatter([r["recall"]], [r["precision"]], marker=shapes[wi % len(shapes)],
-                           color=col, s=40)
+                           color=col, s=70 if col == "red" else 40,
+                           zorder=3 if col == "red" else 2)
                 if cfg == "SemanticCache() default":
-                    ax.annotate(name.split(" (")[0], (r["recall"], r["precision"]), fontsize=7)
+                    ax.annotate(name.split(" (")[0], (r["recall"], r["precision"]), fontsize=7,
+                                xytext=(4, -10), textcoords="offset points")
                 xs.append(r["recall"])
                 ys.append(r["precision"])
+        for wi, name in enumerate(res["workloads"]):
+            ax.scatter([], [], marker=shapes[wi % len(shapes)], color="gray", label=name)
+        ax.legend(fontsize=7, loc="lower left")
         ax.axhline(0.95, color="gray", ls=":")
         ax.axvline(0.50, color="gray", ls=":")
         ax.set_xlabel("recall (in-scope queries served right)")
         ax.set_ylabel("hit precision")
-        ax.set_title("red: SemanticCache(), orange: threshold 0.92, blue: cosine 0.80/0.75, "
-                     "x: GPTCache", fontsize=8)
+        ax.set_title("red: SemanticCache(), orange: threshold 0.92 (previous default),\n green: "
+                     "+ cross-encoder (opt-in), blue: cosine 0.80/0.75, black: GPTCache 0.80",
+                     fontsize=8)
 
 
 if __name__ == "__main__":
