@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,24 @@ def test_the_router_hashes_under_the_replicas_namespace(ray_gateway: Any) -> Non
     assert backend.namespace_hex(TenantContext.public()) == stats["namespace"]
     other = TenantContext("acme", "ab" * 32, False)
     assert backend.namespace_hex(other) not in ("", stats["namespace"])
+
+
+def test_a_ray_stream_joins_to_the_answer(ray_gateway: Any) -> None:
+    """The stream contract holds for Ray replicas too, stop strings included."""
+    _, app = ray_gateway
+    body = {"model": "tiny", "max_tokens": 8, "stop": ["\n\n\n"],
+            "messages": [{"role": "user", "content": "stream contract over Ray"}]}
+
+    async def main() -> tuple[str, str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=120) as c:
+            plain = await c.post("/v1/chat/completions", json=body)
+            streamed = await c.post("/v1/chat/completions", json={**body, "stream": True})
+        parts = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                 for line in streamed.text.splitlines()
+                 if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+        assert streamed.headers["x-semcomm-replica"]
+        return plain.json()["choices"][0]["message"]["content"], "".join(parts)
+
+    plain, streamed = asyncio.run(main())
+    assert streamed == plain
