@@ -203,9 +203,10 @@ class SemanticCache:
 
     Parameters: ``embedder`` (None -> all-MiniLM-L6-v2; a model path, SentenceTransformer,
     callable or :class:`~semcomm.semantic.Embedder`), ``path`` (SQLite file; None -> memory),
-    ``store`` (an entry store or a URL), ``policy`` (None -> fixed threshold
+    ``store`` (an entry store or a URL), ``policy`` (None ->
+    :class:`~semcomm.semantic.ClusterVotePolicy`: answer clusters vote, a lone entry needs
     :data:`DEFAULT_THRESHOLD`; a name from :data:`POLICIES` or a policy object), ``threshold``
-    (shortcut for the fixed-threshold policy), ``guard`` (the lexical near-miss guard; False
+    (shortcut for the fixed-threshold policy, no votes), ``guard`` (the lexical near-miss guard; False
     disables it), ``context_turns``, ``max_entries`` / ``max_bytes`` with ``eviction``
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
     entry's TTL; default False: an answer expires ``ttl`` seconds after it was stored however
