@@ -45,7 +45,7 @@ def filled(tmp_path):
 
 
 def test_every_cache_command_has_help() -> None:
-    for cmd in ("stats", "calibrate", "clear", "export", "import"):
+    for cmd in ("stats", "calibrate", "report", "clear", "export", "import"):
         r = runner.invoke(app, ["cache", cmd, "--help"])
         assert r.exit_code == 0 and len(r.output) > 50, cmd
 
