@@ -362,3 +362,24 @@ def test_judge_model_loads_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["True", "False"]
+
+
+def test_server_config_shadow_mode(tmp_path) -> None:
+    from semcomm.server import load_config
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._wiring import build_semantic
+
+    def cfg(mode):  # type: ignore[no-untyped-def]
+        return load_config(None, overrides={
+            "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
+            "semantic": {"backend": "memory", "mode": mode}}, defaults=False, environ={})
+
+    c = cfg("shadow")
+    sem, note = build_semantic(c, Gateway(c))
+    assert sem is not None, note
+    assert sem.cache.mode == "shadow"
+    assert sem.cache.shadow.path == tmp_path / "semantic_shadow.jsonl"
+    served, _ = build_semantic(cfg("serve"), Gateway(cfg("serve")))
+    assert served is not None and served.cache.mode == "serve"
+    with pytest.raises(ConfigError):
+        cfg("dry-run")
