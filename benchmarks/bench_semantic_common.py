@@ -261,7 +261,10 @@ def clinc_faq(split: str, intents: tuple[str, ...], *, per_intent: int = 5,
     for t, i in d["train"]:
         if i in by:
             by[i].append(t)
-    stored, answers, queries, expected = [], [], [], []
+    stored: list[str] = []
+    answers: list[str] = []
+    queries: list[str] = []
+    expected: list[str | None] = []
     held: dict[str, list[str]] = {}
     for i in intents:
         texts = list(by[i])
@@ -301,7 +304,10 @@ def quora_faq(path: Path, *, per_component: int = 5, distractors: int = 3000,
         text.setdefault(norm(q2), q2.strip())
     for q, c in p.comp.items():
         members.setdefault(c, []).append(text[q])
-    stored, answers, queries, expected = [], [], [], []
+    stored: list[str] = []
+    answers: list[str] = []
+    queries: list[str] = []
+    expected: list[str | None] = []
     singles = []
     for c in sorted(members):
         m = sorted(members[c])

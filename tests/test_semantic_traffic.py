@@ -287,7 +287,7 @@ def test_replayed_stream_recall_grows_precision_holds(emb) -> None:
     for k in range(n_int):
         cache.store(f"seed phrasing of intent {k}", f"answer for intent {k}",
                     embedding=phrasing(k))
-    halves = []
+    halves: list[tuple[int, int]] = []
     for _ in range(2):
         hits = ok = 0
         for i in range(80):
