@@ -154,3 +154,66 @@ def test_build_plan_shares_what_the_limit_leaves_and_keeps_set_budgets() -> None
     shape = kv_shape_from_config(b.config)
     assert unlimited.models["b"].kv_budget_bytes == 3 * shape.bytes_for(100)
     assert unlimited.as_dict()["models"]["b"]["kv_bytes_per_token"] == shape.bytes_per_token
+
+
+# ------------------------------------------------------------- in the server
+def _server(tmp: Path, **model: object):  # type: ignore[no-untyped-def]
+    from semcomm.server import load_config
+
+    return load_config(None, overrides={
+        "server": {"state_dir": str(tmp), "kv_wait_s": 0.0},
+        "models": {"tiny": {"path": "tiny", **model}},
+        "kv": {"tiers": ["memory"], "memory_bytes": 8 * 2**20},
+        "semantic": {"enabled": False}}, defaults=False, environ={})
+
+
+def test_the_server_exports_its_plan_and_what_each_model_holds(tmp_path: Path) -> None:
+    from .test_server_support import live_server
+
+    with live_server(_server(tmp_path)) as srv, srv.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello there " * 20}]})
+        assert r.status_code == 200, r.text
+        gw = srv.gateway
+        model = gw.backends["tiny"].runner.model
+        mem = c.get("/health").json()["memory"]
+        m = mem["models"]["tiny"]
+        assert m["weight_bytes"] == weight_bytes(model)
+        assert m["kv_bytes_per_token"] == kv_shape_from_config(model.config).bytes_per_token
+        assert m["kv_live_bytes"] == 0  # the request finished: its reservation is released
+        held = gw.kv_store.namespace_bytes()
+        assert m["kv_cached_bytes"] == sum(held.values()) > 0  # its prompt's chunks in memory
+        assert mem["planned_bytes"] == (mem["baseline_bytes"] + 8 * 2**20 + m["weight_bytes"]
+                                        + m["kv_budget_bytes"])
+        text = c.get("/metrics").text
+        assert f'semcomm_memory_weight_bytes{{model="tiny"}} {float(m["weight_bytes"])}' in text
+        assert f'semcomm_memory_kv_bytes{{model="tiny"}} {float(m["kv_bytes"])}' in text
+        assert "semcomm_memory_planned_bytes " in text
+
+
+def test_a_config_that_does_not_fit_is_refused_at_start(tmp_path: Path) -> None:
+    from semcomm.server import create_app, load_config
+
+    cfg = _server(tmp_path)
+    small = load_config(None, overrides={**cfg.model_dump(), "server": {
+        **cfg.server.model_dump(), "memory_bytes": 64 * 2**20}}, defaults=False, environ={})
+    with pytest.raises(ConfigError, match=r"memory_bytes = 64\.0 MiB cannot hold.*tiny: weights"):
+        create_app(small)
+
+
+def test_requests_beyond_the_kv_budget_get_429_with_retry_after(tmp_path: Path) -> None:
+    from .test_server_support import live_server
+
+    # room for one short request's KV, not for a long one
+    cfg = _server(tmp_path, kv_bytes=40_000)
+    with live_server(cfg) as srv, srv.client() as c:
+        ok = c.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200, ok.text
+        big = c.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "word " * 200}]})
+        assert big.status_code == 429, big.text
+        assert int(big.headers["Retry-After"]) >= 1 and "KV budget" in big.text
+        assert srv.gateway.memory.accountant.live_bytes("tiny") == 0

@@ -158,6 +158,19 @@ class MemoryStore(StoreBase, LruPinning):
                 pinned=self._lru.pinned,
             )
 
+    def namespace_bytes(self) -> dict[bytes, int]:
+        """Bytes held per namespace digest (read from each chunk's header; no LRU touch), so a
+        server can say how much of this tier each model and tenant holds."""
+        from ._format import read_header
+
+        with self._lock:
+            values = list(self._data.values())
+        out: dict[bytes, int] = {}
+        for v in values:
+            ns = bytes.fromhex(read_header(v).namespace)
+            out[ns] = out.get(ns, 0) + len(v)
+        return out
+
     # pinning: pin / unpin / eviction_order come from LruPinning
 
     def __len__(self) -> int:

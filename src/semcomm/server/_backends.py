@@ -146,6 +146,9 @@ class LocalBackend:
         self.runner = worker.runner
         self.tokenizer = worker.runner.tokenizer
         self.kv_reuse = kv_reuse  # the runner restores cached KV prefixes
+        # the process's KV admission (semcomm.server._memplan.KVAccountant), set once by
+        # build_gateway; None admits every request
+        self.memory: Any = None
 
     def status(self) -> BackendStatus:
         return BackendStatus(up=True, detail=f"in-process {self.runner.model_id}",
@@ -171,6 +174,14 @@ class LocalBackend:
             self.worker.arriving(-1)
             raise
         max_new = min(req.max_tokens, self.runner.max_positions - len(ids))
+        reservation = None
+        if self.memory is not None:  # KV headroom for prompt + max_tokens, or wait, or 429
+            try:
+                reservation = await asyncio.to_thread(self.memory.reserve, self.name,
+                                                      len(ids) + max_new)
+            except BaseException:
+                self.worker.arriving(-1)
+                raise
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -184,6 +195,10 @@ class LocalBackend:
                   isolate=ctx.isolate)
         try:
             self.worker.submit(job)  # OverloadedError when the queue is full
+        except BaseException:
+            if reservation is not None:
+                self.memory.release(reservation)
+            raise
         finally:
             self.worker.arriving(-1)
         done = False
@@ -217,6 +232,8 @@ class LocalBackend:
         finally:
             if not done:
                 job.cancelled.set()
+            if reservation is not None:
+                self.memory.release(reservation)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.worker.close)

@@ -111,6 +111,10 @@ class ServerSection(_Section):
     # torch intra-op threads for this process (None: torch's default). 1 avoids oversubscription
     # when the embedder and engine threads run at once on few cores (measured: docs/server.md)
     torch_threads: int | None = Field(None, ge=1)
+    # the process's memory limit in bytes: the memory plan (weights + KV budgets + prefix cache
+    # + baseline) must fit it, or the server refuses to start (`semcomm serve --check`)
+    memory_bytes: int | None = Field(None, ge=1)
+    kv_wait_s: float = Field(2.0, ge=0)  # a request waits this long for KV headroom, then 429
 
 
 class ModelConfig(_Section):
@@ -143,6 +147,12 @@ class ModelConfig(_Section):
     # capability / cost, for the model router
     cost: float = Field(1.0, ge=0)
     description: str = ""
+    # memory plan (in-process models): live KV this model's running requests may hold together
+    # (None: a share of what server.memory_bytes leaves), the longest prompt + max_tokens one
+    # request may use (None: the model's positions), pinned models count in the floor
+    kv_bytes: int | None = Field(None, ge=1)
+    max_context: int | None = Field(None, ge=2)
+    pin: bool = False
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelConfig:

@@ -93,6 +93,11 @@ class EngineRunner:
                                f"admitted tenant digest {digest!r}")
         return eng
 
+    def namespaces(self) -> set[bytes]:
+        """The KV namespace digests of this runner's engines (one per tenant served so far)."""
+        with self._lock:
+            return {bytes(e.namespace_digest) for e in self._engines.values()}
+
     def _engine_for(self, job: Job) -> Any:
         return self.engine(job.tenant, job.digest, isolate=job.isolate)
 

@@ -26,6 +26,7 @@ from ..security import TenantContext, TenantSalter
 from ._backends import Completion, GenRequest, ModelBackend, StreamItem
 from ._batching import Delta, Started
 from ._config import ServerConfig
+from ._memplan import MemoryMonitor
 from ._metrics import Metrics
 from ._semantic_layer import SemanticLayer
 
@@ -161,8 +162,8 @@ class Gateway:
     def __init__(self, config: ServerConfig, *, backends: Mapping[str, ModelBackend] | None = None,
                  semantic: SemanticLayer | None = None, kv_store: ChunkStore | None = None,
                  guard: Admitter | None = None, model_router: ModelChooser | None = None,
-                 salter: TenantSalter | None = None, notes: dict[str, str] | None = None
-                 ) -> None:
+                 salter: TenantSalter | None = None, notes: dict[str, str] | None = None,
+                 memory: MemoryMonitor | None = None) -> None:
         """A gateway over parts that are already built (``build_gateway(config)`` builds them
         from the config in one step); nothing is filled in later."""
         self.config = config
@@ -180,6 +181,9 @@ class Gateway:
         self.notes: dict[str, str] = notes if notes is not None else {}
         self.stats = DashboardStats()
         self.metrics = Metrics(self.store_stats)
+        self.memory = memory  # the process's memory plan and live KV (None: not planned)
+        if memory is not None:
+            self.metrics.register_memory(memory.snapshot)
         self._started = False
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -513,6 +517,7 @@ class Gateway:
             "semantic": sem,
             "kv": {"enabled": self.kv_store is not None,
                    "detail": self.notes.get("kv", "")},
+            "memory": self.memory.snapshot() if self.memory is not None else None,
             "wiring": dict(self.notes),
         }
 

@@ -41,6 +41,7 @@ __all__ = [
     "KVAccountant",
     "KVReservation",
     "KVShape",
+    "MemoryMonitor",
     "MemoryPlan",
     "ModelFacts",
     "ModelPlan",
@@ -416,3 +417,48 @@ def build_plan(models: Mapping[str, ModelFacts], *, limit_bytes: int | None,
                 p.kv_budget_bytes = p.min_kv_bytes * max(1, models[n].max_batch)
     return MemoryPlan(limit_bytes=limit_bytes, baseline_bytes=base,
                       prefix_cache_bytes=prefix_cache_bytes, models=plans)
+
+
+class MemoryMonitor:
+    """What ``/health``, ``/metrics`` and the dashboard show of the plan, read live.
+
+    ``namespaces()`` maps each model to the KV namespace digests its engines use (one per tenant
+    seen so far); ``tier_bytes()`` maps namespace digests to the bytes the in-memory tier holds
+    for them. A model's ``kv_bytes`` is its live KV (reservations of running requests) plus the
+    prefix cache it holds in memory.
+    """
+
+    def __init__(self, plan: MemoryPlan, accountant: KVAccountant, *,
+                 namespaces: Any = None, tier_bytes: Any = None) -> None:
+        self.plan = plan
+        self.accountant = accountant
+        self._namespaces = namespaces
+        self._tier_bytes = tier_bytes
+
+    def cached_bytes(self) -> dict[str, int]:
+        if self._namespaces is None or self._tier_bytes is None:
+            return dict.fromkeys(self.plan.models, 0)
+        try:
+            held = self._tier_bytes()
+            spaces = self._namespaces()
+        except Exception:  # a scrape must not fail because a store is busy or down
+            return dict.fromkeys(self.plan.models, 0)
+        return {m: sum(held.get(ns, 0) for ns in spaces.get(m, ())) for m in self.plan.models}
+
+    def snapshot(self) -> dict[str, Any]:
+        cached = self.cached_bytes()
+        models = {}
+        for name, p in self.plan.models.items():
+            live = self.accountant.live_bytes(name)
+            models[name] = {
+                "weight_bytes": p.weight_bytes, "kv_bytes_per_token": p.kv.bytes_per_token,
+                "kv_budget_bytes": p.kv_budget_bytes, "kv_live_bytes": live,
+                "kv_cached_bytes": cached.get(name, 0), "kv_bytes": live + cached.get(name, 0),
+                "max_context": p.max_context, "pinned": p.pinned,
+                "refused": self.accountant.refused.get(name, 0),
+            }
+        return {"limit_bytes": self.plan.limit_bytes, "planned_bytes": self.plan.planned_bytes,
+                "baseline_bytes": self.plan.baseline_bytes,
+                "prefix_cache_bytes": self.plan.prefix_cache_bytes,
+                "rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                "models": models}

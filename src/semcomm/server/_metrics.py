@@ -53,6 +53,44 @@ class _StoreCollector(Collector):
         yield from (b, e, cap, ev, cor)
 
 
+class _MemoryCollector(Collector):
+    """``semcomm_memory_*``: the memory plan and what each model holds now (read at scrape)."""
+
+    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            snap = self.source()
+        except Exception:  # a scrape must not fail
+            return
+        w = GaugeMetricFamily("semcomm_memory_weight_bytes", "Weight bytes per in-process model",
+                              labels=["model"])
+        kv = GaugeMetricFamily("semcomm_memory_kv_bytes", "KV bytes held per model: live "
+                               "(running requests) plus its prefix cache in memory",
+                               labels=["model"])
+        live = GaugeMetricFamily("semcomm_memory_kv_live_bytes",
+                                 "KV reserved by running requests per model", labels=["model"])
+        budget = GaugeMetricFamily("semcomm_memory_kv_budget_bytes",
+                                   "Live KV budget per model (the plan)", labels=["model"])
+        for name, m in snap["models"].items():
+            w.add_metric([name], m["weight_bytes"])
+            kv.add_metric([name], m["kv_bytes"])
+            live.add_metric([name], m["kv_live_bytes"])
+            budget.add_metric([name], m["kv_budget_bytes"])
+        yield from (w, kv, live, budget)
+        yield GaugeMetricFamily("semcomm_memory_planned_bytes", "The whole process as the memory "
+                                "plan predicts it (baseline, weights, KV budgets, memory tier)",
+                                value=snap["planned_bytes"])
+        yield GaugeMetricFamily("semcomm_memory_rss_bytes", "Resident bytes of this process now",
+                                value=snap["rss_bytes"])
+        yield GaugeMetricFamily("semcomm_memory_peak_rss_bytes", "Peak resident bytes so far",
+                                value=snap["peak_rss_bytes"])
+        if snap.get("limit_bytes") is not None:
+            yield GaugeMetricFamily("semcomm_memory_limit_bytes", "server.memory_bytes",
+                                    value=snap["limit_bytes"])
+
+
 class Metrics:
     """All metric families of one gateway."""
 
@@ -108,3 +146,7 @@ class Metrics:
                                         registry=r)
         if store_source is not None:
             r.register(_StoreCollector(store_source))
+
+    def register_memory(self, source: Callable[[], dict[str, Any]]) -> None:
+        """Export the memory plan (``semcomm_memory_*``) from ``source()`` at each scrape."""
+        self.registry.register(_MemoryCollector(source))

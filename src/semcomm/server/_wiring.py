@@ -24,6 +24,7 @@ from ._batching import BatchingWorker
 from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
 from ._gateway import Admitter, Gateway, ModelChooser
+from ._memplan import MemoryMonitor
 from ._pipeline import PipelineBackend
 
 __all__ = ["AutoModel", "build_gateway", "build_kv_store", "build_semantic", "load_hf"]
@@ -312,7 +313,11 @@ def build_gateway(config: ServerConfig, *,
     notes: dict[str, str] = {}
     kv_store, notes["kv"] = build_kv_store(config)
     semantic, notes["semantic"] = build_semantic(config, salter)
+    from ._memplan import current_rss_bytes
+
+    baseline = current_rss_bytes()  # the process before any model is loaded (embedder included)
     models = build_models(config, kv_store, salter, notes, given=backends)
+    memory = build_memory(config, models, kv_store, baseline, notes)
     fusions = FusionRegistry(dict(models), notes)
     every: dict[str, ModelBackend] = dict(models)
     for pname, pcfg in config.pipelines.items():
@@ -322,7 +327,66 @@ def build_gateway(config: ServerConfig, *,
     guard = build_guard(config, salter, notes)
     router = build_model_router(config, semantic, models, notes)
     return Gateway(config, backends=every, semantic=semantic, kv_store=kv_store, guard=guard,
-                   model_router=router, salter=salter, notes=notes)
+                   model_router=router, salter=salter, notes=notes, memory=memory)
+
+
+def _local_members(backend: Any) -> list[LocalBackend]:
+    """The in-process workers behind a model's backend (one, several, or none if upstream)."""
+    inner = getattr(backend, "inner", backend)  # a FaultyBackend wraps the real one
+    if isinstance(inner, LocalBackend):
+        return [inner]
+    return [r for r in getattr(inner, "replicas", []) if isinstance(r, LocalBackend)]
+
+
+def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_store: Any,
+                 baseline: int, notes: dict[str, str]) -> MemoryMonitor:
+    """The process's memory plan over the loaded models, checked against ``server.memory_bytes``
+    (a :class:`ConfigError` naming the numbers when it cannot fit), and the KV admission every
+    in-process worker reserves through."""
+    from ._memplan import KVAccountant, ModelFacts, build_plan, weight_bytes
+
+    facts: dict[str, ModelFacts] = {}
+    members: dict[str, list[LocalBackend]] = {}
+    for name, backend in models.items():
+        local = _local_members(backend)
+        if not local:
+            continue
+        mcfg = config.models[name]
+        runner: Any = local[0].runner  # EngineRunner or DirectRunner: both hold the model
+        model = runner.model
+        facts[name] = ModelFacts(
+            config=model.config, weight_bytes=weight_bytes(model), measured=True,
+            dtype=str(next(model.parameters()).dtype), max_context=mcfg.max_context,
+            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin,
+            max_batch=(mcfg.max_batch or config.server.max_batch) * len(local))
+        members[name] = local
+    mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
+    plan = build_plan(facts, limit_bytes=config.server.memory_bytes, prefix_cache_bytes=mem_tier,
+                      baseline_bytes=baseline)
+    plan.check()
+    accountant = KVAccountant(plan.models, max_wait_s=config.server.kv_wait_s)
+    for local in members.values():
+        for b in local:
+            b.memory = accountant
+    tier = None
+    if kv_store is not None:
+        tiers = getattr(kv_store, "tiers", None) or [kv_store]
+        tier = next((t for t in tiers if hasattr(t, "namespace_bytes")), None)
+
+    def namespaces() -> dict[str, set[bytes]]:
+        out: dict[str, set[bytes]] = {}
+        for name, local in members.items():
+            for b in local:
+                fn = getattr(b.runner, "namespaces", None)
+                if fn is not None:
+                    out.setdefault(name, set()).update(fn())
+        return out
+
+    limit = config.server.memory_bytes
+    notes["memory"] = (f"plan {plan.planned_bytes / 2**20:,.0f} MiB"
+                       + (f" of {limit / 2**20:,.0f} MiB" if limit else " (no limit set)"))
+    return MemoryMonitor(plan, accountant, namespaces=namespaces,
+                         tier_bytes=tier.namespace_bytes if tier is not None else None)
 
 
 def build_guard(config: ServerConfig, salter: TenantSalter, notes: dict[str, str]
