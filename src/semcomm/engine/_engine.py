@@ -500,8 +500,9 @@ class HFEngine:
                 store: bool = True) -> PrefillResult:
         """Restore the longest cached prefix, prefill the rest and (by default) store new chunks.
 
-        Returns the prompt's full ``DynamicCache`` (every prompt token), the last position's
-        logits, the token ids and stats. The caller owns the cache.
+        Returns the prompt's cache (every prompt token; a restored sliding-window layer only
+        its window), the last position's logits, the token ids and stats. The caller owns the
+        cache.
         """
         t_start = time.perf_counter()
         ids = self.tokenize(prompt)
@@ -545,7 +546,9 @@ class HFEngine:
 
         ``stop``: strings (need a tokenizer) and/or token ids ending generation (the stop
         string is cut from ``text``). ``stream=True`` returns a :class:`TokenStream` of text
-        pieces (token ids without a tokenizer) whose ``.result`` is set at the end.
+        pieces (token ids without a tokenizer) whose ``.result`` is set at the end; text that
+        could begin a stop string is held back until decided, so the pieces joined equal
+        ``.result.text``.
         ``snapshot``: continue from a :class:`KVSnapshot` (its tokens must prefix the prompt).
         """
         t_start = time.perf_counter()

@@ -87,11 +87,13 @@ class GenerationResult:
 class PrefillResult:
     """Output of :meth:`HFEngine.prefill`: the prompt's full KV cache, ready to decode from.
 
-    ``cache`` is a transformers ``DynamicCache`` holding every prompt token (caller owns it and
-    may mutate it); ``last_logits`` is the float32 ``[vocab]`` next-token distribution's logits.
+    ``cache`` is a transformers ``DynamicCache`` of the engine's preallocated layers holding the
+    prompt (caller owns it and may mutate it or decode on it; a restored sliding-window layer
+    holds only the positions from its ``start``, the window the next token needs);
+    ``last_logits`` is the float32 ``[vocab]`` next-token distribution's logits.
     """
 
-    cache: Any  # transformers DynamicCache, [1, H, T, D] per layer
+    cache: Any  # transformers DynamicCache, [1, H, T, D] views per layer
     last_logits: torch.Tensor
     input_ids: list[int]
     stats: GenerationStats
