@@ -217,3 +217,29 @@ def test_requests_beyond_the_kv_budget_get_429_with_retry_after(tmp_path: Path) 
         assert big.status_code == 429, big.text
         assert int(big.headers["Retry-After"]) >= 1 and "KV budget" in big.text
         assert srv.gateway.memory.accountant.live_bytes("tiny") == 0
+
+
+def test_serve_check_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "semcomm.toml"
+    body = ('[server]\nstate_dir = "{}"\n{}\n[models.tiny]\npath = "tiny"\nmax_context = 256\n'
+            '[semantic]\nenabled = false\n')
+    cfg.write_text(body.format(tmp_path, ""))
+    cmd = [sys.executable, "-m", "semcomm.cli", "serve", "--check", "--config", str(cfg)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    ok = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr
+    plan = json.loads(ok.stdout)["memory_plan"]
+    m = plan["models"]["tiny"]
+    assert m["weight_bytes"] > 0 and m["max_context"] == 256
+    assert plan["planned_bytes"] == (plan["baseline_bytes"] + plan["prefix_cache_bytes"]
+                                     + m["weight_bytes"] + m["kv_budget_bytes"])
+    assert "memory plan" in ok.stderr and "planned" in ok.stderr
+    cfg.write_text(body.format(tmp_path, "memory_bytes = 104857600"))  # 100 MiB < baseline
+    bad = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert "memory_bytes = 100.0 MiB cannot hold" in bad.stderr.replace("\n", " ")

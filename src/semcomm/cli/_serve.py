@@ -23,7 +23,9 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="Log level (debug, info, "
                                   "warning, error)."),
     check: bool = typer.Option(False, "--check", help="Validate the config, print it as JSON "
-                               "and exit."),
+                               "(with its memory plan under 'memory_plan'), print the plan as "
+                               "a table on stderr and exit; a plan that does not fit "
+                               "server.memory_bytes is refused."),
 ) -> None:
     """Serve an OpenAI-compatible API with semantic, KV-prefix and cache-to-cache reuse.
 
@@ -41,7 +43,24 @@ def serve(
         overrides["server"]["port"] = port
     cfg = load_config(config, overrides=overrides)
     if check:
-        typer.echo(cfg.model_dump_json(indent=2, exclude={"tenants"}))
+        import json
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from ..server._wiring import plan_config
+
+        plan = plan_config(cfg)
+        t = Table(title="memory plan (weights from the model files; baseline a default)")
+        for col in ("part", "weights", "KV / token", "KV budget", "total"):
+            t.add_column(col, justify="left" if col == "part" else "right")
+        for row in plan.rows():
+            t.add_row(*row)
+        Console(stderr=True).print(t)
+        out = json.loads(cfg.model_dump_json(exclude={"tenants"}))
+        out["memory_plan"] = plan.as_dict()
+        typer.echo(json.dumps(out, indent=2))
+        plan.check()  # a plan that cannot fit: one clear line, exit code 2
         return
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

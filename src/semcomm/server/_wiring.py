@@ -24,7 +24,7 @@ from ._batching import BatchingWorker
 from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
 from ._gateway import Admitter, Gateway, ModelChooser
-from ._memplan import MemoryMonitor
+from ._memplan import MemoryMonitor, MemoryPlan
 from ._pipeline import PipelineBackend
 
 __all__ = ["AutoModel", "build_gateway", "build_kv_store", "build_semantic", "load_hf"]
@@ -47,38 +47,41 @@ def _reference_path(which: str) -> Path | None:
     return p if (p / "config.json").exists() else None
 
 
-def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
-    """Load ``(model, tokenizer, model_id)`` for an in-process model entry."""
-    from ._tiny import TINY_MODEL_ID, build_tiny_model
-
+def _model_source(cfg: ModelConfig, name: str) -> tuple[str | None, str | None]:
+    """``(directory or hub id, catalog name)`` of an in-process model entry; ``(None, None)``
+    for the config-built tiny model."""
     path = cfg.path or "auto"
-    model_id: str | None = None  # a catalog name, shown instead of its directory
     if path == "auto":
         ref = _reference_path("receiver")
-        if ref is None:
-            model, tok = build_tiny_model()
-            return model, tok, TINY_MODEL_ID
-        path = str(ref)
-    elif path == "tiny":
-        model, tok = build_tiny_model()
-        return model, tok, TINY_MODEL_ID
-    elif path.startswith("reference:"):
+        return (str(ref), None) if ref is not None else (None, None)
+    if path == "tiny":
+        return None, None
+    if path.startswith("reference:"):
         which = path.split(":", 1)[1]
         ref = _reference_path(which)
         if ref is None:
             raise ConfigError(f"models.{name}.path: reference model {which!r} is not available "
                               "(run `semcomm reference build`)")
-        path = str(ref)
-    else:
-        from ..models import is_catalog_name, resolve_model
+        return str(ref), None
+    from ..models import is_catalog_name, resolve_model
 
-        if is_catalog_name(path):
-            model_id = path
-            try:
-                path = resolve_model(path)  # pulled and converted on first use
-            except SemcommError as exc:
-                raise ConfigError(f"models.{name}.path: catalog model {cfg.path!r} is not "
-                                  f"available: {exc}") from exc
+    if is_catalog_name(path):
+        try:
+            return resolve_model(path), path  # pulled and converted on first use
+        except SemcommError as exc:
+            raise ConfigError(f"models.{name}.path: catalog model {cfg.path!r} is not "
+                              f"available: {exc}") from exc
+    return path, None
+
+
+def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
+    """Load ``(model, tokenizer, model_id)`` for an in-process model entry."""
+    from ._tiny import TINY_MODEL_ID, build_tiny_model
+
+    path, model_id = _model_source(cfg, name)  # model_id: a catalog name, shown as the id
+    if path is None:
+        model, tok = build_tiny_model()
+        return model, tok, TINY_MODEL_ID
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -328,6 +331,46 @@ def build_gateway(config: ServerConfig, *,
     router = build_model_router(config, semantic, models, notes)
     return Gateway(config, backends=every, semantic=semantic, kv_store=kv_store, guard=guard,
                    model_router=router, salter=salter, notes=notes, memory=memory)
+
+
+def plan_config(config: ServerConfig) -> MemoryPlan:
+    """The memory plan of ``config`` before start-up (``semcomm serve --check``): weights from
+    each model directory's safetensors headers (catalog models are pulled first), the baseline
+    a documented default; raises :class:`ConfigError` naming the numbers when it cannot fit."""
+    from transformers import AutoConfig
+
+    from ._memplan import (
+        DEFAULT_BASELINE_BYTES,
+        ModelFacts,
+        build_plan,
+        weight_bytes,
+        weight_bytes_from_dir,
+    )
+    from ._tiny import build_tiny_model
+
+    facts: dict[str, ModelFacts] = {}
+    for name, mcfg in config.models.items():
+        if mcfg.kind != "hf":
+            continue
+        path, _ = _model_source(mcfg, name)
+        dtype = "float32" if mcfg.dtype == "auto" else mcfg.dtype
+        if path is None:
+            model, _tok = build_tiny_model()
+            hf_config, wbytes, measured = model.config, weight_bytes(model), True
+        else:
+            try:
+                hf_config = AutoConfig.from_pretrained(path)
+                wbytes, measured = weight_bytes_from_dir(path, dtype), False
+            except (OSError, ValueError, SemcommError) as exc:
+                raise ConfigError(f"models.{name}.path: cannot plan {path!r}: {exc}") from exc
+        workers = max(1, mcfg.workers)
+        facts[name] = ModelFacts(config=hf_config, weight_bytes=wbytes, measured=measured,
+                                 dtype=dtype, max_context=mcfg.max_context, kv_bytes=mcfg.kv_bytes,
+                                 pinned=mcfg.pin,
+                                 max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
+    mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
+    return build_plan(facts, limit_bytes=config.server.memory_bytes,
+                      prefix_cache_bytes=mem_tier, baseline_bytes=DEFAULT_BASELINE_BYTES)
 
 
 def _local_members(backend: Any) -> list[LocalBackend]:
