@@ -122,6 +122,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _progress() -> Any:
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -130,8 +131,6 @@ def _progress() -> Any:
         TimeElapsedColumn,
         TransferSpeedColumn,
     )
-
-    from rich.console import Console
 
     return Progress(
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
