@@ -330,8 +330,15 @@ def eval_(
         str, typer.Option(help="With --data: comma list of receiver, sharer, t2t, c2c.")
     ] = "receiver,sharer,t2t,c2c",
     fp32: Annotated[
-        bool, typer.Option(help="With --data: float32 compute instead of bfloat16 autocast.")
+        bool, typer.Option(help="With --data: float32 compute instead of bfloat16.")
     ] = False,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="With --data: bf16 (models cast to bfloat16, fastest) or fp32 (float32 "
+            "weights under bfloat16 autocast)."
+        ),
+    ] = "bf16",
     oracle: Annotated[
         bool | None,
         typer.Option(
@@ -344,8 +351,8 @@ def eval_(
     threads: Annotated[
         int,
         typer.Option(
-            help="CPU threads for torch during the evaluation (0: torch's default; "
-            "default 1 for the reference world, torch's default with --data)."
+            help="CPU threads for torch during the evaluation (0: torch's default; 1, the "
+            "default, is the fastest on busy shared cores)."
         ),
     ] = -1,
 ) -> None:
@@ -357,7 +364,7 @@ def eval_(
     from ..reference import build_world
 
     if threads < 0:
-        threads = 0 if data is not None else 1
+        threads = 1
     if threads > 0:
         torch.set_num_threads(threads)
     if data is not None:
@@ -376,6 +383,7 @@ def eval_(
             bf16=not fp32,
             oracle=bool(oracle),
             device=device,
+            weights=weights,
         )
         return
     oracle = True if oracle is None else oracle
@@ -446,6 +454,7 @@ def _eval_mcqa(
     bf16: bool,
     oracle: bool,
     device: str,
+    weights: str,
 ) -> None:
     from ..errors import InvalidInputError
     from ..fusion._eval import plot_results
@@ -471,6 +480,7 @@ def _eval_mcqa(
             settings=settings,
             oracle=oracle,
             device=device,
+            weights=weights,
             progress=lambda i, n: prog.update(task, completed=i),
         )
     setup = doc["setup"]
