@@ -68,6 +68,7 @@ class EngineRunner:
         self._engines: dict[tuple[str | None, bool], Any] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
+        self._windowed = bool(first.layout.sliding)  # any sliding-window layer
         self.max_positions = int(first.max_positions or 2048)
         self.eos_ids = set(first.eos_token_ids)
         self.pad_id = pad_id_for(tokenizer, self.eos_ids)
@@ -131,6 +132,12 @@ class EngineRunner:
     def run(self, jobs: list[Job]) -> None:
         if len(jobs) == 1:
             self._run_one(jobs[0])
+            return
+        if self._windowed:
+            # a restored sliding-window layer holds only its window, not the left-paddable
+            # whole prompt the batched path below needs: such models run one job at a time
+            for job in jobs:
+                self._run_one(job)
             return
         import torch
         from transformers import DynamicCache
