@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from semcomm.fusion._toy import toy_pair
 
 from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
 
-QUESTIONS = [
+QUESTIONS: list[dict[str, Any]] = [
     {"question": "Which fox is red?", "choices": ["the red fox", "a blue dog"], "answer": 0},
     {"question": "Where is the river?", "choices": ["tower", "café", "東京 river"], "answer": 2},
     {"question": "What is blue?", "choices": ["dog", "blue river", "fox", "red"], "answer": 1},
@@ -281,7 +282,7 @@ def test_stream_yields_the_generated_text(sides) -> None:
     if gen.token_ids:
         assert len(pieces) >= 1 and "first_piece_ms" in stats
     # closing early stops decoding
-    it = pipe.stream(shared, max_new_tokens=50, stats=(early := {}))
+    it = pipe.stream(shared, max_new_tokens=50, stats=(early := dict[str, Any]()))
     next(it, None)
     it.close()
     assert early.get("generated_tokens", 0) <= 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,7 +317,7 @@ class FusionPipeline:
         max_new_tokens: int = 256,
         fuse: bool = True,
         stats: dict[str, Any] | None = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """The receiver's greedy answer for ``prefix + shared + suffix`` as text pieces.
 
         The sharer's KV (from ``sharer_engine``'s KV store when cached) is fused before the
