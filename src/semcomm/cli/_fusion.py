@@ -359,7 +359,6 @@ def eval_(
     """Compare receiver alone, sharer alone, text-to-text and C2C on held-out multiple choice."""
     import torch
 
-    from ..fusion._eval import plot_results
     from ..fusion._reference import reference_items, run_eval
     from ..reference import build_world
 
@@ -422,20 +421,7 @@ def eval_(
         f"{summary['t2t_over_c2c_latency']:.2f}x; fuser {setup['fuser_params']:,} parameters "
         f"(receiver {setup['receiver_params']:,}, sharer {setup['sharer_params']:,})"
     )
-    if doc["oracle"] is not None:
-        console.print(
-            "oracle (receiver, same cache length): question {accuracy_question:.3f}, enriched "
-            "{accuracy_enriched:.3f}, full context {accuracy_full_context:.3f}".format(
-                **doc["oracle"]
-            )
-        )
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        console.print(f"wrote {json_out}")
-    if png is not None:
-        plot_results(results, png)
-        console.print(f"wrote {png}")
+    _write_outputs(console, doc, results, json_out, png)
 
 
 def _eval_mcqa(
@@ -457,7 +443,6 @@ def _eval_mcqa(
     weights: str,
 ) -> None:
     from ..errors import InvalidInputError
-    from ..fusion._eval import plot_results
     from ..fusion._mcqa import METHODS, McqaSettings, read_mcqa, run_mcqa_eval
 
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -505,20 +490,7 @@ def _eval_mcqa(
                 for k, v in doc["summary"].items()
             )
         )
-    if doc["oracle"] is not None:
-        console.print(
-            "oracle (receiver, same cache length): question {accuracy_question:.3f}, enriched "
-            "{accuracy_enriched:.3f}, full context {accuracy_full_context:.3f}".format(
-                **doc["oracle"]
-            )
-        )
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        console.print(f"wrote {json_out}")
-    if png is not None:
-        plot_results({m: doc[m] for m in chosen}, png)
-        console.print(f"wrote {png}")
+    _write_outputs(console, doc, {m: doc[m] for m in chosen}, json_out, png)
 
 
 @fusion_app.command("info")
@@ -545,6 +517,27 @@ def info(
         if k in meta:
             console.print(f"{k}: {meta[k]}")
 
+
+
+def _write_outputs(console: Any, doc: dict[str, Any], results: dict[str, Any],
+                   json_out: Path | None, png: Path | None) -> None:
+    """The oracle line, the JSON file and the PNG chart shared by both eval paths."""
+    from ..fusion._eval import plot_results
+
+    if doc["oracle"] is not None:
+        console.print(
+            "oracle (receiver, same cache length): question {accuracy_question:.3f}, enriched "
+            "{accuracy_enriched:.3f}, full context {accuracy_full_context:.3f}".format(
+                **doc["oracle"]
+            )
+        )
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_out}")
+    if png is not None:
+        plot_results(results, png)
+        console.print(f"wrote {png}")
 
 def register(app: typer.Typer) -> None:
     """Attach the `fusion` command group to the main app."""

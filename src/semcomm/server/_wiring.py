@@ -375,10 +375,14 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
 
 def _local_members(backend: Any) -> list[LocalBackend]:
     """The in-process workers behind a model's backend (one, several, or none if upstream)."""
-    inner = getattr(backend, "inner", backend)  # a FaultyBackend wraps the real one
+    from ._replicas import ReplicatedBackend
+
+    inner = backend.inner if isinstance(backend, FaultyBackend) else backend
     if isinstance(inner, LocalBackend):
         return [inner]
-    return [r for r in getattr(inner, "replicas", []) if isinstance(r, LocalBackend)]
+    if isinstance(inner, ReplicatedBackend):  # in-process workers (upstreams are not ours)
+        return [r for r in inner.replicas if isinstance(r, LocalBackend)]
+    return []  # upstream or Ray replicas: their memory is another process's
 
 
 def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_store: Any,
