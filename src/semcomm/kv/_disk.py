@@ -442,6 +442,7 @@ class DiskStore(StoreBase, LruPinning):
                 self._misses += 1
             return None
         added = False
+        evicted: list[ChunkKey] = []
         with self._lock:
             self._hits += 1
             if key in self._lru:
@@ -451,7 +452,10 @@ class DiskStore(StoreBase, LruPinning):
                 # re-indexed, which would put the budget over its cap)
                 self._lru.add(key, len(data), parent)
                 added = True
+                evicted = self._enforce_budget(key)
         if added:
+            for k in evicted:
+                self._emit("evict", k, "evict")
             self._emit("store", key, "found")
         return value
 
@@ -540,8 +544,23 @@ class DiskStore(StoreBase, LruPinning):
             for _ in range(job.pins):
                 self._lru.pin(job.key)
             self._puts += 1
+            evicted = self._enforce_budget(job.key)
+        for k in evicted:
+            self._emit("evict", k, "evict")
         if not job.existed:
             self._emit("store", job.key, "put")
+
+    def _enforce_budget(self, protect: ChunkKey | None) -> list[ChunkKey]:
+        """Evict until the index is within the budget again (caller holds ``_lock``).
+
+        Admission reserves room before a write, but concurrent writers, readers indexing a
+        file another writer just renamed into place, and re-listings can still leave the index
+        a chunk over: this restores the bound whatever the interleaving was."""
+        if self._lru.bytes + self._reserved <= self.capacity_bytes:
+            return []
+        with self._flock():
+            _, evicted = self._evict_to(0, protect)
+        return evicted
 
     def _forget_or_keep(self, key: ChunkKey) -> None:
         # the old file is still on disk: re-index it so the budget stays truthful
