@@ -162,7 +162,20 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {("cache" if "cache" in params else "past_key_values"): cache}
 
 
-class BufferLayer(DynamicLayer):
+class _OneSequence:
+    """The engine's cache layers hold one sequence: batch and beam reshuffles are refused."""
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the engine's cache holds one sequence")
+
+
+class BufferLayer(_OneSequence, DynamicLayer):
     """A full-attention layer over a preallocated ``[1, H, capacity, D]`` buffer.
 
     ``update`` writes the new keys/values in place and hands attention a view of the first
@@ -241,20 +254,11 @@ class BufferLayer(DynamicLayer):
     def reset(self) -> None:
         self._set_length(0)
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
-
     def clone(self) -> BufferLayer:
         return BufferLayer(self._bk.clone(), self._bv.clone(), self.length)
 
 
-class BufferWindowLayer(DynamicSlidingWindowLayer):
+class BufferWindowLayer(_OneSequence, DynamicSlidingWindowLayer):
     """A sliding-window layer over a preallocated buffer (window ``w``, see the module doc).
 
     It holds positions ``[start, length)`` at buffer index ``position - base``; attention gets
@@ -347,15 +351,6 @@ class BufferWindowLayer(DynamicSlidingWindowLayer):
 
     def activate_past_recording(self) -> None:  # it always keeps what it computed
         pass
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("the engine's cache holds one sequence")
 
     def clone(self) -> BufferWindowLayer:
         return BufferWindowLayer(self.sliding_window, self._bk.clone(), self._bv.clone(),
