@@ -48,7 +48,7 @@ def serve(
         from rich.console import Console
         from rich.table import Table
 
-        from ..server._wiring import plan_config
+        from ..server import plan_config
 
         plan = plan_config(cfg)
         t = Table(title="memory plan (weights from the model files; baseline a default)")

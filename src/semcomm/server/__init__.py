@@ -21,7 +21,9 @@ from ._batching import BatchingWorker, EngineRunner, Job
 from ._config import DEFAULT_TOML, ServerConfig, load_config
 from ._demo import demo_workload, run_demo, write_demo_chart, write_demo_report
 from ._gateway import Gateway
+from ._memplan import KVAccountant, MemoryMonitor, MemoryPlan, ModelPlan
 from ._pipeline import PipelineBackend
+from ._wiring import build_gateway, plan_config
 
 __all__ = [
     "DEFAULT_TOML",
@@ -33,14 +35,20 @@ __all__ = [
     "Gateway",
     "GenRequest",
     "Job",
+    "KVAccountant",
     "LocalBackend",
+    "MemoryMonitor",
+    "MemoryPlan",
     "ModelBackend",
+    "ModelPlan",
     "PipelineBackend",
     "ServerConfig",
     "UpstreamBackend",
+    "build_gateway",
     "create_app",
     "demo_workload",
     "load_config",
+    "plan_config",
     "run_demo",
     "write_demo_chart",
     "write_demo_report",
