@@ -14,6 +14,12 @@ Invariants:
   (touched again, gained a child, pinned, removed) are skipped when popped and the heap is
   rebuilt when it grows past a few times the entry count.
 * ``bytes`` is the sum of the entry sizes, updated on every add/remove.
+
+:class:`FairChainLru` (the memory tier's ``eviction = "fair"``) keeps the chain rule and pins
+but chooses the victim differently: entries carry a *group* (their KV namespace: one per model
+and tenant) and a hit count; the victim comes from the group holding the most bytes (the one
+most over an equal share of the budget), and within it a chunk hit fewer than ``shared_hits``
+times goes before one hit repeatedly (a shared system prompt), LRU within each class.
 """
 
 from __future__ import annotations
@@ -25,7 +31,24 @@ from dataclasses import dataclass
 from ._keys import ChunkKey
 from ._store import check_key
 
-__all__ = ["ChainLru", "LruEntry", "LruPinning"]
+__all__ = [
+    "EVICTION_POLICIES",
+    "ChainLru",
+    "FairChainLru",
+    "Incoming",
+    "LruEntry",
+    "LruPinning",
+    "make_lru",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """The chunk an insert is making room for (what fair eviction weighs shares with)."""
+
+    group: bytes | None  # its namespace digest
+    size: int  # its encoded bytes
+    capacity: int  # the store's byte budget
 
 
 @dataclass(slots=True)
@@ -36,6 +59,8 @@ class LruEntry:
     parent: ChunkKey | None  # parent chunk key from the header (None: first chunk)
     tick: int  # recency: larger = used more recently
     pins: int = 0  # pin count; > 0 means never evicted
+    group: bytes | None = None  # fair eviction: the chunk's KV namespace digest (set on add)
+    hits: int = 0  # fair eviction: reads since it was stored (``touch``)
 
 
 class ChainLru:
@@ -68,8 +93,11 @@ class ChainLru:
                 self._heap = [(x.tick, k) for k, x in self.entries.items() if self._evictable(k, x)]
                 heapq.heapify(self._heap)
 
-    def add(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> int | None:
-        """Insert or replace ``key`` as most recently used; return the old size if replaced."""
+    def add(self, key: ChunkKey, size: int, parent: ChunkKey | None,
+            group: bytes | None = None) -> int | None:
+        """Insert or replace ``key`` as most recently used; return the old size if replaced.
+
+        ``group``: the chunk's namespace (used by :class:`FairChainLru`; ignored here)."""
         if parent == key:  # a self-parent would make the entry unevictable forever
             parent = None
         old = self.entries.get(key)
@@ -80,7 +108,7 @@ class ChainLru:
             old.tick = self._next_tick()
             self._push(key, old)
             return old_size
-        e = LruEntry(size=size, parent=parent, tick=self._next_tick())
+        e = LruEntry(size=size, parent=parent, tick=self._next_tick(), group=group)
         self.entries[key] = e
         self.bytes += size
         if parent is not None:
@@ -130,11 +158,13 @@ class ChainLru:
     def pinned(self) -> int:
         return sum(1 for e in self.entries.values() if e.pins)
 
-    def victim(self, protect: ChunkKey | None = None) -> ChunkKey | None:
+    def victim(self, protect: ChunkKey | None = None, *, incoming: Incoming | None = None
+               ) -> ChunkKey | None:
         """The entry to evict next (not removed), or None if nothing is evictable.
 
         ``protect`` names one entry that must survive this round (the parent of a chunk being
-        inserted, so the new chunk does not orphan itself).
+        inserted, so the new chunk does not orphan itself). ``incoming`` describes the chunk
+        being inserted (used by :class:`FairChainLru`; ignored here).
         """
         held: list[tuple[int, ChunkKey]] = []
         found: ChunkKey | None = None
@@ -156,6 +186,137 @@ class ChainLru:
     def order(self) -> list[ChunkKey]:
         """Entries least recently used first (diagnostics and tests; O(n log n))."""
         return [k for k, _ in sorted(self.entries.items(), key=lambda kv: kv[1].tick)]
+
+
+class FairChainLru(ChainLru):
+    """Fair shares per namespace, shared prefixes kept longest (see the module docstring).
+
+    Invariants (on top of :class:`ChainLru`'s): ``group_bytes[g]`` is the sum of the sizes of
+    the entries of group ``g`` (groups with no entry are absent); an entry is *hot* when its
+    ``hits >= shared_hits``; the victim is the first evictable entry, in the order (cold before
+    hot, least recently used first), of the group with the most bytes that has one. So a group
+    at or under an equal share of a full budget loses nothing while another is over its share,
+    and its hot chunks go only after its cold ones.
+    """
+
+    def __init__(self, shared_hits: int = 2) -> None:
+        super().__init__()
+        if shared_hits < 1:
+            raise ValueError(f"shared_hits must be >= 1, got {shared_hits}")
+        self.shared_hits = shared_hits
+        self.group_bytes: dict[bytes | None, int] = {}
+        # per group: lazy min-heap of (hot, tick, key); stale items skipped as in ChainLru
+        self._gheaps: dict[bytes | None, list[tuple[bool, int, ChunkKey]]] = {}
+        self._gcount: dict[bytes | None, int] = {}  # entries per group (heap rebuild bound)
+
+    def _hot(self, e: LruEntry) -> bool:
+        return e.hits >= self.shared_hits
+
+    def _push(self, key: ChunkKey, e: LruEntry) -> None:
+        if not self._evictable(key, e):
+            return
+        heap = self._gheaps.setdefault(e.group, [])
+        heapq.heappush(heap, (self._hot(e), e.tick, key))
+        if len(heap) > 4 * self._gcount.get(e.group, 0) + 64:
+            g = e.group
+            heap[:] = [(self._hot(x), x.tick, k) for k, x in self.entries.items()
+                       if x.group == g and self._evictable(k, x)]
+            heapq.heapify(heap)
+
+    def add(self, key: ChunkKey, size: int, parent: ChunkKey | None,
+            group: bytes | None = None) -> int | None:
+        old = self.entries.get(key)
+        if old is not None:  # replaced in place: same group, hits kept
+            old_size = super().add(key, size, parent, old.group)
+            assert old_size is not None
+            self.group_bytes[old.group] += size - old_size
+            return old_size
+        self.group_bytes[group] = self.group_bytes.get(group, 0) + size
+        self._gcount[group] = self._gcount.get(group, 0) + 1
+        return super().add(key, size, parent, group)
+
+    def touch(self, key: ChunkKey) -> None:
+        e = self.entries.get(key)
+        if e is not None:
+            e.hits += 1
+        super().touch(key)
+
+    def remove(self, key: ChunkKey) -> LruEntry | None:
+        e = super().remove(key)
+        if e is None:
+            return None
+        g = e.group
+        left = self.group_bytes[g] - e.size
+        count = self._gcount[g] - 1
+        if count:
+            self.group_bytes[g], self._gcount[g] = left, count
+        else:
+            assert left == 0, "group bytes out of step with its entries"
+            del self.group_bytes[g], self._gcount[g]
+            self._gheaps.pop(g, None)
+        return e
+
+    def _group_victim(self, g: bytes | None, protect: ChunkKey | None) -> ChunkKey | None:
+        heap = self._gheaps.get(g)
+        if not heap:
+            return None
+        held: list[tuple[bool, int, ChunkKey]] = []
+        found: ChunkKey | None = None
+        while heap:
+            hot, tick, key = heap[0]
+            e = self.entries.get(key)
+            if (e is None or e.tick != tick or e.group != g or hot != self._hot(e)
+                    or not self._evictable(key, e)):
+                heapq.heappop(heap)  # stale
+                continue
+            if key == protect:
+                held.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for item in held:
+            heapq.heappush(heap, item)
+        return found
+
+    def victim(self, protect: ChunkKey | None = None, *, incoming: Incoming | None = None
+               ) -> ChunkKey | None:
+        """As :meth:`ChainLru.victim`, from the group holding the most bytes first. With
+        ``incoming``, only groups over an equal share of ``incoming.capacity`` (the incoming
+        chunk counted in its group) may lose an entry: when none of them has an evictable one,
+        None (the insert is refused rather than taken out of a group within its share)."""
+        held = dict(self.group_bytes)
+        share = None
+        if incoming is not None:
+            held[incoming.group] = held.get(incoming.group, 0) + incoming.size
+            share = incoming.capacity / len(held)
+        for g in sorted(held, key=lambda x: held[x], reverse=True):
+            if share is not None and held[g] <= share:
+                break
+            found = self._group_victim(g, protect)
+            if found is not None:
+                return found
+        return None
+
+    def order(self) -> list[ChunkKey]:
+        """Entries in the order fair eviction would take them, chains and pins ignored."""
+        rank = sorted(self.group_bytes, key=lambda x: self.group_bytes[x], reverse=True)
+        pos = {g: i for i, g in enumerate(rank)}
+        return [k for k, _ in sorted(self.entries.items(), key=lambda kv: (
+            pos[kv[1].group], self._hot(kv[1]), kv[1].tick))]
+
+
+EVICTION_POLICIES: dict[str, type[ChainLru]] = {"lru": ChainLru, "fair": FairChainLru}
+"""Eviction bookkeeping by name: ``lru`` (exact LRU over chain tails) or ``fair`` (fair shares
+per namespace, shared prefixes kept longest)."""
+
+
+def make_lru(policy: str) -> ChainLru:
+    """A fresh bookkeeping object for the eviction policy named ``policy``."""
+    try:
+        return EVICTION_POLICIES[policy]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {policy!r}; use one of "
+                         f"{sorted(EVICTION_POLICIES)}") from None
 
 
 class LruPinning:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from ._keys import ChunkKey
-from ._lru import ChainLru, LruPinning
+from ._lru import EVICTION_POLICIES, Incoming, LruPinning, make_lru
 from ._store import PrefixMatch, StoreBase, StoreStats, check_key, validate_chunk
 
 __all__ = ["DEFAULT_MEMORY_CAPACITY", "MemoryStore"]
@@ -26,14 +26,19 @@ class MemoryStore(StoreBase, LruPinning):
       memory is trusted) and marks it most recently used.
     * Eviction (see :class:`ChainLru`): least recently used chain tail first; a chunk whose
       children are cached outlives them; pinned chunks (``pin``/``unpin``, counted) are never
-      evicted. A value that cannot fit without evicting pinned data is not stored
+      evicted. ``eviction="fair"`` (:class:`FairChainLru`, what the server uses) also keeps
+      fair shares per KV namespace (one per model and tenant): the victim comes from the
+      namespace holding the most bytes, and within it chunks read fewer than twice go before
+      shared ones (system prompts), so one model's long session cannot push another model's
+      hot prefixes out. A value that cannot fit without evicting pinned data is not stored
       (``stats().rejected``); the budget is never exceeded.
     * ``lookup`` and ``contains`` do not change recency. Thread-safe.
     """
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int = DEFAULT_MEMORY_CAPACITY, *, name: str = "memory"):
+    def __init__(self, capacity_bytes: int = DEFAULT_MEMORY_CAPACITY, *, name: str = "memory",
+                 eviction: str = "lru"):
         super().__init__()
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
@@ -41,8 +46,13 @@ class MemoryStore(StoreBase, LruPinning):
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}; use one of "
+                             f"{sorted(EVICTION_POLICIES)}")
+        self.eviction = eviction
+        self._fair = eviction == "fair"
         self._data: dict[ChunkKey, bytes] = {}
-        self._lru = ChainLru()
+        self._lru = make_lru(eviction)
         self._lock = threading.Lock()
         self._hits = self._misses = self._puts = self._rejected = self._evictions = 0
 
@@ -67,6 +77,7 @@ class MemoryStore(StoreBase, LruPinning):
         """Store an already validated value; returns False if it could not fit."""
         size = len(value)
         evicted: list[ChunkKey] = []
+        group = self._group(value) if self._fair else None
         with self._lock:
             if size > self.capacity_bytes:
                 self._rejected += 1
@@ -76,8 +87,9 @@ class MemoryStore(StoreBase, LruPinning):
             old_value = self._data.pop(key, None)
             old = self._lru.remove(key) if old_value is not None else None
             ok = True
+            incoming = Incoming(group, size, self.capacity_bytes) if self._fair else None
             while self._lru.bytes + size > self.capacity_bytes:
-                victim = self._lru.victim(protect=parent)
+                victim = self._lru.victim(protect=parent, incoming=incoming)
                 if victim is None:
                     ok = False
                     break
@@ -88,15 +100,17 @@ class MemoryStore(StoreBase, LruPinning):
                 evicted.append(victim)
             if ok:
                 self._data[key] = value
-                self._lru.add(key, size, parent)
+                self._lru.add(key, size, parent, group)
                 self._puts += 1
             else:
                 self._rejected += 1
                 if old_value is not None and old is not None:  # keep what was there
                     self._data[key] = old_value
-                    self._lru.add(key, old.size, old.parent)
+                    self._lru.add(key, old.size, old.parent, old.group)
                     for _ in range(old.pins):
                         self._lru.pin(key)
+            if old is not None:  # a rewrite keeps the chunk's hit count (fair eviction)
+                self._lru.entries[key].hits = old.hits
             if ok and old is not None:
                 for _ in range(old.pins):
                     self._lru.pin(key)
@@ -104,6 +118,13 @@ class MemoryStore(StoreBase, LruPinning):
         if ok and old_value is None:
             self._emit("store", key, reason)
         return ok
+
+    @staticmethod
+    def _group(value: bytes) -> bytes:
+        """The chunk's namespace digest (its fair-eviction group), from its header."""
+        from ._format import read_header
+
+        return bytes.fromhex(read_header(value).namespace)
 
     def _finish(self, evicted: list[ChunkKey]) -> None:
         # must not hold self._lock (subscribers may call back in)
@@ -145,7 +166,7 @@ class MemoryStore(StoreBase, LruPinning):
         with self._lock:
             keys = list(self._data)
             self._data.clear()
-            self._lru = ChainLru()
+            self._lru = make_lru(self.eviction)
         for k in keys:
             self._emit("evict", k, "delete")
 

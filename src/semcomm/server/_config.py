@@ -179,6 +179,9 @@ class KVConfig(_Section):
     enabled: bool = True
     tiers: list[Literal["memory", "disk", "redis"]] = ["memory", "disk"]
     memory_bytes: int = Field(256 * 2**20, ge=0)
+    # the memory tier's eviction: "fair" keeps an equal share per KV namespace (model and
+    # tenant) and shared prefixes longest; "lru" is plain LRU over chain tails
+    memory_eviction: Literal["fair", "lru"] = "fair"
     disk_path: str | None = None  # default: <state_dir>/kv
     disk_bytes: int = Field(2 * 2**30, ge=0)
     redis_url: str | None = None

@@ -111,7 +111,8 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
     sealer = _chunk_sealer(config)
     for tier in kv.tiers:
         if tier == "memory" and hasattr(kvpkg, "MemoryStore"):
-            tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes))
+            tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes,
+                                            eviction=kv.memory_eviction))
         elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
             path = Path(kv.disk_path) if kv.disk_path else config.state_dir() / "kv"
             path.mkdir(parents=True, exist_ok=True)
@@ -219,7 +220,7 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
                    salter: TenantSalter, notes: dict[str, str],
                    loaded: tuple[Any, Any, str] | None = None,
                    worker_name: str | None = None) -> LocalBackend:
-    from ._direct import DirectRunner
+    from ._engine_runner import DirectRunner
 
     model, tok, model_id = loaded if loaded is not None else load_hf(cfg, name)
     runner: Any = None
