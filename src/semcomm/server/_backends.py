@@ -15,15 +15,18 @@ A :class:`ModelBackend` turns a :class:`GenRequest` into a stream of :class:`Sta
 from __future__ import annotations
 
 import asyncio
+import enum
+import gc
 import json
 import logging
 import random
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import InvalidInputError, UpstreamError
+from ..errors import InvalidInputError, OverloadedError, UpstreamError
 from ..security import TenantContext
 from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
@@ -35,6 +38,8 @@ __all__ = [
     "InjectedFault",
     "LocalBackend",
     "ModelBackend",
+    "ModelState",
+    "Residency",
     "StreamItem",
     "UpstreamBackend",
     "collect",
@@ -135,30 +140,200 @@ def render_prompt(tokenizer: Any, req: GenRequest) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+class ModelState(enum.Enum):
+    """Where an in-process model's weights are: LOADED -> UNLOADED (idle past keep-alive) ->
+    LOADING (a request arrived) -> LOADED. Only :class:`LocalBackend` changes it."""
+
+    LOADED = "loaded"
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+
+
+@dataclass(slots=True)
+class Residency:
+    """Keep-alive bookkeeping of one :class:`LocalBackend` (changed under its state lock)."""
+
+    state: ModelState = ModelState.LOADED
+    unloads: int = 0  # times the idle weights were dropped
+    reloads: int = 0  # times a request brought them back
+    reload_s_total: float = 0.0  # wall seconds spent reloading, all reloads together
+    last_reload_s: float = 0.0  # the latest reload's wall seconds
+    idle_since: float | None = None  # monotonic time the last request ended (None: busy)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state.value, "loaded": self.state is ModelState.LOADED,
+                "unloads": self.unloads, "reloads": self.reloads,
+                "reload_s_total": round(self.reload_s_total, 4),
+                "last_reload_s": round(self.last_reload_s, 4)}
+
+
 class LocalBackend:
-    """An in-process model: requests become :class:`Job` s on a :class:`BatchingWorker`."""
+    """An in-process model: requests become :class:`Job` s on a :class:`BatchingWorker`.
+
+    Keep-alive (``keep_alive_s`` with a ``reload`` factory): once no request has run for
+    ``keep_alive_s`` seconds the worker is closed and the model object dropped (its weights
+    freed; the KV chunks it stored stay in the shared store), and the next request waits while
+    ``reload()`` builds a fresh worker over a freshly loaded model. The tokenizer is kept (a
+    request can be rendered and admitted without the weights). Reload time is counted in
+    :attr:`residency`. Without ``reload`` the model stays loaded.
+    """
 
     kind = "hf"
 
-    def __init__(self, name: str, worker: BatchingWorker, *, kv_reuse: bool = False) -> None:
+    def __init__(self, name: str, worker: BatchingWorker, *, kv_reuse: bool = False,
+                 reload: Callable[[], BatchingWorker] | None = None,
+                 keep_alive_s: float | None = None) -> None:
         self.name = name
-        self.worker = worker
-        self.runner = worker.runner
+        self._worker: BatchingWorker | None = worker
         self.tokenizer = worker.runner.tokenizer
+        self.model_id = worker.runner.model_id
+        self.max_positions = int(worker.runner.max_positions)
         self.kv_reuse = kv_reuse  # the runner restores cached KV prefixes
         # the process's KV admission (semcomm.server._memplan.KVAccountant), set once by
         # build_gateway; None admits every request
         self.memory: Any = None
+        self._reload = reload
+        self.keep_alive_s = keep_alive_s if reload is not None else None
+        self.residency = Residency()
+        self._state_lock = threading.Lock()  # guards _worker, _active, _timer, residency
+        self._load_lock = threading.Lock()  # one reload at a time
+        self._active = 0  # requests between acquire and release
+        self._timer: threading.Timer | None = None
+        self._past_namespaces: set[bytes] = set()  # KV namespaces of unloaded runners
+        self._closed = False
+        self._arm_timer()
+
+    # --- residency ------------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return self._worker is not None
+
+    @property
+    def worker(self) -> BatchingWorker:
+        """The batching worker, reloading the model first if keep-alive dropped it."""
+        w = self._worker
+        return w if w is not None else self._load()
+
+    @property
+    def runner(self) -> Any:
+        """The runner (it holds the model), reloading the model first if it was dropped."""
+        return self.worker.runner
+
+    @property
+    def loaded_runner(self) -> Any:
+        """The runner when the model is loaded, None when keep-alive dropped it (no reload)."""
+        w = self._worker
+        return None if w is None else w.runner
+
+    def namespaces(self) -> set[bytes]:
+        """KV namespace digests this model has stored under, loaded or not."""
+        out = set(self._past_namespaces)
+        fn = getattr(self.loaded_runner, "namespaces", None)
+        if fn is not None:
+            out.update(fn())
+        return out
+
+    def _load(self) -> BatchingWorker:
+        with self._load_lock:
+            w = self._worker
+            if w is not None:
+                return w
+            if self._reload is None or self._closed:
+                raise OverloadedError(f"model {self.name!r} is shutting down", retry_after_s=5)
+            with self._state_lock:
+                self.residency.state = ModelState.LOADING
+            t0 = time.perf_counter()
+            try:
+                w = self._reload()
+            except BaseException:
+                with self._state_lock:
+                    self.residency.state = ModelState.UNLOADED
+                raise
+            dt = time.perf_counter() - t0
+            with self._state_lock:
+                self._worker = w
+                r = self.residency
+                r.state, r.reloads, r.last_reload_s = ModelState.LOADED, r.reloads + 1, dt
+                r.reload_s_total += dt
+            log.info("model %s reloaded in %.2f s", self.name, dt)
+            return w
+
+    def _acquire(self) -> BatchingWorker | None:
+        with self._state_lock:
+            self._active += 1
+            self.residency.idle_since = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return self._worker
+
+    async def _acquire_loaded(self) -> BatchingWorker:
+        w = self._acquire()
+        if w is None:
+            try:
+                w = await asyncio.to_thread(self._load)
+            except BaseException:
+                self._release()
+                raise
+        return w
+
+    def _release(self) -> None:
+        with self._state_lock:
+            self._active -= 1
+            assert self._active >= 0, "release without acquire"
+            if self._active == 0:
+                self.residency.idle_since = time.monotonic()
+                self._arm_timer_locked()
+
+    def _arm_timer(self) -> None:
+        with self._state_lock:
+            self._arm_timer_locked()
+
+    def _arm_timer_locked(self) -> None:
+        if self.keep_alive_s is None or self._closed or self._worker is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.keep_alive_s, self.unload_if_idle)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def unload_if_idle(self) -> bool:
+        """Drop the model now if no request is running (what the keep-alive timer calls).
+
+        Returns True when the weights were dropped. Nothing happens without a ``reload``
+        factory (the model could not come back)."""
+        if self._reload is None:
+            return False
+        with self._load_lock, self._state_lock:
+            if self._active or self._worker is None:
+                return False
+            worker, self._worker = self._worker, None
+            self._timer = None
+            fn = getattr(worker.runner, "namespaces", None)
+            if fn is not None:
+                self._past_namespaces.update(fn())
+            self.residency.state = ModelState.UNLOADED
+            self.residency.unloads += 1
+        worker.close()  # its thread is idle: no job is queued or running
+        del worker, fn
+        gc.collect()  # the model, its engines and their caches hold each other
+        log.info("model %s unloaded after %.0f s idle", self.name, self.keep_alive_s or 0)
+        return True
 
     def status(self) -> BackendStatus:
-        return BackendStatus(up=True, detail=f"in-process {self.runner.model_id}",
-                             queue_depth=self.worker.queue_depth, in_flight=self.worker.in_flight)
+        w = self._worker
+        if w is None:
+            return BackendStatus(up=True, detail=f"in-process {self.model_id} (unloaded: idle "
+                                 "past keep_alive_s, reloads on the next request)")
+        return BackendStatus(up=True, detail=f"in-process {self.model_id}",
+                             queue_depth=w.queue_depth, in_flight=w.in_flight)
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
         ids = render_prompt(self.tokenizer, req)
         if not ids:
             raise InvalidInputError("the prompt is empty after rendering")
-        limit = self.runner.max_positions
+        limit = self.max_positions
         if len(ids) + 1 > limit:
             raise InvalidInputError(
                 f"the prompt has {len(ids)} tokens; model {self.name!r} accepts at most "
@@ -166,21 +341,35 @@ class LocalBackend:
             )
         return ids
 
+    def kv_tokens(self, req: GenRequest) -> int:
+        """Tokens of KV the request would reserve: its prompt plus ``max_tokens`` (capped)."""
+        n = len(self.prompt_ids(req))
+        return n + min(req.max_tokens, self.max_positions - n)
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        self.worker.arriving(1)
+        worker = await self._acquire_loaded()
+        try:
+            async for item in self._stream(worker, req):
+                yield item
+        finally:
+            self._release()
+
+    async def _stream(self, worker: BatchingWorker, req: GenRequest) -> AsyncIterator[StreamItem]:
+        runner = worker.runner
+        worker.arriving(1)
         try:
             ids = self.prompt_ids(req)
         except BaseException:
-            self.worker.arriving(-1)
+            worker.arriving(-1)
             raise
-        max_new = min(req.max_tokens, self.runner.max_positions - len(ids))
+        max_new = min(req.max_tokens, self.max_positions - len(ids))
         reservation = None
         if self.memory is not None:  # KV headroom for prompt + max_tokens, or wait, or 429
             try:
                 reservation = await asyncio.to_thread(self.memory.reserve, self.name,
                                                       len(ids) + max_new)
             except BaseException:
-                self.worker.arriving(-1)
+                worker.arriving(-1)
                 raise
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -194,13 +383,13 @@ class LocalBackend:
                   emit=emit, snapshot=req.snapshot, digest=ctx.digest or None,
                   isolate=ctx.isolate)
         try:
-            self.worker.submit(job)  # OverloadedError when the queue is full
+            worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:
             if reservation is not None:
                 self.memory.release(reservation)
             raise
         finally:
-            self.worker.arriving(-1)
+            worker.arriving(-1)
         done = False
         hits: list[str] = []
         try:
@@ -215,7 +404,7 @@ class LocalBackend:
                 elif isinstance(event, Finished):
                     done = True
                     out = event.output
-                    meta: dict[str, Any] = {"model": self.name, "engine": self.runner.model_id}
+                    meta: dict[str, Any] = {"model": self.name, "engine": runner.model_id}
                     if out.hit_tiers:
                         meta["kv_tiers"] = sorted(set(out.hit_tiers))
                     meta.update(out.extra)
@@ -236,7 +425,14 @@ class LocalBackend:
                 self.memory.release(reservation)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.worker.close)
+        with self._state_lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            w = self._worker
+        if w is not None:
+            await asyncio.to_thread(w.close)
 
 
 # --- upstream ---------------------------------------------------------------------------------

@@ -153,6 +153,9 @@ class ModelConfig(_Section):
     kv_bytes: int | None = Field(None, ge=1)
     max_context: int | None = Field(None, ge=2)
     pin: bool = False
+    # unload the idle weights after this many seconds without a request, reload on the next
+    # one (None: stay loaded). ``pin = true`` wins: a pinned model is never unloaded
+    keep_alive_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelConfig:
@@ -164,6 +167,12 @@ class ModelConfig(_Section):
             raise ValueError("base_url and base_urls are only for kind = 'upstream'")
         if self.kind == "upstream" and self.workers != 1:
             raise ValueError("workers is for kind = 'hf'; an upstream's replicas are base_urls")
+        if self.keep_alive_s is not None and self.kind != "hf":
+            raise ValueError("keep_alive_s is for in-process models (kind = 'hf'); an "
+                             "upstream's memory is its own")
+        if self.keep_alive_s is not None and self.workers != 1 and not self.pin:
+            raise ValueError(f"keep_alive_s needs workers = 1 (got workers = {self.workers}): "
+                             "workers share one loaded model")
         urls = [u.rstrip("/") for u in self.base_urls]
         if any(not u for u in urls) or len(set(urls)) != len(urls):
             raise ValueError(f"base_urls must be distinct, non-empty URLs, got {self.base_urls}")

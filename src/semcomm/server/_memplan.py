@@ -245,6 +245,13 @@ class MemoryPlan:
         return (self.baseline_bytes + self.prefix_cache_bytes
                 + sum(m.planned_bytes for m in self.models.values()))
 
+    def planned_now_bytes(self, loaded: Mapping[str, bool]) -> int:
+        """The plan with the models keep-alive has unloaded taken out (their weights are
+        freed, and they hold no live KV until a request reloads them); ``loaded`` maps a model
+        to whether its weights are in memory (absent: loaded)."""
+        return (self.baseline_bytes + self.prefix_cache_bytes
+                + sum(m.planned_bytes for n, m in self.models.items() if loaded.get(n, True)))
+
     @property
     def pinned_floor_bytes(self) -> int:
         """What must fit no matter what: baseline, pinned weights, one request per model."""
@@ -429,11 +436,24 @@ class MemoryMonitor:
     """
 
     def __init__(self, plan: MemoryPlan, accountant: KVAccountant, *,
-                 namespaces: Any = None, tier_bytes: Any = None) -> None:
+                 namespaces: Any = None, tier_bytes: Any = None, residency: Any = None) -> None:
         self.plan = plan
         self.accountant = accountant
         self._namespaces = namespaces
         self._tier_bytes = tier_bytes
+        # () -> {model: Residency.as_dict()}: keep-alive state (loaded, unloads, reloads)
+        self._residency = residency
+
+    def residency(self) -> dict[str, dict[str, Any]]:
+        return dict(self._residency()) if self._residency is not None else {}
+
+    def fits(self, model: str, tokens: int) -> bool:
+        """Whether a request holding ``tokens`` of KV fits the model's headroom now (True for
+        a model the plan does not cover)."""
+        p = self.plan.models.get(model)
+        if p is None:
+            return True
+        return tokens <= p.max_context and p.kv.bytes_for(tokens) <= self.accountant.headroom(model)
 
     def cached_bytes(self) -> dict[str, int]:
         if self._namespaces is None or self._tier_bytes is None:
@@ -447,17 +467,26 @@ class MemoryMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         cached = self.cached_bytes()
+        res = self.residency()
         models = {}
         for name, p in self.plan.models.items():
             live = self.accountant.live_bytes(name)
+            r = res.get(name) or {"state": "loaded", "loaded": True, "unloads": 0, "reloads": 0,
+                                  "reload_s_total": 0.0, "last_reload_s": 0.0}
             models[name] = {
-                "weight_bytes": p.weight_bytes, "kv_bytes_per_token": p.kv.bytes_per_token,
+                "weight_bytes": p.weight_bytes,
+                "weight_resident_bytes": p.weight_bytes if r["loaded"] else 0,
+                "kv_bytes_per_token": p.kv.bytes_per_token,
                 "kv_budget_bytes": p.kv_budget_bytes, "kv_live_bytes": live,
                 "kv_cached_bytes": cached.get(name, 0), "kv_bytes": live + cached.get(name, 0),
+                "kv_headroom_bytes": p.kv_budget_bytes - live,
                 "max_context": p.max_context, "pinned": p.pinned,
-                "refused": self.accountant.refused.get(name, 0),
+                "keep_alive_s": p.keep_alive_s,
+                "refused": self.accountant.refused.get(name, 0), **r,
             }
+        loaded = {n: bool(m["loaded"]) for n, m in models.items()}
         return {"limit_bytes": self.plan.limit_bytes, "planned_bytes": self.plan.planned_bytes,
+                "planned_now_bytes": self.plan.planned_now_bytes(loaded),
                 "baseline_bytes": self.plan.baseline_bytes,
                 "prefix_cache_bytes": self.plan.prefix_cache_bytes,
                 "rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),

@@ -64,8 +64,21 @@ class _MemoryCollector(Collector):
             snap = self.source()
         except Exception:  # a scrape must not fail
             return
-        w = GaugeMetricFamily("semcomm_memory_weight_bytes", "Weight bytes per in-process model",
+        w = GaugeMetricFamily("semcomm_memory_weight_bytes", "Weight bytes each in-process "
+                              "model holds in memory now (0 while keep-alive has it unloaded)",
                               labels=["model"])
+        loaded = GaugeMetricFamily("semcomm_memory_loaded", "1 when the model's weights are "
+                                   "loaded, 0 while keep-alive has them unloaded",
+                                   labels=["model"])
+        reloads = CounterMetricFamily("semcomm_memory_reloads", "Reloads of weights that "
+                                      "keep-alive unloaded", labels=["model"])
+        unloads = CounterMetricFamily("semcomm_memory_unloads", "Unloads of idle weights "
+                                      "(keep_alive_s)", labels=["model"])
+        reload_s = CounterMetricFamily("semcomm_memory_reload_seconds", "Wall seconds spent "
+                                       "reloading weights (requests waited this long)",
+                                       labels=["model"])
+        headroom = GaugeMetricFamily("semcomm_memory_kv_headroom_bytes", "Live KV budget not "
+                                     "reserved by running requests", labels=["model"])
         kv = GaugeMetricFamily("semcomm_memory_kv_bytes", "KV bytes held per model: live "
                                "(running requests) plus its prefix cache in memory",
                                labels=["model"])
@@ -74,14 +87,23 @@ class _MemoryCollector(Collector):
         budget = GaugeMetricFamily("semcomm_memory_kv_budget_bytes",
                                    "Live KV budget per model (the plan)", labels=["model"])
         for name, m in snap["models"].items():
-            w.add_metric([name], m["weight_bytes"])
+            w.add_metric([name], m.get("weight_resident_bytes", m["weight_bytes"]))
             kv.add_metric([name], m["kv_bytes"])
             live.add_metric([name], m["kv_live_bytes"])
             budget.add_metric([name], m["kv_budget_bytes"])
-        yield from (w, kv, live, budget)
+            headroom.add_metric([name], m.get("kv_headroom_bytes", 0))
+            loaded.add_metric([name], 1 if m.get("loaded", True) else 0)
+            reloads.add_metric([name], m.get("reloads", 0))
+            unloads.add_metric([name], m.get("unloads", 0))
+            reload_s.add_metric([name], m.get("reload_s_total", 0.0))
+        yield from (w, kv, live, budget, headroom, loaded, reloads, unloads, reload_s)
         yield GaugeMetricFamily("semcomm_memory_planned_bytes", "The whole process as the memory "
                                 "plan predicts it (baseline, weights, KV budgets, memory tier)",
                                 value=snap["planned_bytes"])
+        if "planned_now_bytes" in snap:
+            yield GaugeMetricFamily("semcomm_memory_planned_now_bytes", "The plan with the "
+                                    "models keep-alive unloaded taken out",
+                                    value=snap["planned_now_bytes"])
         yield GaugeMetricFamily("semcomm_memory_rss_bytes", "Resident bytes of this process now",
                                 value=snap["rss_bytes"])
         yield GaugeMetricFamily("semcomm_memory_peak_rss_bytes", "Peak resident bytes so far",

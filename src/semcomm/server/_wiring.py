@@ -216,13 +216,14 @@ def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
     return cls(url) if sealer is None else cls(url, sealer=sealer)
 
 
-def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
-                   salter: TenantSalter, notes: dict[str, str],
-                   loaded: tuple[Any, Any, str] | None = None,
-                   worker_name: str | None = None) -> LocalBackend:
+def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
+                  salter: TenantSalter, notes: dict[str, str], loaded: tuple[Any, Any, str],
+                  worker_name: str | None) -> tuple[BatchingWorker, bool]:
+    """A batching worker over a loaded model (engine runner with KV reuse when it can), and
+    whether it reuses KV."""
     from ._engine_runner import DirectRunner
 
-    model, tok, model_id = loaded if loaded is not None else load_hf(cfg, name)
+    model, tok, model_id = loaded
     runner: Any = None
     kv_reuse = False
     if cfg.kv_cache and store is not None:
@@ -240,7 +241,42 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
                             max_queue=cfg.max_queue or config.server.max_queue,
                             name=worker_name or name,
                             batch_wait_s=config.server.batch_wait_ms / 1000)
-    return LocalBackend(name, worker, kv_reuse=kv_reuse)
+    return worker, kv_reuse
+
+
+def _keep_alive(name: str, cfg: ModelConfig, config: ServerConfig,
+                notes: dict[str, str]) -> float | None:
+    """The model's effective keep-alive: None when pinned (pin wins) or when a C2C handoff
+    may hold its weights (a fuser keeps the model object it was built over)."""
+    if cfg.keep_alive_s is None:
+        return None
+    if cfg.pin:
+        notes[f"keep_alive:{name}"] = "pinned: never unloaded (pin wins over keep_alive_s)"
+        return None
+    for pname, p in config.pipelines.items():
+        models = {st.model for st in p.stages}
+        if name in models and len(models) > 1 and p.handoff in ("auto", "c2c"):
+            notes[f"keep_alive:{name}"] = (f"stays loaded: pipeline {pname!r} may hand off "
+                                           "by C2C, whose fuser holds the model")
+            return None
+    notes[f"keep_alive:{name}"] = f"unloaded after {cfg.keep_alive_s:g} s idle"
+    return cfg.keep_alive_s
+
+
+def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
+                   salter: TenantSalter, notes: dict[str, str],
+                   loaded: tuple[Any, Any, str] | None = None,
+                   worker_name: str | None = None) -> LocalBackend:
+    first = loaded if loaded is not None else load_hf(cfg, name)
+    worker, kv_reuse = _build_worker(name, cfg, config, store, salter, notes, first, worker_name)
+    del first  # the worker's runner holds the model; keep-alive must be able to drop it
+    keep = _keep_alive(name, cfg, config, notes) if worker_name is None else None
+    reload = None
+    if keep is not None:
+        def reload() -> BatchingWorker:  # a fresh model and worker, as at start-up
+            return _build_worker(name, cfg, config, store, salter, {}, load_hf(cfg, name),
+                                 None)[0]
+    return LocalBackend(name, worker, kv_reuse=kv_reuse, reload=reload, keep_alive_s=keep)
 
 
 def _chunk(cfg: ModelConfig, config: ServerConfig) -> int:
@@ -368,6 +404,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         facts[name] = ModelFacts(config=hf_config, weight_bytes=wbytes, measured=measured,
                                  dtype=dtype, max_context=mcfg.max_context, kv_bytes=mcfg.kv_bytes,
                                  pinned=mcfg.pin,
+                                 keep_alive_s=None if mcfg.pin else mcfg.keep_alive_s,
                                  max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
     mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
     return build_plan(facts, limit_bytes=config.server.memory_bytes,
@@ -405,8 +442,9 @@ def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_st
         facts[name] = ModelFacts(
             config=model.config, weight_bytes=weight_bytes(model), measured=True,
             dtype=str(next(model.parameters()).dtype), max_context=mcfg.max_context,
-            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin,
+            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin, keep_alive_s=local[0].keep_alive_s,
             max_batch=(mcfg.max_batch or config.server.max_batch) * len(local))
+        del runner, model
         members[name] = local
     mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
     plan = build_plan(facts, limit_bytes=config.server.memory_bytes, prefix_cache_bytes=mem_tier,
@@ -424,17 +462,19 @@ def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_st
     def namespaces() -> dict[str, set[bytes]]:
         out: dict[str, set[bytes]] = {}
         for name, local in members.items():
-            for b in local:
-                fn = getattr(b.runner, "namespaces", None)
-                if fn is not None:
-                    out.setdefault(name, set()).update(fn())
+            for b in local:  # loaded or not: an unloaded model's chunks stay in the store
+                out.setdefault(name, set()).update(b.namespaces())
         return out
+
+    def residency() -> dict[str, dict[str, Any]]:
+        return {name: local[0].residency.as_dict() for name, local in members.items()}
 
     limit = config.server.memory_bytes
     notes["memory"] = (f"plan {plan.planned_bytes / 2**20:,.0f} MiB"
                        + (f" of {limit / 2**20:,.0f} MiB" if limit else " (no limit set)"))
     return MemoryMonitor(plan, accountant, namespaces=namespaces,
-                         tier_bytes=tier.namespace_bytes if tier is not None else None)
+                         tier_bytes=tier.namespace_bytes if tier is not None else None,
+                         residency=residency)
 
 
 def build_guard(config: ServerConfig, salter: TenantSalter, notes: dict[str, str]
