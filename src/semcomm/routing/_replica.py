@@ -6,6 +6,12 @@ keys), asks its :class:`~semcomm.routing.PrefixIndex` which replica holds how mu
 prefix, lets a policy choose, and tracks per-replica load (requests in flight and predicted
 prefill backlog). Callers report progress with :meth:`ReplicaRouter.prefill_done` and
 :meth:`ReplicaRouter.complete`; the simulator makes exactly the same calls.
+
+KV headroom (token-aware balancing): a caller that knows how many KV bytes each replica may
+still hold sets them with :meth:`ReplicaRouter.set_kv_free` and passes a request's need as
+``route(..., kv_bytes=...)``. Replicas without room for it are charged ``kv_wait_s`` of extra
+backlog in the policy's view (the load term), and the router never picks one of them while
+another has room; when none has room, the one with the most goes (it waits the least).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class RouteDecision:
     backlog_s: float = field(default=0.0, repr=False)  # prefill seconds this request adds to the backlog
     match: dict[int, int] = field(default_factory=dict, repr=False)  # index match at planning time
     state: DecisionState = DecisionState.PLANNED  # advanced only by the router
+    kv_fit: bool = True  # the chosen replica had KV headroom for the request (or none was known)
 
 
 class ReplicaRouter:
@@ -69,6 +76,7 @@ class ReplicaRouter:
         cost: cost model for TTFT prediction.
         slo_ttft_s: TTFT objective used by SLO-aware policies.
         policy_options: keyword options for the policy factory.
+        kv_wait_s: backlog (seconds) charged to a replica without KV headroom for a request.
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class ReplicaRouter:
         cost: CostModel | None = None,
         slo_ttft_s: float = 2.0,
         policy_options: dict[str, Any] | None = None,
+        kv_wait_s: float = 1.0,
     ) -> None:
         names = [str(i) for i in range(replicas)] if isinstance(replicas, int) else list(replicas)
         if not names:
@@ -114,6 +123,9 @@ class ReplicaRouter:
         self.inflight = np.zeros(n, dtype=np.int64)  # requests routed, not completed
         self.backlog_s = np.zeros(n, dtype=np.float64)  # predicted prefill seconds not yet done
         self.routed = np.zeros(n, dtype=np.int64)  # total requests routed per replica
+        # KV bytes each replica may still hold (NaN: unknown, never filters); set_kv_free
+        self.kv_free = np.full(n, np.nan, dtype=np.float64)
+        self.kv_wait_s = kv_wait_s
 
     # -- routing ------------------------------------------------------------------------------
     @property
@@ -137,14 +149,17 @@ class ReplicaRouter:
         *,
         keys: Sequence[Hashable] | None = None,
         num_tokens: int | None = None,
+        kv_bytes: int | None = None,
     ) -> RouteDecision:
         """Choose a replica for a prompt given as the full conversation's token ids, and record it.
 
         Pass ``token_ids`` (keys are computed like the KV store does), or precomputed ``keys``
-        with ``num_tokens``. The decision is recorded: the approximate index learns it and the
-        replica's load grows until :meth:`complete`. Same as ``record(plan(...))``.
+        with ``num_tokens``; ``kv_bytes``: the KV the request will hold (prompt plus output),
+        weighed against :attr:`kv_free`. The decision is recorded: the approximate index learns
+        it and the replica's load grows until :meth:`complete`. Same as ``record(plan(...))``.
         """
-        return self.record(self.plan(token_ids, keys=keys, num_tokens=num_tokens))
+        return self.record(self.plan(token_ids, keys=keys, num_tokens=num_tokens,
+                                     kv_bytes=kv_bytes))
 
     def plan(
         self,
@@ -152,6 +167,7 @@ class ReplicaRouter:
         *,
         keys: Sequence[Hashable] | None = None,
         num_tokens: int | None = None,
+        kv_bytes: int | None = None,
     ) -> RouteDecision:
         """Choose a replica without recording anything (for callers that may send elsewhere)."""
         if token_ids is not None:
@@ -167,13 +183,21 @@ class ReplicaRouter:
         else:
             raise InvalidInputError("route() needs token_ids or keys")
         match = self.index.match(ks)
+        fit = None
+        backlog = self.backlog_s
+        if kv_bytes is not None and kv_bytes > 0:
+            fit = ~(self.kv_free < kv_bytes)  # NaN (unknown) compares False: counts as room
+            if fit.all():
+                fit = None
+            else:  # the load term: a replica without room would make the request wait
+                backlog = self.backlog_s + np.where(fit, 0.0, self.kv_wait_s)
         view = RouteView(
             num_tokens=n,
             keys=ks,
             match=match,
             chunk_size=self.chunk_size,
             inflight=self.inflight,
-            backlog_s=self.backlog_s,
+            backlog_s=backlog,
             sizes=self._sizes,
             capacity_chunks=self.capacity_chunks,
             cost=self.cost,
@@ -181,7 +205,23 @@ class ReplicaRouter:
         )
         r = self.policy.choose(view)
         assert 0 <= r < self.num_replicas, f"policy {self.policy.name} returned slot {r}"
-        return self._decision(r, n, ks, match)
+        if fit is not None and not fit[r]:
+            room = np.flatnonzero(fit)
+            if len(room):  # the cheapest replica that has room
+                ttft = predicted_ttft(view)
+                r = int(room[np.argmin(ttft[room])])
+            else:  # nobody has room: the one with the most waits the least
+                r = int(np.nanargmax(self.kv_free))
+        decision = self._decision(r, n, ks, match)
+        decision.kv_fit = fit is None or bool(fit[r])
+        return decision
+
+    def set_kv_free(self, free: Sequence[float | None] | np.ndarray) -> None:
+        """KV bytes each replica may still hold, in slot order (None or NaN: unknown)."""
+        arr = np.array([np.nan if f is None else float(f) for f in free], dtype=np.float64)
+        if arr.shape != (self.num_replicas,):
+            raise ValueError(f"set_kv_free needs {self.num_replicas} values, got {len(arr)}")
+        self.kv_free = arr
 
     def _decision(self, r: int, n: int, ks: Sequence[Hashable], match: dict[int, int]) -> RouteDecision:
         m = match.get(r, 0)
@@ -328,6 +368,7 @@ class ReplicaRouter:
         self.inflight = carry(self.inflight)
         self.backlog_s = carry(self.backlog_s)
         self.routed = carry(self.routed)
+        self.kv_free = np.full(len(names), np.nan, dtype=np.float64)
         self.names = names
         self._slot_of = {n: i for i, n in enumerate(names)}
         logger.info("replica set changed: %d replicas", len(names))

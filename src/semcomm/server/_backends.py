@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,8 @@ from ..security import TenantContext
 from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
 __all__ = [
+    "FORWARD_TENANT",
+    "VLLM_TENANT_PARAM",
     "BackendStatus",
     "Completion",
     "FaultyBackend",
@@ -44,6 +47,7 @@ __all__ = [
     "UpstreamBackend",
     "collect",
     "render_prompt",
+    "upstream_tenant_fields",
 ]
 
 log = logging.getLogger(__name__)
@@ -185,6 +189,7 @@ class LocalBackend:
                  keep_alive_s: float | None = None) -> None:
         self.name = name
         self._worker: BatchingWorker | None = worker
+        self.worker_name = worker.name  # "<model>/worker-<i>" for one of several workers
         self.tokenizer = worker.runner.tokenizer
         self.model_id = worker.runner.model_id
         self.max_positions = int(worker.runner.max_positions)
@@ -341,6 +346,12 @@ class LocalBackend:
             )
         return ids
 
+    def kv_headroom(self) -> int | None:
+        """KV bytes this worker may still reserve (None: no memory plan)."""
+        if self.memory is None:
+            return None
+        return int(self.memory.worker_headroom(self.name, self.worker_name))
+
     def kv_tokens(self, req: GenRequest) -> int:
         """Tokens of KV the request would reserve: its prompt plus ``max_tokens`` (capped)."""
         n = len(self.prompt_ids(req))
@@ -367,7 +378,8 @@ class LocalBackend:
         if self.memory is not None:  # KV headroom for prompt + max_tokens, or wait, or 429
             try:
                 reservation = await asyncio.to_thread(self.memory.reserve, self.name,
-                                                      len(ids) + max_new)
+                                                      len(ids) + max_new,
+                                                      worker=self.worker_name)
             except BaseException:
                 worker.arriving(-1)
                 raise
@@ -451,6 +463,39 @@ def _error_message(resp: Any) -> str:
         return (resp.text or "").strip()[:300] or resp.reason_phrase
 
 
+VLLM_TENANT_PARAM = "semcomm_tenant"
+"""The ``kv_transfer_params`` field semcomm's vLLM connector reads the tenant from (its default
+``tenant_param``, ``semcomm.integrations.vllm``)."""
+
+FORWARD_TENANT = frozenset({"off", "vllm"})
+"""How an upstream is told a request's tenant: ``"off"`` (nothing; any OpenAI-compatible
+server) or ``"vllm"`` (see :func:`upstream_tenant_fields`)."""
+
+
+def upstream_tenant_fields(ctx: TenantContext) -> dict[str, Any]:
+    """Request-body fields that keep a tenant's KV apart on a vLLM upstream.
+
+    A tenant's value is its salt digest (``TenantContext.digest``: SHA-256 of the salt the server
+    secret derives; opaque, stable, never the salt or the secret), sent twice:
+    ``kv_transfer_params = {"semcomm_tenant": digest}`` selects the namespace of semcomm's vLLM
+    connector (which salts it again with its own ``SEMCOMM_SECRET``), and ``cache_salt = digest``
+    separates vLLM's in-process prefix cache, which ignores ``kv_transfer_params``. The public
+    context (no tenant) sends nothing: vLLM's and the connector's shared namespace. An isolated
+    context (a flagged prober) gets a fresh random value per request, so nothing it sends is
+    served from, or to, anyone's cache.
+    """
+    if ctx.isolate:
+        value = f"isolate:{secrets.token_hex(16)}"
+    elif ctx.tenant is None:
+        return {}
+    elif not ctx.digest:
+        raise RuntimeError(f"tenant {ctx.tenant!r} has no salt digest (not admitted by the "
+                           "gateway): refusing to send it to the upstream's shared namespace")
+    else:
+        value = ctx.digest
+    return {"kv_transfer_params": {VLLM_TENANT_PARAM: value}, "cache_salt": value}
+
+
 class UpstreamBackend:
     """An OpenAI-compatible model server reached over HTTP.
 
@@ -459,19 +504,29 @@ class UpstreamBackend:
     502, 503, 504 answers, and for streams only before the first chunk. A read timeout is not
     retried (the upstream may still be working; retrying would double its load); it becomes an
     :class:`UpstreamError` with status 504.
+
+    ``forward_tenant="vllm"`` adds the request's tenant to every upstream call
+    (:func:`upstream_tenant_fields`), for a vLLM running semcomm's KV connector: two tenants
+    then never share KV in vLLM. ``"off"`` (default) sends only OpenAI fields; other servers
+    may refuse the extra ones (a semcomm upstream refuses ``cache_salt``).
     """
 
     kind = "upstream"
 
     def __init__(self, name: str, *, base_url: str, api_key: str | None = None,
                  upstream_model: str | None = None, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0, max_retries: int = 2) -> None:
+                 connect_timeout_s: float = 5.0, max_retries: int = 2,
+                 forward_tenant: str = "off") -> None:
         import httpx
 
+        if forward_tenant not in FORWARD_TENANT:
+            raise ValueError(f"forward_tenant must be one of {sorted(FORWARD_TENANT)}, "
+                             f"got {forward_tenant!r}")
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.upstream_model = upstream_model or name
         self.max_retries = max_retries
+        self.forward_tenant = forward_tenant
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers,
@@ -499,6 +554,8 @@ class UpstreamBackend:
             body["seed"] = req.seed
         if stream:
             body["stream_options"] = {"include_usage": True}
+        if self.forward_tenant == "vllm":
+            body.update(upstream_tenant_fields(req.tenant_ctx))
         if req.messages is not None:
             body["messages"] = req.messages
             return "/chat/completions", body

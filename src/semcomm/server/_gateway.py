@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import InvalidInputError, OverloadedError, TenantError, UpstreamError
+from ..errors import InvalidInputError, OverloadedError, SemcommError, TenantError, UpstreamError
 from ..kv import ChunkStore
 from ..security import TenantContext, TenantSalter
 from ._backends import Completion, GenRequest, ModelBackend, StreamItem
@@ -156,6 +156,20 @@ def _unsent(text: str, streamed: str, model: str) -> str:
     return ""
 
 
+def _kv_tokens(backend: Any, req: GenRequest) -> int | None:
+    """Tokens of KV ``req`` would reserve on an in-process ``backend`` (None: not one, or the
+    prompt does not render there)."""
+    inner = getattr(backend, "replicas", None)
+    first = inner[0] if inner else backend
+    fn = getattr(first, "kv_tokens", None)
+    if fn is None:
+        return None
+    try:
+        return int(fn(req))
+    except SemcommError:
+        return None
+
+
 class Gateway:
     """The request path of one server (see the module docstring)."""
 
@@ -279,12 +293,35 @@ class Gateway:
                 chosen = dm if dm in names else (names[0] if names else None)
             if chosen is None:
                 raise ModelNotFound(model, names)
+            chosen = self._with_headroom(chosen, names, req)
             self.metrics.routed.labels(chosen).inc()
             self.stats.routing[chosen] = self.stats.routing.get(chosen, 0) + 1
             model = chosen
         if model not in names:
             raise ModelNotFound(model, names)
         return model, self.backends[model]
+
+    def _with_headroom(self, chosen: str, names: list[str], req: GenRequest) -> str:
+        """Model "auto" and memory: when ``chosen`` has no KV headroom for the request now, the
+        smallest other candidate (by planned weights) that has it; else ``chosen`` (which then
+        waits or answers 429 as usual). Only in-process models the plan covers are weighed."""
+        mem = self.memory
+        if mem is None or chosen not in mem.plan.models:
+            return chosen
+        tokens = _kv_tokens(self.backends.get(chosen), req)
+        if tokens is None or mem.fits(chosen, tokens):
+            return chosen
+        auto = set(self.config.routing.auto_models or names)
+        plans = mem.plan.models
+        for other in sorted((n for n in names if n != chosen and n in auto and n in plans),
+                            key=lambda n: plans[n].weight_bytes):
+            need = _kv_tokens(self.backends.get(other), req)
+            if need is not None and mem.fits(other, need):
+                log.info("model %s is out of KV headroom for %d tokens: %s serves 'auto'",
+                         chosen, tokens, other)
+                self.metrics.memory_reroutes.labels(chosen, other).inc()
+                return other
+        return chosen
 
     # --- the request path -----------------------------------------------------------------------
     async def serve(self, req: GenRequest, *, endpoint: str, body: dict[str, Any] | None = None,

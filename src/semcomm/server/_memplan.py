@@ -316,6 +316,7 @@ class KVReservation:
     nbytes: int
     tokens: int
     released: bool = False
+    worker: str | None = None  # the worker whose share it counts against (None: the model's)
 
 
 class KVAccountant:
@@ -331,9 +332,24 @@ class KVAccountant:
     def __init__(self, plans: Mapping[str, ModelPlan], *, max_wait_s: float = 2.0) -> None:
         self._plans = dict(plans)
         self._live: dict[str, int] = dict.fromkeys(self._plans, 0)
+        self._worker_live: dict[tuple[str, str], int] = {}  # (model, worker) -> live bytes
+        self._workers: dict[str, int] = dict.fromkeys(self._plans, 1)  # workers per model
         self._cond = threading.Condition()
         self.max_wait_s = max_wait_s
         self.refused: dict[str, int] = dict.fromkeys(self._plans, 0)
+
+    def set_workers(self, model: str, count: int) -> None:
+        """``model`` is served by ``count`` workers: each one's fair share of its budget is
+        ``budget / count`` (what :meth:`worker_headroom` measures against)."""
+        if count < 1:
+            raise ValueError(f"a model has at least one worker, got {count}")
+        with self._cond:
+            self._workers[model] = count
+
+    def need_bytes(self, model: str, tokens: int) -> int | None:
+        """KV bytes a request of ``tokens`` reserves on ``model`` (None: not planned here)."""
+        plan = self._plans.get(model)
+        return None if plan is None else plan.kv.bytes_for(tokens)
 
     def live_bytes(self, model: str) -> int:
         with self._cond:
@@ -344,7 +360,17 @@ class KVAccountant:
             plan = self._plans[model]
             return plan.kv_budget_bytes - self._live[model]
 
-    def reserve(self, model: str, tokens: int, *, wait_s: float | None = None) -> KVReservation:
+    def worker_headroom(self, model: str, worker: str) -> int:
+        """What ``worker`` may still reserve: the model's headroom, at most the worker's share
+        of the budget less what its own requests hold (the replica router's KV term)."""
+        with self._cond:
+            plan = self._plans[model]
+            share = plan.kv_budget_bytes // self._workers.get(model, 1)
+            own = self._worker_live.get((model, worker), 0)
+            return min(plan.kv_budget_bytes - self._live[model], share - own)
+
+    def reserve(self, model: str, tokens: int, *, wait_s: float | None = None,
+                worker: str | None = None) -> KVReservation:
         plan = self._plans.get(model)
         if plan is None:  # an upstream model: its memory is not ours
             return KVReservation(model, 0, tokens, released=True)
@@ -368,13 +394,18 @@ class KVAccountant:
                         f"< {_mib(need)} needed; retry shortly", retry_after_s=1.0)
                 self._cond.wait(left)
             self._live[model] += need
-        return KVReservation(model, need, tokens)
+            if worker is not None:
+                key = (model, worker)
+                self._worker_live[key] = self._worker_live.get(key, 0) + need
+        return KVReservation(model, need, tokens, worker=worker)
 
     def release(self, r: KVReservation) -> None:
         if r.released:
             return
         with self._cond:
             self._live[r.model] -= r.nbytes
+            if r.worker is not None:
+                self._worker_live[(r.model, r.worker)] -= r.nbytes
             r.released = True
             self._cond.notify_all()
 

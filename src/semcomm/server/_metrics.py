@@ -166,6 +166,9 @@ class Metrics:
         self.upstream_retries = Counter("semcomm_upstream_failures",
                                         "Upstream calls that failed, by model", ["model"],
                                         registry=r)
+        self.memory_reroutes = Counter("semcomm_memory_reroutes", "Model 'auto' requests sent "
+                                       "to another model because the chosen one had no KV "
+                                       "headroom", ["from_model", "to_model"], registry=r)
         if store_source is not None:
             r.register(_StoreCollector(store_source))
 

@@ -5,8 +5,11 @@ A :class:`ReplicatedBackend` serves a model configured with ``workers = N`` (kin
 (``semcomm.kv.chunk_keys`` under the tenant's namespace: for in-process engines exactly the
 namespace the engines store under, so the keys *are* the store's keys) and
 ``semcomm.routing.ReplicaRouter`` picks the replica: the one most likely to hold the longest
-prefix, unless its load says otherwise. The choice is reported in ``Started.replica`` (the
-``x-semcomm-replica`` response header) and ``response["semcomm"]["replica"]``.
+prefix, unless its load says otherwise. In-process workers also report their KV headroom
+(what each may still reserve under the memory plan, ``LocalBackend.kv_headroom``): a request's
+prompt plus ``max_tokens`` of KV goes to a worker with room for it (token-aware balancing, see
+``semcomm.routing.ReplicaRouter.set_kv_free``). The choice is reported in ``Started.replica``
+(the ``x-semcomm-replica`` response header) and ``response["semcomm"]["replica"]``.
 
 Upstream replicas have no tokenizer here: their keys are computed over the rendered prompt's
 UTF-8 bytes, under a namespace of the model name and the tenant digest (affinity only; the
@@ -82,9 +85,23 @@ class ReplicatedBackend:
         ns = self._namespace(req.tenant_ctx)
         return list(chunk_keys(ns, ids, self.chunk_size)), len(ids)
 
+    def kv_need(self, req: GenRequest, prompt_tokens: int) -> int | None:
+        """KV bytes the request will reserve, and the replicas' headroom set in the router
+        (None when the replicas report none: upstreams, or no memory plan)."""
+        free = [getattr(r, "kv_headroom", lambda: None)() for r in self.replicas]
+        if all(f is None for f in free):
+            return None
+        first: Any = self.replicas[0]
+        limit = int(getattr(first, "max_positions", prompt_tokens + req.max_tokens))
+        tokens = prompt_tokens + max(0, min(req.max_tokens, limit - prompt_tokens))
+        need = first.memory.need_bytes(self.name, tokens)
+        self.router.set_kv_free(free)
+        return None if need is None else int(need)
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         keys, n = self.keys(req)
-        decision = self.router.route(keys=keys, num_tokens=max(n, 1))
+        decision = self.router.route(keys=keys, num_tokens=max(n, 1),
+                                     kv_bytes=self.kv_need(req, n))
         backend = self.replicas[decision.slot]
         try:
             async for item in backend.stream(req):

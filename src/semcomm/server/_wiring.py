@@ -290,7 +290,8 @@ def _upstream(name: str, mcfg: ModelConfig, config: ServerConfig) -> ModelBacken
     ups: list[ModelBackend] = [
         UpstreamBackend(name, base_url=url, api_key=mcfg.api_key,
                         upstream_model=mcfg.upstream_model, timeout_s=mcfg.timeout_s,
-                        connect_timeout_s=mcfg.connect_timeout_s, max_retries=mcfg.max_retries)
+                        connect_timeout_s=mcfg.connect_timeout_s, max_retries=mcfg.max_retries,
+                        forward_tenant=mcfg.forward_tenant)
         for url in mcfg.replica_urls]
     if len(ups) == 1:
         return ups[0]
@@ -451,7 +452,8 @@ def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_st
                       baseline_bytes=baseline)
     plan.check()
     accountant = KVAccountant(plan.models, max_wait_s=config.server.kv_wait_s)
-    for local in members.values():
+    for name, local in members.items():
+        accountant.set_workers(name, len(local))
         for b in local:
             b.memory = accountant
     tier = None
