@@ -71,6 +71,8 @@ description = "Qwen2.5-Coder-0.5B-Instruct: code, formats and reasoning; about 4
 
 [routing]
 default_model = "smollm2-135m-instruct"
+# model "auto": the shipped router for these two models (benchmarks/bench_router_real.py)
+model_router = "smollm2-qwen2.5-coder"
 
 [kv]
 enabled = true
@@ -140,6 +142,9 @@ class ModelConfig(_Section):
     timeout_s: float = Field(60.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     max_retries: int = Field(2, ge=0, le=10)
+    # upstream: tell it each request's tenant ("vllm": kv_transfer_params.semcomm_tenant and
+    # cache_salt, for a vLLM with semcomm's KV connector; docs/vllm.md). "off": OpenAI fields only
+    forward_tenant: Literal["off", "vllm"] = "off"
     # test-only: make this upstream model fail (to test the gateway's error paths)
     fail_mode: Literal["none", "http_500", "http_503", "slow", "drop"] = "none"
     fail_delay_s: float = Field(0.0, ge=0)
@@ -167,6 +172,8 @@ class ModelConfig(_Section):
             raise ValueError("base_url and base_urls are only for kind = 'upstream'")
         if self.kind == "upstream" and self.workers != 1:
             raise ValueError("workers is for kind = 'hf'; an upstream's replicas are base_urls")
+        if self.forward_tenant != "off" and self.kind != "upstream":
+            raise ValueError("forward_tenant is for kind = 'upstream'")
         if self.keep_alive_s is not None and self.kind != "hf":
             raise ValueError("keep_alive_s is for in-process models (kind = 'hf'); an "
                              "upstream's memory is its own")
