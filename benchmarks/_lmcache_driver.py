@@ -163,6 +163,9 @@ def main() -> int:
             "batched_get_GBps": nbytes / min(bgets) / 1e9,
             "batched_get_us_per_chunk": min(bgets) / n * 1e6,
             "found_after_restart": found, "tampered_chunk_served": tampered_served,
+            # every timing in microseconds per chunk, for medians across interleaved rounds
+            "samples_us": {"put": [t / n * 1e6 for t in puts], "get": [t / n * 1e6 for t in gets],
+                           "batched_get": [t / n * 1e6 for t in bgets]},
         })
         # ---- cpu ---------------------------------------------------------------------
         cputimes: list[float] = []
@@ -195,6 +198,8 @@ def main() -> int:
             "put_GBps": nbytes / min(cputimes) / 1e9, "get_GBps": nbytes / min(cgets) / 1e9,
             "put_us_per_chunk": min(cputimes) / n * 1e6,
             "get_us_per_chunk": min(cgets) / n * 1e6,
+            "samples_us": {"put": [t / n * 1e6 for t in cputimes],
+                           "get": [t / n * 1e6 for t in cgets]},
         })
     loop.call_soon_threadsafe(loop.stop)
     if not plan.get("dir"):

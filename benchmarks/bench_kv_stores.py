@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -235,8 +236,12 @@ def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict
                                      ("disk fsync (put_many)", "fsync", args.batch)):
         puts: list[float] = []
         gets: list[float] = []
+        igets: list[float] = []
         bgets: list[float] = []
         last = work
+        # get_into's buffer: allocated and touched once, reused for every get (LMCache reads
+        # into its pre-allocated staging pool the same way)
+        buf = bytearray(one)
         for r in range(args.repeat):
             d = work / f"cmp-{tokens}-{durability}-{r}"
             store = DiskStore(d, capacity_bytes=8 << 30, durability=durability)
@@ -254,6 +259,11 @@ def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict
                     if store.get(k) is None:
                         raise AssertionError("a chunk just written is missing")
                 gets.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for k, _v in items:
+                    if store.get_into(k, buf) is None:
+                        raise AssertionError("a chunk just written is missing")
+                igets.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 for i in range(0, n, args.batch):
                     if any(f is None for f in store.fetch_many(keys[i : i + args.batch])):
@@ -277,7 +287,13 @@ def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict
                     "get_us_per_chunk": min(gets) / n * 1e6,
                     "batched_get_GBps": nbytes / min(bgets) / 1e9,
                     "batched_get_us_per_chunk": min(bgets) / n * 1e6,
-                    "found_after_restart": found, "tampered_chunk_served": tampered_served})
+                    "get_into_GBps": nbytes / min(igets) / 1e9,
+                    "get_into_us_per_chunk": min(igets) / n * 1e6,
+                    "found_after_restart": found, "tampered_chunk_served": tampered_served,
+                    "samples_us": {"put": [t / n * 1e6 for t in puts],
+                                   "get": [t / n * 1e6 for t in gets],
+                                   "get_into": [t / n * 1e6 for t in igets],
+                                   "batched_get": [t / n * 1e6 for t in bgets]}})
     puts, gets = [], []
     for _ in range(args.repeat):
         mem = MemoryStore(capacity_bytes=4 << 30)
@@ -294,33 +310,42 @@ def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict
     out.append({"backend": "semcomm memory", "tokens": tokens, "chunk_bytes": one, "chunks": n,
                 "put_GBps": nbytes / min(puts) / 1e9, "get_GBps": nbytes / min(gets) / 1e9,
                 "put_us_per_chunk": min(puts) / n * 1e6,
-                "get_us_per_chunk": min(gets) / n * 1e6})
+                "get_us_per_chunk": min(gets) / n * 1e6,
+                "samples_us": {"put": [t / n * 1e6 for t in puts],
+                               "get": [t / n * 1e6 for t in gets]}})
     return out
 
 
 def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> dict[str, Any]:
     tokens = [int(t) for t in args.tokens.split(",")]
-    # interleaved: LMCache then semcomm for one chunk size, --rounds times, best of each kept
-    # (the machine's load drifts over minutes; a side measured only early or late would gain)
-    best: dict[tuple[str, int], dict[str, Any]] = {}
+    # interleaved: LMCache then semcomm for one chunk size, --rounds times; every timing of
+    # every round is kept and the median is reported (the machine's load drifts over minutes,
+    # so a side measured only early or late would gain; the median resists the spikes)
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
     version = "?"
     for t in tokens:
         for r in range(args.rounds):
-            lm = lmcache_side(args.lmcache_python, [t], args)
+            if r % 2 == 0:  # alternate which side goes first
+                lm = lmcache_side(args.lmcache_python, [t], args)
+                ours = semcomm_side(t, args, work / f"round{r}")
+            else:
+                ours = semcomm_side(t, args, work / f"round{r}")
+                lm = lmcache_side(args.lmcache_python, [t], args)
             version = lm["lmcache_version"]
-            ours = semcomm_side(t, args, work / f"round{r}")
             for row in [*lm["results"], *ours]:
                 key = (row["backend"], row["tokens"])
-                if key not in best:
-                    best[key] = row
+                if key not in merged:
+                    merged[key] = row
                     continue
-                kept = best[key]
-                for m in ("put", "get", "batched_get"):
-                    if f"{m}_GBps" in row and row[f"{m}_GBps"] > kept[f"{m}_GBps"]:
-                        kept[f"{m}_GBps"] = row[f"{m}_GBps"]
-                        kept[f"{m}_us_per_chunk"] = row[f"{m}_us_per_chunk"]
+                for m, xs in row["samples_us"].items():
+                    merged[key]["samples_us"][m].extend(xs)
+    rows: list[dict[str, Any]] = list(merged.values())
+    for row in rows:  # the reported figures: medians over rounds x repeats
+        for m, xs in row["samples_us"].items():
+            med = statistics.median(xs)
+            row[f"{m}_us_per_chunk"] = med
+            row[f"{m}_GBps"] = row["chunk_bytes"] / med / 1e3
     lm = {"lmcache_version": version}
-    rows: list[dict[str, Any]] = list(best.values())
     by = {(r["backend"], r["tokens"]): r for r in rows}
     ratios: list[dict[str, Any]] = []
     for t in tokens:
@@ -331,14 +356,16 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
             q = {"semcomm": ours, "lmcache": theirs, "tokens": t,
                  "put_ratio": a["put_GBps"] / b["put_GBps"],
                  "get_ratio": a["get_GBps"] / b["get_GBps"]}
+            if "get_into_GBps" in a:
+                q["get_into_ratio"] = a["get_into_GBps"] / b["get_GBps"]
             if "batched_get_GBps" in a and "batched_get_GBps" in b:
                 q["batched_get_ratio"] = a["batched_get_GBps"] / b["batched_get_GBps"]
             ratios.append(q)
     table = Table(title=f"semcomm vs LMCache {lm['lmcache_version']} storage backends "
-                        "(one run; ratio > 1: semcomm faster)")
+                        "(one run, medians; ratio > 1: semcomm faster)")
     for col in ("semcomm store", "LMCache backend", "tokens", "put us/chunk (ours / theirs)",
-                "put ratio", "get us/chunk (ours / theirs)", "get ratio",
-                "batched get us/chunk", "batched ratio"):
+                "put ratio", "get us/chunk (ours / theirs)", "get ratio", "get_into us/chunk",
+                "get_into ratio", "batched get us/chunk", "batched ratio"):
         table.add_column(col, justify="left" if "store" in col or "backend" in col else "right")
     for q in ratios:
         a, b = by[(q["semcomm"], q["tokens"])], by[(q["lmcache"], q["tokens"])]
@@ -347,6 +374,8 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
                       f"{q['put_ratio']:.2f}x",
                       f"{a['get_us_per_chunk']:.0f} / {b['get_us_per_chunk']:.0f}",
                       f"{q['get_ratio']:.2f}x",
+                      f"{a['get_into_us_per_chunk']:.0f}" if "get_into_ratio" in q else "-",
+                      f"{q['get_into_ratio']:.2f}x" if "get_into_ratio" in q else "-",
                       f"{a['batched_get_us_per_chunk']:.0f} / {b['batched_get_us_per_chunk']:.0f}"
                       if "batched_get_ratio" in q else "-",
                       f"{q['batched_get_ratio']:.2f}x" if "batched_get_ratio" in q else "-")
@@ -369,16 +398,16 @@ def draw_ratios(ratios: list[dict[str, Any]], path: Path, version: str) -> None:
     labels = sorted({q["semcomm"] for q in ratios})
     tokens = sorted({q["tokens"] for q in ratios})
     with agg_figure(path, (9, 4.2)) as ax:
-        width = 0.8 / (3 * len(labels))
+        width = 0.8 / (4 * len(labels))
         for i, label in enumerate(labels):
-            for j, op in enumerate(("put", "get", "batched_get")):
-                xs = [ti + (3 * i + j) * width - 0.4 + width / 2 for ti in range(len(tokens))]
+            for j, op in enumerate(("put", "get", "get_into", "batched_get")):
+                xs = [ti + (4 * i + j) * width - 0.4 + width / 2 for ti in range(len(tokens))]
                 ys = [next((q.get(f"{op}_ratio", 0.0) for q in ratios
                             if q["semcomm"] == label and q["tokens"] == t), 0.0) for t in tokens]
                 if not any(ys):
                     continue
                 ax.bar(xs, ys, width, label=f"{label}: {op.replace('_', ' ')}",
-                       hatch={"put": "", "get": "//", "batched_get": ".."}[op])
+                       hatch={"put": "", "get": "//", "get_into": "xx", "batched_get": ".."}[op])
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(tokens)), [f"{t} tokens" for t in tokens])
         ax.set_yscale("log")

@@ -120,6 +120,38 @@ def _read_file(path: str) -> tuple[bytes, int]:
         os.close(fd)
 
 
+def _read_into(path: str, buffer: memoryview) -> tuple[bytes | memoryview, int]:
+    """A file's contents read into ``buffer`` (a fresh ``bytes`` if it does not fit), and its inode.
+
+    The read lands in memory the caller reuses, so a large chunk costs one copy out of the page
+    cache and no page faults of a freshly allocated buffer (``_read_file`` pays those).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size > len(buffer):
+            data = os.read(fd, size)
+            return (data if len(data) == size else data + _read_rest(fd)), st.st_ino
+        view = buffer[:size]
+        got = os.readv(fd, [view])
+        while got < size:  # a short read (never for regular files, but be exact)
+            n = os.preadv(fd, [view[got:]], got)
+            if n == 0:
+                break
+            got += n
+        return view[:got], st.st_ino
+    finally:
+        os.close(fd)
+
+
+def _read_rest(fd: int) -> bytes:
+    parts = []
+    while chunk := os.read(fd, 1 << 20):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def _syncfs(fd: int) -> None:
     """Flush the whole filesystem holding ``fd`` (one journal commit for a batch of files)."""
     if _LIBC is not None:
@@ -409,12 +441,33 @@ class DiskStore(StoreBase, LruPinning):
     def get(self, key: ChunkKey) -> bytes | None:
         key = check_key(key)
         path = self._path(key)
-        return self._accept(key, path, self._load(key, path))
+        value = self._accept(key, path, self._load(key, path))
+        assert value is None or isinstance(value, bytes)  # read into new memory, not a view
+        return value
 
-    def _load(self, key: ChunkKey, path: str) -> tuple[bytes, int] | None:
+    def get_into(self, key: ChunkKey, buffer: bytearray | memoryview) -> memoryview | None:
+        """``get`` that reads into ``buffer`` (memory the caller reuses, like a staging pool).
+
+        Returns a view of the verified chunk bytes: of ``buffer`` when the chunk fits in it and
+        the store is not sealed, else of new memory (a chunk larger than ``buffer``; the opened
+        plaintext of a sealed chunk). The same checks as ``get`` (checksum, header, key) and the
+        same misses. The view is only valid until ``buffer`` is reused: copy what you keep.
+        """
+        key = check_key(key)
+        out = memoryview(buffer)
+        if out.readonly or not out.contiguous:
+            raise TypeError("get_into needs a writable, contiguous buffer (a bytearray)")
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        path = self._path(key)
+        value = self._accept(key, path, self._load(key, path, out))
+        return None if value is None else memoryview(value)
+
+    def _load(self, key: ChunkKey, path: str,
+              into: memoryview | None = None) -> tuple[bytes | memoryview, int] | None:
         """The file's bytes and inode, or None (absent or unreadable; counted as a miss)."""
         try:
-            return _read_file(path)
+            return _read_file(path) if into is None else _read_into(path, into)
         except FileNotFoundError:
             with self._lock:
                 self._misses += 1
@@ -429,7 +482,8 @@ class DiskStore(StoreBase, LruPinning):
                 self._errors += 1
             return None
 
-    def _accept(self, key: ChunkKey, path: str, loaded: tuple[bytes, int] | None) -> bytes | None:
+    def _accept(self, key: ChunkKey, path: str,
+                loaded: tuple[bytes | memoryview, int] | None) -> bytes | memoryview | None:
         """Verify (and unseal) what ``_load`` read; index a file another process wrote."""
         if loaded is None:
             return None

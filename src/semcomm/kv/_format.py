@@ -573,15 +573,87 @@ def verify_chunk(
         raise CorruptEntryError("chunk failed its checksum")
     if body > _PREFIX.size and mv[_PREFIX.size] == _JSON_OPEN:
         return _verify_v1(mv, body, total, expect_key)
-    h = _parse_v2(mv, _PREFIX.size, body)
-    if body + h.payload_len + _CHECKSUM_LEN != total:
-        raise CorruptEntryError(f"chunk size mismatch: header says {h.payload_len} payload "
+    ns, key, parent, payload_len = _v2_ids(mv, _PREFIX.size, body)
+    if body + payload_len + _CHECKSUM_LEN != total:
+        raise CorruptEntryError(f"chunk size mismatch: header says {payload_len} payload "
                                 f"bytes, have {end - body}")
-    if expect_key is not None and h.key != bytes(expect_key):
+    if expect_key is not None and key != bytes(expect_key):
         raise CorruptEntryError(
-            f"chunk stored under key {bytes(expect_key).hex()[:16]} says it is {h.key.hex()[:16]}"
+            f"chunk stored under key {bytes(expect_key).hex()[:16]} says it is {key.hex()[:16]}"
         )
-    return ChunkInfo(key=h.key, parent=h.parent, namespace=h.namespace, nbytes=total)
+    return ChunkInfo(key=key, parent=parent, namespace=ns, nbytes=total)
+
+
+class _TailCache:
+    """Payload bytes needed by each checked format 2 header tail (dtype, codec, parameters,
+    meta and tensor table, with their lengths), by its exact bytes.
+
+    Chunks of one model, codec and chunk length share their tail byte for byte, so a store's
+    read path parses and checks a tail once (:func:`_parse_v2`) and afterwards only looks it
+    up: no JSON, no string decoding per chunk. Bounded like :class:`_TableCache`.
+    """
+
+    __slots__ = ("_lock", "_tails", "capacity")
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._tails: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tail: bytes) -> int | None:
+        return self._tails.get(tail)
+
+    def add(self, tail: bytes, need: int) -> None:
+        with self._lock:
+            if len(self._tails) >= self.capacity:
+                self._tails.clear()
+            self._tails[tail] = need
+
+
+_TAILS = _TailCache()
+
+
+def _v2_ids(mv: memoryview, start: int,
+            end: int) -> tuple[bytes, bytes, bytes | None, int]:
+    """(namespace, key, parent, payload_len) of the format 2 header in ``mv[start:end]``.
+
+    Exactly as strict as :func:`_parse_v2` (a tail it has not seen is parsed by it), but a
+    tail seen before costs one dictionary lookup.
+    """
+    if end - start < _V2.size:
+        return _v2_slow(mv, start, end)
+    (version, flags, _, _, payload_len, ns_len, key_len, parent_len, _, _, _, _,
+     _) = _V2.unpack_from(mv, start)
+    pos = start + _V2.size
+    tail_at = pos + ns_len + key_len + parent_len
+    if version != 2 or tail_at > end:
+        return _v2_slow(mv, start, end)
+    # the tail's lengths are part of the cache key: fixed-header bytes 26-41 (parent, dtype,
+    # codec, parameter, meta and table lengths), so one tail cannot be split two ways
+    tail = bytes(mv[start + _V2.size - 16 : start + _V2.size]) + bytes(mv[tail_at:end])
+    need = _TAILS.get(tail)
+    if need is None:
+        return _v2_slow(mv, start, end, tail)
+    has_parent = bool(flags & _V2_HAS_PARENT)
+    if flags & ~_V2_HAS_PARENT or (not has_parent and parent_len):
+        raise CorruptEntryError(f"bad chunk header flags {flags:#x}")
+    if need > payload_len:
+        raise CorruptEntryError(
+            f"tensor table needs {need} payload bytes, header says {payload_len}")
+    ns = bytes(mv[pos : pos + ns_len])
+    pos += ns_len
+    key = bytes(mv[pos : pos + key_len])
+    pos += key_len
+    parent = bytes(mv[pos : pos + parent_len]) if has_parent else None
+    return ns, key, parent, payload_len
+
+
+def _v2_slow(mv: memoryview, start: int, end: int,
+             tail: bytes | None = None) -> tuple[bytes, bytes, bytes | None, int]:
+    h = _parse_v2(mv, start, end)  # raises for anything wrong
+    if tail is not None:
+        _TAILS.add(tail, max((t.offset + t.nbytes for t in h.tensors), default=0))
+    return h.namespace, h.key, h.parent, h.payload_len
 
 
 def _verify_v1(mv: memoryview, body: int, total: int, expect_key: bytes | None) -> ChunkInfo:

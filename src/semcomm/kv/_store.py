@@ -22,7 +22,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 from ..errors import CorruptEntryError, InvalidInputError
 from ._format import ChunkHeader, verify_chunk
@@ -167,7 +167,7 @@ def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkKey | None
     return value, _parent(info.parent)
 
 
-def check_stored(key: ChunkKey, data: bytes) -> ChunkKey | None:
+def check_stored(key: ChunkKey, data: bytes | memoryview) -> ChunkKey | None:
     """Verify bytes read back from a store; returns the parent key or raises CorruptEntryError."""
     return _parent(verify_chunk(data, expect_key=key).parent)
 
@@ -185,18 +185,31 @@ class ChunkSealer(Protocol):
     def open(self, stored: bytes) -> bytes: ...
 
 
+@overload
 def open_stored(
     key: ChunkKey, stored: bytes, sealer: ChunkSealer | None
-) -> tuple[bytes, ChunkKey | None]:
+) -> tuple[bytes, ChunkKey | None]: ...
+
+
+@overload
+def open_stored(
+    key: ChunkKey, stored: bytes | memoryview, sealer: ChunkSealer | None
+) -> tuple[bytes | memoryview, ChunkKey | None]: ...
+
+
+def open_stored(
+    key: ChunkKey, stored: bytes | memoryview, sealer: ChunkSealer | None
+) -> tuple[bytes | memoryview, ChunkKey | None]:
     """Verify stored bytes (and unseal them); returns (chunk bytes, parent key).
 
-    Raises ``CorruptEntryError`` for anything that must not be served.
+    Unsealed bytes come back as they were passed (a memoryview stays a view); a sealer's
+    plaintext is new ``bytes``. Raises ``CorruptEntryError`` for anything that must not be served.
     """
     parent = check_stored(key, stored)
     if sealer is None:
         return stored, parent
     try:
-        return sealer.open(stored), parent
+        return sealer.open(stored if isinstance(stored, bytes) else bytes(stored)), parent
     except CorruptEntryError:
         raise
     except ValueError as exc:  # a sealer that reports failures as ValueError

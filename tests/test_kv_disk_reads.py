@@ -1,0 +1,129 @@
+"""DiskStore.get_into (reads into the caller's buffer) and the cheap header check of the read path.
+
+``get_into`` must keep every guarantee of ``get``: the same verified bytes, the same misses for
+absent, tampered and swapped files, plaintext from a sealed store, chunks found after a reopen.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from semcomm.errors import CorruptEntryError
+from semcomm.kv import DiskStore
+from semcomm.kv._format import verify_chunk
+from semcomm.security import ChunkSealer, TenantKeyring
+
+from ._kvchunks import chain
+
+SECRET = bytes(range(32))
+
+
+def _file(store: DiskStore, key: bytes) -> Path:
+    return Path(store._path(key))  # the chunk's file (its layout: the module docstring)
+
+
+@pytest.fixture()
+def filled(tmp_path: Path) -> tuple[DiskStore, list[tuple[bytes, bytes]]]:
+    store = DiskStore(tmp_path / "kv")
+    items = chain(4, payload=4096)
+    store.put_many(items)
+    return store, items
+
+
+def test_get_into_reads_the_verified_chunk_into_the_buffer(filled) -> None:
+    store, items = filled
+    buf = bytearray(max(len(v) for _, v in items) + 100)
+    for key, value in items:
+        got = store.get_into(key, buf)
+        assert got is not None and got.tobytes() == value == store.get(key)
+        assert got.obj is buf  # a view of the caller's buffer: nothing allocated per read
+    assert store.stats().hits == 2 * len(items)
+
+
+def test_get_into_a_small_buffer_still_serves(filled) -> None:
+    store, items = filled
+    key, value = items[0]
+    got = store.get_into(key, bytearray(16))
+    assert got is not None and got.tobytes() == value
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+def test_get_into_rejects_what_get_rejects(filled, damage: str) -> None:
+    store, items = filled
+    (k0, v0), (k1, v1) = items[0], items[1]
+    path = _file(store, k0)
+    if damage == "flip":
+        raw = bytearray(v0)
+        raw[len(raw) // 2] ^= 0x40
+        path.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        path.write_bytes(v0[:-7])
+    else:  # another chunk's (valid) bytes under this key
+        path.write_bytes(v1)
+    buf = bytearray(len(v0) + 64)
+    assert store.get_into(k0, buf) is None
+    assert store.stats().corrupt == 1 and not path.exists()
+    assert store.get_into(k1, buf) is not None  # the others are untouched
+
+
+def test_get_into_missing_and_bad_buffers(filled) -> None:
+    store, items = filled
+    assert store.get_into(b"\x07" * 32, bytearray(64)) is None
+    with pytest.raises(TypeError, match="writable"):
+        store.get_into(items[0][0], b"read-only bytes")
+    with pytest.raises(ValueError, match="32 bytes"):
+        store.get_into(b"short", bytearray(64))
+
+
+def test_get_into_after_reopen_finds_every_chunk(filled) -> None:
+    store, items = filled
+    store.close()
+    again = DiskStore(store.path)
+    buf = bytearray(8192)
+    assert all(again.get_into(k, buf) is not None for k, _ in items)
+
+
+def test_get_into_a_sealed_store_gives_plaintext(tmp_path: Path) -> None:
+    sealer = ChunkSealer(TenantKeyring(SECRET))
+    store = DiskStore(tmp_path / "sealed", sealer=sealer)
+    items = chain(2, payload=1024)
+    store.put_many(items)
+    buf = bytearray(4096)
+    for key, value in items:
+        assert value not in _file(store, key).read_bytes()  # ciphertext at rest
+        got = store.get_into(key, buf)
+        assert got is not None and got.tobytes() == value
+
+
+def _refresh_checksum(raw: bytearray) -> bytes:
+    raw[-16:] = xxhash.xxh3_128_digest(bytes(raw[:-16]))
+    return bytes(raw)
+
+
+def test_the_cached_header_check_is_as_strict_as_the_full_parse() -> None:
+    items = chain(2, payload=256)
+    for key, value in items:  # first sight parses the header, later ones use the cache
+        verify_chunk(value, expect_key=key)
+        verify_chunk(value, expect_key=key)
+    value = items[1][1]
+    # a well-checksummed chunk whose header claims fewer payload bytes than its tensors need
+    # (payload_len at byte 16 of the format 2 header, after the 8-byte SCKV prefix)
+    raw = bytearray(value)
+    (plen,) = struct.unpack_from("<Q", raw, 8 + 16)
+    struct.pack_into("<Q", raw, 8 + 16, plen - 4)
+    with pytest.raises(CorruptEntryError):
+        verify_chunk(_refresh_checksum(raw))
+    # flags with an unknown bit, with a tail the cache has seen
+    raw = bytearray(value)
+    struct.pack_into("<H", raw, 8 + 2, 0x8001)
+    with pytest.raises(CorruptEntryError, match="flags"):
+        verify_chunk(_refresh_checksum(raw))
+    # a version the reader does not know
+    raw = bytearray(value)
+    struct.pack_into("<H", raw, 8, 3)
+    with pytest.raises(CorruptEntryError, match="version 3"):
+        verify_chunk(_refresh_checksum(raw))
