@@ -383,3 +383,54 @@ def test_server_config_shadow_mode(tmp_path) -> None:
     assert served is not None and served.cache.mode == "serve"
     with pytest.raises(ConfigError):
         cfg("dry-run")
+
+
+def test_dashboard_shows_shadow_mode_live_through_the_gateway(tmp_path) -> None:
+    """[semantic] mode = "shadow" on the gateway with the tiny model: nothing is served from the
+    cache, and /dashboard's data shows the would-be hits, the estimated precision by band and
+    the cut for 95 % precision as requests arrive."""
+    import asyncio
+
+    from semcomm.server import load_config
+    from semcomm.server._backends import GenRequest
+    from semcomm.server._dashboard import dashboard_data
+    from semcomm.server._wiring import build_gateway
+
+    def gateway(mode):  # type: ignore[no-untyped-def]
+        return build_gateway(load_config(None, overrides={
+            "server": {"state_dir": str(tmp_path / mode), "max_tokens_limit": 16},
+            "models": {"tiny": {"path": "tiny", "max_batch": 1}},
+            "kv": {"tiers": ["memory"]},
+            "semantic": {"enabled": True, "backend": "memory", "mode": mode}},
+            defaults=False, environ={}))
+
+    async def ask(gw, text):  # type: ignore[no-untyped-def]
+        req = GenRequest(model="tiny", messages=[{"role": "user", "content": text}],
+                         prompt=None, max_tokens=6, stop=[], tenant=None, stream=False)
+        served = await gw.serve(req, endpoint="chat")
+        return served.hits_header, [i async for i in served.items][-1].text
+
+    gw = gateway("shadow")
+    asyncio.run(gw.startup())
+    try:
+        assert dashboard_data(gw)["semantic_shadow"]["lookups"] == 0
+        q = "How do I reset my account password?"
+
+        async def main() -> list[tuple[str, str]]:
+            return [await ask(gw, t) for t in (q, q, q, "What is the capital of Peru?")]
+
+        runs = asyncio.run(main())
+        assert all(h != "semantic" for h, _ in runs)  # shadow mode never serves
+        assert runs[0][1] == runs[1][1] != ""  # the model answered the repeat itself
+        sh = dashboard_data(gw)["semantic_shadow"]
+        # 4 lookups: the first found nothing, the repeats would have hit (and the greedy model
+        # gave the same answer: they agree), the unrelated question would not
+        assert (sh["lookups"], sh["would_hit"], sh["compared"]) == (4, 2, 2)
+        assert sh["would_hit_rate"] == 0.5 and sh["estimated_precision"] == 1.0
+        top = [b for b in sh["bands"] if b["hi"] == 1.0][0]
+        assert (top["would_hit"], top["precision"]) == (2, 1.0)
+        assert sh["target_precision"] == 0.95 and sh["awaiting_answer"] == 0
+    finally:
+        asyncio.run(gw.shutdown())
+    served = gateway("serve")
+    assert dashboard_data(served)["semantic_shadow"] is None

@@ -755,6 +755,12 @@ class SemanticCache:
                 self._feedback_entry(rec.entry_id, rec.agree)
         self.shadow.add(rec)
 
+    @property
+    def shadow_pending(self) -> int:
+        """Shadowed lookups still waiting for the model's real answer to be stored."""
+        with self._lock:
+            return len(self._pending)
+
     def shadow_report(self, *, target_precision: float = 0.95, **kw: Any) -> Any:
         """:func:`~semcomm.semantic.shadow_report` over this cache's finished shadow records."""
         from ._shadow import shadow_report

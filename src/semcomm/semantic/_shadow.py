@@ -85,6 +85,8 @@ class ShadowLog:
         if maxlen < 1:
             raise ConfigError(f"shadow log maxlen must be >= 1, got {maxlen!r}")
         self.path = None if path is None else Path(path)
+        if self.path is not None:  # a server's state dir may not exist yet (memory backend)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.log_queries = log_queries
         self.records: deque[ShadowRecord] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
@@ -199,8 +201,11 @@ def shadow_report(records: Iterable[ShadowRecord], *, target_precision: float = 
     hit = [r for r in rs if r.would_serve]
     cmp_hit = [r for r in hit if r.agree is not None]
     out_bands = []
+    top = bands[-1]
     for lo, hi in zip(bands[:-1], bands[1:], strict=True):
-        inb = [r for r in rs if r.similarity is not None and lo <= r.similarity < hi]
+        # the last band is closed above: an identical query's float32 cosine can be 1 + 1e-7
+        inb = [r for r in rs if r.similarity is not None and lo <= r.similarity
+               and (r.similarity < hi or hi == top)]
         hb = [r for r in inb if r.would_serve]
         cb = [r for r in hb if r.agree is not None]
         out_bands.append(ShadowBand(float(lo), float(hi), len(inb), len(hb), len(cb),

@@ -9,7 +9,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
-__all__ = ["dashboard_data"]
+__all__ = ["dashboard_data", "semantic_shadow_data"]
+
+
+def semantic_shadow_data(gw: Gateway) -> dict[str, Any] | None:
+    """The semantic cache in shadow mode, live (None when it serves or is off): what it would
+    have served, the estimated precision by similarity band and the cut for 95 % precision."""
+    sem = gw.semantic
+    if sem is None:
+        return None
+    try:
+        return sem.shadow_summary(target_precision=0.95)
+    except Exception as exc:  # a broken cache must not take the dashboard down
+        return {"mode": "shadow", "error": f"{type(exc).__name__}: {exc}"}
 
 
 def dashboard_data(gw: Gateway) -> dict[str, Any]:
@@ -60,4 +72,5 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
         "top_prefixes": [{"id": fp, "tokens": p.tokens, "reuses": p.reuses,
                           "saved_tokens": p.saved_tokens} for fp, p in top],
         "history": list(s.history),
+        "semantic_shadow": semantic_shadow_data(gw),
     }

@@ -65,6 +65,7 @@ class SemanticLayer:
         self._errors = 0
         self._guarded = 0
         self.rejections_delta = 0  # candidates vetoed since the gateway last read this
+        self._shadow_view: tuple[float, int, dict[str, Any] | None] = (0.0, -1, None)
         self._scope_cls = None
         try:
             from ..semantic import Scope
@@ -99,11 +100,20 @@ class SemanticLayer:
         return [f"model:{req.model}"]
 
     def warm(self) -> None:
-        """Load the embedder and the index now, so the first request does not pay for it."""
+        """Load the embedder, the index and the policy's verifier now, so the first request does
+        not pay for them."""
         try:
-            kw: dict[str, Any] = {"scope": self._scope_cls(name="__warmup__", tenant=None)
-                                  if self._scope_cls else "__warmup__"}
-            self.cache.lookup("warm up", **kw)
+            if getattr(self.cache, "mode", "serve") == "shadow":
+                # a shadowed warm-up lookup would wait for an answer forever and count as traffic
+                self.cache.embedder.embed(["warm up"])
+                self.cache.stats()
+            else:
+                kw: dict[str, Any] = {"scope": self._scope_cls(name="__warmup__", tenant=None)
+                                      if self._scope_cls else "__warmup__"}
+                self.cache.lookup("warm up", **kw)
+            scorer = getattr(getattr(self.cache, "policy", None), "scorer", None)
+            if scorer is not None and hasattr(scorer, "scores"):  # the cross-encoder
+                scorer.scores("warm up", ["warm up"])
         except Exception as exc:
             self._down(exc)
 
@@ -194,6 +204,45 @@ class SemanticLayer:
             return st
         return {k: getattr(st, k) for k in dir(st)
                 if not k.startswith("_") and isinstance(getattr(st, k), int | float | str)}
+
+    SHADOW_REFRESH_S = 1.0
+    SHADOW_LARGE = 10_000
+
+    def shadow_summary(self, target_precision: float = 0.95) -> dict[str, Any] | None:
+        """Shadow mode, live: would-be hit rate, estimated precision by similarity band and the
+        lowest cosine cut whose estimated precision meets ``target_precision``, over the
+        cache's finished shadow records (None when the cache serves). Recomputed when records
+        were added; past :attr:`SHADOW_LARGE` records at most once per :attr:`SHADOW_REFRESH_S`
+        (the dashboard polls every 2 s; a report over 100k records takes ~0.2 s)."""
+        if getattr(self.cache, "mode", "serve") != "shadow":
+            return None
+        records = self.cache.shadow.records
+        at, count, view = self._shadow_view
+        now = time.monotonic()
+        if view is not None and (len(records) == count or (
+                len(records) > self.SHADOW_LARGE and now - at < self.SHADOW_REFRESH_S)):
+            return view
+        rep = self.cache.shadow_report(target_precision=target_precision)
+        pending = int(getattr(self.cache, "shadow_pending", 0))
+        view = {
+            "mode": "shadow", "lookups": rep.lookups, "would_hit": rep.would_hit,
+            "would_hit_rate": round(rep.would_hit_rate, 4), "compared": rep.compared,
+            "awaiting_answer": pending,
+            "estimated_precision": None if rep.estimated_precision is None
+            else round(rep.estimated_precision, 4),
+            "bands": [{"lo": b.lo, "hi": min(b.hi, 1.0), "lookups": b.lookups,
+                       "would_hit": b.would_hit, "compared": b.compared,
+                       "precision": None if b.precision is None else round(b.precision, 4)}
+                      for b in rep.bands],
+            "target_precision": rep.target_precision,
+            "threshold": None if rep.threshold is None else round(rep.threshold, 4),
+            "threshold_precision": None if rep.threshold_precision is None
+            else round(rep.threshold_precision, 4),
+            "threshold_hit_rate": None if rep.threshold_hit_rate is None
+            else round(rep.threshold_hit_rate, 4),
+        }
+        self._shadow_view = (now, len(records), view)
+        return view
 
     def close(self) -> None:
         close = getattr(self.cache, "close", None)
