@@ -67,8 +67,7 @@ def build(kind: str, model: Any, tok: Any, tmp: Path) -> Any:
     from semcomm.kv import MemoryStore
     from semcomm.security import TenantSalter
     from semcomm.server import BatchingWorker, LocalBackend, load_config
-    from semcomm.server._direct import DirectRunner
-    from semcomm.server._engine_runner import engine_runner
+    from semcomm.server._engine_runner import DirectRunner, engine_runner
     from semcomm.server._wiring import build_gateway
 
     cfg = load_config(None, environ={}, defaults=False, overrides={

@@ -94,7 +94,7 @@ def main() -> None:
                                      salter=TenantSalter(cfg.server.secret), chunk_size=64,
                                      codec=None)
         assert runner is not None, note
-        runner.eos_ids = set()
+        runner.decoder.eos_ids = frozenset()  # decode the full length every time
         gw = build_gateway(cfg, backends={"m": LocalBackend(
             "m", BatchingWorker(runner, max_batch=max_batch, name="m"), kv_reuse=True)})
         gw.kv_store = store

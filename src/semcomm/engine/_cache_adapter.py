@@ -46,15 +46,19 @@ __all__ = [
     "KVLayout",
     "ModelRunner",
     "buffer_cache",
+    "cache_from_layers",
     "cache_from_stacks",
     "cache_kwargs",
+    "cache_layers",
     "cache_length",
     "check_supported",
     "copy_cache",
     "crop_cache",
     "layer_tensors",
     "layer_windows",
+    "left_padded_batch",
     "new_cache",
+    "output_cache",
     "probe_layout",
     "stack_range",
     "stacks_of",
@@ -395,6 +399,26 @@ def buffer_cache(
     return cache
 
 
+def cache_from_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A plain cache holding per-layer ``([B, H, T, D]`` keys, values) (not copied)."""
+    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` of any transformers cache (v5 ``cache.layers[i]``)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"expected a transformers Cache with .layers, got {type(cache).__name__}")
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def output_cache(out: Any) -> Any:
+    """The cache of a model output (``cache`` in transformers v5, ``past_key_values`` before)."""
+    if "cache" in out:
+        return out["cache"]
+    return out["past_key_values"]
+
+
 def cache_from_stacks(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicCache:
     """Build a plain cache of full-attention layers from ``[L, H, T, D]`` stacks (one view per
     layer, moved to ``device``; no copy beyond the move)."""
@@ -426,6 +450,35 @@ def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
     layer gives the positions it holds (``layer.start`` onwards)."""
     layers: list[Any] = list(cache.layers)
     return [(layer.keys, layer.values) for layer in layers]
+
+
+def left_padded_batch(caches: Sequence[DynamicCache], lens: Sequence[int]
+                      ) -> tuple[DynamicCache, torch.Tensor]:
+    """One batch cache from single-sequence caches of ``lens`` tokens, left-padded with zeros.
+
+    Each cache's per-layer ``[1, H, n, D]`` keys/values become rows of ``[B, H, width, D]``
+    (``width = max(lens)``); returns the batch cache and its ``[B, width]`` attention mask
+    (0 on the padding). The caches must hold every position (no restored sliding layer).
+    """
+    width = max(lens)
+    per_layer = [layer_tensors(c) for c in caches]
+    layers = []
+    for li in range(len(per_layer[0])):
+        ks, vs = [], []
+        for tensors, n in zip(per_layer, lens):
+            k, v = tensors[li]
+            assert k.shape[2] == n, "a cache that does not hold every position cannot be batched"
+            if n < width:
+                k = torch.cat([k.new_zeros((1, k.shape[1], width - n, k.shape[3])), k], 2)
+                v = torch.cat([v.new_zeros((1, v.shape[1], width - n, v.shape[3])), v], 2)
+            ks.append(k)
+            vs.append(v)
+        layers.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+    device = layers[0][0].device
+    mask = torch.zeros((len(lens), width), dtype=torch.long, device=device)
+    for row, n in enumerate(lens):
+        mask[row, width - n:] = 1
+    return DynamicCache(ddp_cache_data=layers), mask
 
 
 def stack_range(cache: DynamicCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

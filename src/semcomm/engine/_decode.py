@@ -1,9 +1,14 @@
-"""The decode loop's parts: sampling parameters, the sampler, and text with stop strings.
+"""The decode loop's parts: sampling parameters, the sampler, text with stop strings, and the
+state of one sequence being decoded.
 
 :class:`SamplingParams` (validated once) and :class:`Sampler` choose each token;
-:class:`StopText` turns tokens into text incrementally and finds stop strings. One contract
+:class:`StopText` turns tokens into text incrementally and finds stop strings;
+:class:`DecodeState` is one sequence's decode (its sampler, its text, when and why it ends),
+and :func:`decode_steps` is the decode loop itself, the only one in semcomm: the engine's
+single-sequence ``generate``, the batched :class:`~semcomm.engine.BatchDecoder` and fusion's
+decoding from a fused cache all run it, each with its own forward. One contract
 holds for every caller, streaming or not: the released pieces joined equal the final text
-(DESIGN invariant 7). Text that could be the start of a stop string is held back until the
+(docs/architecture.md, invariant 7). Text that could be the start of a stop string is held back until the
 next tokens decide it (a stream never shows part of a stop string), and a token that does not
 complete a UTF-8 character yet releases nothing.
 
@@ -17,15 +22,15 @@ decoded once and checked against what was released.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["Sampler", "SamplingParams", "StopText"]
+__all__ = ["DecodeState", "FinishReason", "Sampler", "SamplingParams", "StopText", "decode_steps"]
 
 logger = logging.getLogger("semcomm.engine")
 
@@ -164,3 +169,128 @@ class StopText:
             logger.warning("incremental detokenization differs from the full decode; the "
                            "streamed text is kept")
         return out + self._release(len(self._text))
+
+
+FinishReason = Literal["stop", "eos", "length", "cancelled"]
+"""Why a sequence ended: a stop string or stop token, an end-of-sequence token, the token or
+position limit, or the caller cancelled it."""
+
+
+class DecodeState:
+    """One sequence's decode: its sampler, its text with stop strings, and why it ended.
+
+    The loop that owns the forward passes calls :meth:`pick` on the sequence's ``[vocab]``
+    logits and :meth:`push` with the chosen token (every chosen token is kept in
+    ``token_ids``, an end-of-sequence token too). ``finish_reason`` is None while the
+    sequence runs and is set, once, when it ends: ``"stop"`` (a stop string, cut from the
+    text, or a stop token id), ``"eos"``, ``"length"`` (``max_new_tokens`` generated, or the
+    prompt plus the generated tokens reach ``max_positions``) or ``"cancelled"``.
+    :meth:`finish` releases the held-back tail.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, device: torch.device, *,
+                 max_new_tokens: int, stop: Sequence[str] = (), stop_ids: Collection[int] = (),
+                 eos_ids: Collection[int] = (), prompt_tokens: int = 0,
+                 max_positions: int | None = None) -> None:
+        self.sampler = Sampler(params, device)
+        # None without a tokenizer: the released pieces are then the token ids themselves
+        self.words = StopText(tokenizer, stop) if tokenizer is not None else None
+        self.stop_ids = frozenset(stop_ids)
+        self.eos_ids = frozenset(eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.prompt_tokens = prompt_tokens
+        self.max_positions = max_positions
+        self.token_ids: list[int] = []  # every chosen token, in order
+        self.finish_reason: FinishReason | None = None if max_new_tokens > 0 else "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str | None:
+        """The text so far (cut at a stop string); None without a tokenizer."""
+        return self.words.text if self.words is not None else None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from this sequence's float32 ``[vocab]`` logits."""
+        return self.sampler.pick(logits)
+
+    def push(self, token_id: int) -> str | int:
+        """Add the chosen token; return what it releases (a text piece, maybe ``""``, or the
+        token id itself without a tokenizer) and set ``finish_reason`` when it ends the
+        sequence."""
+        assert self.finish_reason is None, "push after the sequence ended"
+        self.token_ids.append(token_id)
+        out: str | int = token_id
+        if self.words is not None:
+            out, stopped = self.words.push(token_id)
+            if stopped:
+                self.finish_reason = "stop"
+                return out
+        if token_id in self.stop_ids:
+            self.finish_reason = "stop"
+        elif token_id in self.eos_ids:
+            self.finish_reason = "eos"
+        elif len(self.token_ids) >= self.max_new_tokens or (
+                self.max_positions is not None
+                and self.prompt_tokens + len(self.token_ids) >= self.max_positions):
+            self.finish_reason = "length"
+        return out
+
+    def cancel(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    def finish(self) -> str:
+        """End the sequence (``"length"`` if nothing ended it) and return the held-back text."""
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        if self.words is None:
+            return ""
+        tail = self.words.finish()
+        if self.words.stopped and self.finish_reason != "cancelled":
+            self.finish_reason = "stop"
+        return tail
+
+
+Released = str | int | None
+"""What a row released at one step: a text piece (maybe ``""``), its token id when it has no
+tokenizer, or None when it took no token (it had ended)."""
+
+
+def decode_steps(states: Sequence[DecodeState], logits: torch.Tensor,
+                 forward: Callable[[list[int]], torch.Tensor], *, pad_id: int = 0,
+                 cancelled: Sequence[Callable[[], bool] | None] = ()) -> Iterator[list[Released]]:
+    """The decode loop: choose each running row's token, release its text, step the model.
+
+    ``logits`` ``[B, V]`` float32 are the rows' next-token logits after the prompt;
+    ``forward(tokens)`` feeds one token per row (``pad_id`` for a row that has ended) and
+    returns the next ``[B, V]`` float32 logits (it owns the cache and the positions). Yields,
+    after each step, what every row released; ends once every row has ended. ``cancelled[row]``
+    is polled before each of the row's steps (True ends it as ``"cancelled"``). Closing the
+    iterator stops decoding. The states keep the tokens, the text and the finish reasons.
+    """
+    while True:
+        nxt = [pad_id] * len(states)
+        released: list[Released] = [None] * len(states)
+        greedy: list[int] | None = None
+        for row, st in enumerate(states):
+            if st.done:
+                continue
+            stop = cancelled[row] if row < len(cancelled) else None
+            if stop is not None and stop():
+                st.cancel()
+                continue
+            if st.sampler.params.greedy:
+                if greedy is None:
+                    greedy = logits.argmax(-1).tolist()  # one call for every greedy row
+                tok = greedy[row]
+            else:
+                tok = st.pick(logits[row])
+            released[row] = st.push(tok)
+            nxt[row] = tok
+        yield released
+        if all(st.done for st in states):
+            return
+        logits = forward(nxt)

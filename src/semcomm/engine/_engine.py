@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -35,7 +35,7 @@ from ..kv._format import Chunk, decode_chunk, encode_chunk
 from ..kv._keys import ChunkKey, Namespace, NamespaceDigest, chunk_keys, chunk_spans
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
-from ._decode import Sampler, SamplingParams, StopText
+from ._decode import DecodeState, SamplingParams, decode_steps
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
@@ -519,6 +519,7 @@ class HFEngine:
         top_p: float = ..., top_k: int = ..., seed: int | None = ...,
         stop: Sequence[str | int] | str | None = ..., stream: Literal[False] = ...,
         snapshot: KVSnapshot | None = ...,
+        on_prefill: Callable[[GenerationStats], None] | None = ...,
     ) -> GenerationResult: ...
 
     @overload
@@ -527,6 +528,7 @@ class HFEngine:
         top_p: float = ..., top_k: int = ..., seed: int | None = ...,
         stop: Sequence[str | int] | str | None = ..., stream: Literal[True],
         snapshot: KVSnapshot | None = ...,
+        on_prefill: Callable[[GenerationStats], None] | None = ...,
     ) -> TokenStream: ...
 
     def generate(
@@ -541,6 +543,7 @@ class HFEngine:
         stop: Sequence[str | int] | str | None = None,
         stream: bool = False,
         snapshot: KVSnapshot | None = None,
+        on_prefill: Callable[[GenerationStats], None] | None = None,
     ) -> GenerationResult | TokenStream:
         """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
 
@@ -550,6 +553,8 @@ class HFEngine:
         could begin a stop string is held back until decided, so the pieces joined equal
         ``.result.text``.
         ``snapshot``: continue from a :class:`KVSnapshot` (its tokens must prefix the prompt).
+        ``on_prefill``: called with the stats once the prompt is in cache (hit and recomputed
+        tokens, tiers), before the first token is chosen.
         """
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -567,7 +572,7 @@ class HFEngine:
         if stop_strs and self.tokenizer is None:
             raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
         gen = self._generate_iter(ids, max_new_tokens, params, stop_strs, stop_ids, snapshot,
-                                  t_start)
+                                  t_start, on_prefill)
         if stream:
             return TokenStream(gen)
         while True:
@@ -580,57 +585,42 @@ class HFEngine:
     def _generate_iter(
         self, ids: list[int], max_new: int, params: SamplingParams, stop_strs: list[str],
         stop_ids: set[int], snapshot: KVSnapshot | None, t_start: float,
+        on_prefill: Callable[[GenerationStats], None] | None = None,
     ) -> Generator[Any, None, GenerationResult]:
         """The decode loop: one forward per token on the cache, written in place."""
         pre, keys = self._prefill(ids, snapshot, t_start, capacity=len(ids) + max_new)
         stats = pre.stats
-        sampler = Sampler(params, self.device)
-        words = StopText(self.tokenizer, stop_strs) if self.tokenizer is not None else None
-        out: list[int] = []
-        finish = "length"
+        if on_prefill is not None:
+            on_prefill(stats)
+        seq = DecodeState(self.tokenizer, params, self.device, max_new_tokens=max_new,
+                          stop=stop_strs, stop_ids=stop_ids, eos_ids=self.eos_token_ids)
         cache = pre.cache
-        nxt = sampler.pick(pre.last_logits) if max_new else None
-        stats.ttft_s = time.perf_counter() - t_start
-        self._store_chunks(pre, keys)
-        pre.cache = None  # the decode loop owns the cache from here
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+
+        def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
+            step.fill_(nxt[0])
+            with torch.no_grad():
+                return self._runner.forward(step, cache)[None]
+
         t_dec = time.perf_counter()
-        with torch.no_grad():
-            while nxt is not None:
-                out.append(nxt)
-                if words is not None:
-                    piece, stopped = words.push(nxt)
-                    if piece:
-                        yield piece
-                    if stopped:
-                        finish = "stop"
-                        break
-                else:
-                    yield nxt
-                if nxt in stop_ids:
-                    finish = "stop"
-                    break
-                if nxt in self.eos_token_ids:
-                    finish = "eos"
-                    break
-                if len(out) >= max_new:
-                    break
-                step.fill_(nxt)
-                nxt = sampler.pick(self._runner.forward(step, cache))
+        for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
+            if i == 0:  # the first token is chosen: store the prompt's chunks before its text
+                stats.ttft_s = time.perf_counter() - t_start
+                self._store_chunks(pre, keys)
+                pre.cache = None  # the decode loop owns the cache from here
+                t_dec = time.perf_counter()
+            if isinstance(piece, int) or piece:
+                yield piece  # a text piece, or the token id without a tokenizer
         dt = time.perf_counter() - t_dec
+        out = seq.token_ids
         stats.new_tokens = len(out)
         stats.decode_tokens_per_s = (len(out) - 1) / dt if len(out) > 1 and dt > 0 else 0.0
-        stats.finish_reason = finish if out else "length"
-        text: str | None = None
-        if words is not None:
-            tail = words.finish()
-            if tail:
-                yield tail  # held back (a possible stop string start) or incomplete UTF-8
-            text = words.text
-            if words.stopped:
-                stats.finish_reason = "stop"
+        tail = seq.finish()
+        if tail:
+            yield tail  # held back (a possible stop string start) or incomplete UTF-8
+        stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t_start
-        return GenerationResult(token_ids=out, text=text, stats=stats, prompt_ids=ids)
+        return GenerationResult(token_ids=out, text=seq.text, stats=stats, prompt_ids=ids)
 
     # -------------------------------------------------------------- snapshots
     def snapshot(self, prompt: Prompt) -> KVSnapshot:

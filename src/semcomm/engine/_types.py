@@ -119,3 +119,9 @@ class TokenStream:
         except StopIteration as stop:
             self.result = stop.value
             raise
+
+    def close(self) -> None:
+        """Stop decoding (no result is set); later ``next`` calls end the iteration."""
+        close = getattr(self._gen, "close", None)
+        if close is not None:
+            close()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from ..engine._cache_adapter import cache_kwargs
+from ..engine import cache_from_layers, cache_kwargs, cache_layers
+from ..engine import output_cache as output_cache
 
 __all__ = [
     "KVLayers",
@@ -31,16 +31,13 @@ KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([B, H, N, D], 
 
 
 def cache_to_layers(cache: Any) -> KVLayers:
-    """Per-layer (keys, values) of a transformers cache (v5 ``cache.layers[i].keys``)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise TypeError(f"expected a transformers Cache with .layers, got {type(cache).__name__}")
-    return [(layer.keys, layer.values) for layer in layers]
+    """Per-layer (keys, values) of a transformers cache (the engine's cache adapter reads it)."""
+    return cache_layers(cache)
 
 
-def layers_to_cache(layers: KVLayers) -> DynamicCache:
-    """A fresh DynamicCache holding ``layers`` (the tensors are not copied)."""
-    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+def layers_to_cache(layers: KVLayers) -> Any:
+    """A fresh cache holding ``layers`` (the tensors are not copied)."""
+    return cache_from_layers(layers)
 
 
 def positions_from_mask(mask: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Tensor:
@@ -67,13 +64,6 @@ def prefill_layers(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
             logits_to_keep=1,
         )
     return cache_to_layers(output_cache(out))
-
-
-def output_cache(out: Any) -> Any:
-    """The cache of a model output (``cache`` in transformers v5, ``past_key_values`` before)."""
-    if "cache" in out:
-        return out["cache"]
-    return out["past_key_values"]
 
 
 def align_layers(layers: KVLayers, weights: torch.Tensor) -> KVLayers:

@@ -12,25 +12,18 @@ sharer's prompt KV is restored from the KV store when cached instead of recomput
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..engine import BatchDecoder, StopText
 from ..errors import InvalidInputError
 from ._align import Alignment, EncodedPrompt, PromptParts, align_offsets, encode_prompt
 from ._fuser import Fuser
-from ._kvio import (
-    KVLayers,
-    align_layers,
-    cache_kwargs,
-    cache_to_layers,
-    layers_to_cache,
-    output_cache,
-)
+from ._kvio import KVLayers, align_layers, cache_to_layers, output_cache
 from ._spec import ModelSpec, model_spec
 
 __all__ = [
@@ -126,33 +119,12 @@ def iter_greedy(
 
     ``layers`` holds KV for positions ``[0, start_pos)`` (or is None); ``feed_ids`` are the
     prompt tokens not yet in the cache (at least one). Stops at an end-of-sequence id (not
-    yielded) or after ``max_new_tokens``. The given layers are not mutated.
+    yielded) or after ``max_new_tokens``. The given layers are not mutated. The loop is the
+    engine's (:meth:`semcomm.engine.BatchDecoder.continue_greedy`).
     """
-    if not feed_ids:
-        raise InvalidInputError("at least one prompt token must be fed to the model")
-    device = next(model.parameters()).device
-    cache = layers_to_cache([(k.clone(), v.clone()) for k, v in layers]) if layers else None
-    ids = torch.tensor([feed_ids], device=device)
-    pos = start_pos
-    (cache_kw,) = cache_kwargs(model, None)  # the forward's name for the cache argument
-    for _ in range(max_new_tokens):
-        n = ids.shape[1]
-        position_ids = torch.arange(pos, pos + n, device=device)[None]
-        with torch.no_grad():
-            out = model(
-                input_ids=ids,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kw: cache},
-            )
-        cache = output_cache(out)
-        pos += n
-        nxt = int(out.logits[0, -1].argmax())
-        if nxt in eos_ids:
-            return
-        yield nxt
-        ids = torch.tensor([[nxt]], device=device)
+    decoder = BatchDecoder(model, None, eos_ids=sorted(eos_ids))
+    return decoder.continue_greedy(layers, feed_ids, start_pos=start_pos,
+                                   max_new_tokens=max_new_tokens)
 
 
 def greedy_decode(
@@ -186,27 +158,18 @@ def greedy_decode(
     return out_ids
 
 
-def text_pieces(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    """Incremental detokenization: the new text after each token, holding back a piece
-    while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD)."""
-    ids: list[int] = []
-    sent = ""
+def text_pieces(tokens: Iterable[int], tokenizer: Any) -> Iterator[str]:
+    """The text each token adds, by the engine's incremental detokenizer
+    (:class:`semcomm.engine.StopText`: a piece ending in an incomplete UTF-8 sequence is held
+    back until the next token completes it; the pieces joined equal the whole decode)."""
+    words = StopText(tokenizer)
     for tok in tokens:
-        ids.append(tok)
-        text = decode(ids)
-        if text.endswith("\ufffd"):
-            continue
-        if len(text) > len(sent) and text.startswith(sent):
-            piece, sent = text[len(sent) :], text
+        piece, _ = words.push(tok)
+        if piece:
             yield piece
-        elif text != sent:  # a tokenizer rewrote earlier text: send only what is new
-            common = len(os.path.commonprefix([text, sent]))
-            piece, sent = text[common:], text
-            if piece:
-                yield piece
-    final = decode(ids) if ids else ""
-    if final != sent and final.startswith(sent) and len(final) > len(sent):
-        yield final[len(sent) :]
+    tail = words.finish()
+    if tail:
+        yield tail
 
 
 class FusionPipeline:
@@ -350,7 +313,7 @@ class FusionPipeline:
                 yield t
 
         first = True
-        for piece in text_pieces(tokens(), lambda ids: tok.decode(ids, skip_special_tokens=True)):
+        for piece in text_pieces(tokens(), tok):
             if first:
                 info["first_piece_ms"] = (time.perf_counter() - t0) * 1e3
                 first = False
