@@ -192,3 +192,26 @@ def test_rank_selection_by_cross_validated_log_loss() -> None:
     assert fixed.rank_ is None and fixed.proj is None
     with pytest.raises(ConfigError):
         QualityPredictor(rank="best")
+
+
+def test_the_shipped_router_for_the_default_pair_loads_by_name_and_splits_traffic() -> None:
+    """``[routing] model_router = "smollm2-qwen2.5-coder"`` (the embedded default) resolves to
+    the shipped file, routes between the two catalog models and, at its calibrated budget,
+    sends a real share of held-out questions to each (not everything to one model)."""
+    from semcomm.fusion import read_mcqa
+    from semcomm.routing import SHIPPED_ROUTERS, shipped_router_path
+
+    assert "smollm2-qwen2.5-coder" in SHIPPED_ROUTERS
+    assert shipped_router_path("smollm2-qwen2.5-coder").is_file()
+    router = ModelRouter.load("smollm2-qwen2.5-coder")
+    assert [m.name for m in router.models] == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "mcqa"
+    if not data.is_dir():
+        pytest.skip(f"{data} not found")
+    qs = [q.question for name in ("arc_easy", "commonsense_qa", "piqa")  # the sets it was
+          for q in read_mcqa(data / f"{name}.jsonl", skip=60, limit=40)]  # trained on; unseen rows
+    picks = [router.route(q).index for q in qs]
+    share = sum(picks) / len(picks)
+    assert 0.15 <= share <= 0.85, share
+    with pytest.raises(ConfigError, match="smollm2-qwen2.5-coder"):
+        shipped_router_path("no-such-router")

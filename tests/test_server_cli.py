@@ -70,6 +70,9 @@ def _chat_both_ways(url: str, key: str) -> None:
         raw.headers["x-semcomm-hits"].startswith("kv:")
     answer = raw.parse().choices[0].message.content
     assert answer and any(c.isalpha() for c in answer), answer  # real text from the real model
+    # model "auto": the shipped router picks one of the two real models
+    auto = client.chat.completions.create(model="auto", messages=msgs, max_tokens=3)
+    assert auto.model in models[:2], auto.model
     chunks = list(client.chat.completions.create(model=models[0], messages=msgs, max_tokens=5,
                                                  stream=True))
     assert chunks and chunks[0].object == "chat.completion.chunk"

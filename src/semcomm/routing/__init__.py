@@ -11,6 +11,7 @@
 from ._cost import CostModel
 from ._index import ApproximateIndex, IndexEvent, PreciseIndex, PreciseIndexStats, PrefixIndex
 from ._model import (
+    SHIPPED_ROUTERS,
     LabelledSet,
     ModelChoice,
     ModelRouter,
@@ -19,6 +20,7 @@ from ._model import (
     RouterEval,
     load_labelled,
     render_conversation,
+    shipped_router_path,
 )
 from ._policies import POLICIES, Policy, RouteView, make_policy, policy_names, predicted_ttft
 from ._replica import DecisionState, ReplicaRouter, RouteDecision
@@ -36,6 +38,7 @@ from ._trace import (
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
     "POLICIES",
+    "SHIPPED_ROUTERS",
     "ApproximateIndex",
     "CostModel",
     "DecisionState",
@@ -67,6 +70,7 @@ __all__ = [
     "predicted_ttft",
     "render_conversation",
     "shared_prefix_workload",
+    "shipped_router_path",
     "sim_table",
     "simulate",
     "write_trace",

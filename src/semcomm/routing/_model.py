@@ -32,17 +32,34 @@ import numpy as np
 from ..errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "SHIPPED_ROUTERS",
     "ModelChoice",
     "ModelRouter",
     "ModelSpec",
     "QualityPredictor",
     "RouterEval",
     "render_conversation",
+    "shipped_router_path",
 ]
 
 logger = logging.getLogger(__name__)
 
 _FORMAT = "semcomm.model-router/1"
+
+_ASSETS = Path(__file__).resolve().parent / "assets"
+
+#: Routers shipped with semcomm, by name: ``[routing] model_router = NAME`` or
+#: ``ModelRouter.load(NAME)``. ``smollm2-qwen2.5-coder`` routes between the embedded default's
+#: two real models (SmolLM2-135M-Instruct, cost 1; Qwen2.5-Coder-0.5B-Instruct, cost 4), trained
+#: on their own multiple-choice answers (benchmarks/bench_router_real.py; docs/BENCHMARKS.md).
+SHIPPED_ROUTERS: dict[str, str] = {"smollm2-qwen2.5-coder": "smollm2-qwen2.5-coder.json"}
+
+
+def shipped_router_path(name: str) -> Path:
+    """The file of a shipped router (``ConfigError`` naming the known ones otherwise)."""
+    if name not in SHIPPED_ROUTERS:
+        raise ConfigError(f"no shipped model router named {name!r}; shipped: {sorted(SHIPPED_ROUTERS)}")
+    return _ASSETS / SHIPPED_ROUTERS[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +446,8 @@ class ModelRouter:
 
     @classmethod
     def load(cls, path: str | Path, *, embedder: Any = None) -> ModelRouter:
-        p = Path(path)
+        """Load a router saved by :meth:`save`, or a shipped one by name (:data:`SHIPPED_ROUTERS`)."""
+        p = shipped_router_path(str(path)) if str(path) in SHIPPED_ROUTERS else Path(path)
         try:
             doc = json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
