@@ -84,7 +84,7 @@ def clear(location: str = typer.Argument(..., help="SQLite file or redis:// URL.
 def export(location: str = typer.Argument(..., help="SQLite file or redis:// URL."),
            out: Path = typer.Argument(..., help="JSON-lines file to write.")) -> None:
     """Write every live entry as checksummed JSON lines (no pickle)."""
-    from ..semantic._entry import encode_entry
+    from ..semantic import encode_entry
 
     c = _open(location)
     n = 0
@@ -102,7 +102,7 @@ def export(location: str = typer.Argument(..., help="SQLite file or redis:// URL
 def import_(location: str = typer.Argument(..., help="SQLite file or redis:// URL."),
             src: Path = typer.Argument(..., help="JSON-lines file written by export.")) -> None:
     """Load exported entries; lines failing their checksum are skipped and counted."""
-    from ..semantic._entry import Row, decode_entry
+    from ..semantic import Row, decode_entry
 
     c = _open(location)
     good, bad = [], 0

@@ -18,9 +18,17 @@ from ._embed import (
     as_embedder,
     default_embedder,
 )
-from ._entry import ENTRY_FORMAT_VERSION, Entry
+from ._entry import ENTRY_FORMAT_VERSION, Entry, Row, decode_entry, encode_entry
 from ._guard import GuardResult, LexicalGuard
-from ._index import AutoIndex, FlatIndex, HNSWIndex, IVFIndex, make_index
+from ._index import (
+    AutoIndex,
+    FlatIndex,
+    HNSWIndex,
+    IVFIndex,
+    check_hnsw_options,
+    check_ivf_options,
+    make_index,
+)
 from ._judge import JudgeVerifier
 from ._policy import (
     DEFAULT_THRESHOLD,
@@ -77,6 +85,7 @@ __all__ = [
     "LexicalVerifier",
     "MemoryEntryStore",
     "RedisEntryStore",
+    "Row",
     "SQLiteEntryStore",
     "Scope",
     "SemanticCache",
@@ -90,8 +99,12 @@ __all__ = [
     "answers_agree",
     "as_embedder",
     "calibrate_threshold",
+    "check_hnsw_options",
+    "check_ivf_options",
     "context_window",
+    "decode_entry",
     "default_embedder",
+    "encode_entry",
     "make_index",
     "make_policy",
     "open_store",

@@ -229,7 +229,7 @@ class SemanticConfig(_Section):
     @classmethod
     def _check_index_options(cls, v: dict[str, Any] | None, info: ValidationInfo
                              ) -> dict[str, Any] | None:
-        from ..semantic._index import check_hnsw_options, check_ivf_options
+        from ..semantic import check_hnsw_options, check_ivf_options
 
         if v is None:
             return None
