@@ -30,9 +30,18 @@ from ..errors import (
     NamespaceMismatchError,
     StoreError,
 )
-from ..kv._codecs import KVCodec, get_codec
-from ..kv._format import Chunk, decode_chunk, encode_chunk
-from ..kv._keys import ChunkKey, Namespace, NamespaceDigest, chunk_keys, chunk_spans
+from ..kv import (
+    Chunk,
+    ChunkKey,
+    KVCodec,
+    Namespace,
+    NamespaceDigest,
+    chunk_keys,
+    chunk_spans,
+    decode_chunk,
+    encode_chunk,
+    get_codec,
+)
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps

@@ -23,7 +23,7 @@ import struct
 import xxhash
 
 from ..errors import CorruptEntryError
-from ..kv._format import ChunkHeader, read_header
+from ..kv import ChunkHeader, read_header
 from ._sealing import Opened, SealedEntryError, Sealer, SealStats, TenantKeyring, envelope_version
 
 __all__ = ["SEAL_ALG", "SEAL_META_KEY", "ChunkSealer"]
