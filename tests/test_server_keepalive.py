@@ -71,6 +71,9 @@ def test_an_idle_model_is_unloaded_freed_and_reloaded_with_identical_output(
         assert f'semcomm_memory_reloads_total{{model="tiny"}} {float(r0 + 1)}' in text
         assert 'semcomm_memory_reload_seconds_total{model="tiny"}' in text
         assert 'semcomm_memory_loaded{model="tiny"} 1.0' in text
+        board = c.get("/dashboard/data").json()["memory"]["models"]["tiny"]
+        assert (board["state"], board["reloads"]) == ("loaded", r0 + 1)
+        assert board["weight_resident_bytes"] == m["weight_bytes"] > 0
 
 
 def test_a_busy_model_is_not_unloaded_and_pin_wins_over_keep_alive(tmp_path: Path) -> None:

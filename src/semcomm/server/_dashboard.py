@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
-__all__ = ["dashboard_data", "semantic_shadow_data"]
+__all__ = ["dashboard_data", "memory_data", "semantic_shadow_data"]
 
 
 def semantic_shadow_data(gw: Gateway) -> dict[str, Any] | None:
@@ -22,6 +22,20 @@ def semantic_shadow_data(gw: Gateway) -> dict[str, Any] | None:
         return sem.shadow_summary(target_precision=0.95)
     except Exception as exc:  # a broken cache must not take the dashboard down
         return {"mode": "shadow", "error": f"{type(exc).__name__}: {exc}"}
+
+
+def memory_data(gw: Gateway) -> dict[str, Any] | None:
+    """The memory plan, live (None when the process has none): per model its state
+    (loaded or unloaded by keep-alive), weights held, KV live / cached / budget, reloads."""
+    if gw.memory is None:
+        return None
+    snap = gw.memory.snapshot()
+    keep = ("state", "pinned", "weight_bytes", "weight_resident_bytes", "kv_live_bytes",
+            "kv_cached_bytes", "kv_budget_bytes", "kv_headroom_bytes", "reloads", "unloads",
+            "reload_s_total", "last_reload_s", "refused", "keep_alive_s")
+    return {**{k: snap.get(k) for k in ("limit_bytes", "planned_bytes", "planned_now_bytes",
+                                         "rss_bytes", "peak_rss_bytes")},
+            "models": {n: {k: m.get(k) for k in keep} for n, m in snap["models"].items()}}
 
 
 def dashboard_data(gw: Gateway) -> dict[str, Any]:
@@ -72,5 +86,6 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
         "top_prefixes": [{"id": fp, "tokens": p.tokens, "reuses": p.reuses,
                           "saved_tokens": p.saved_tokens} for fp, p in top],
         "history": list(s.history),
+        "memory": memory_data(gw),
         "semantic_shadow": semantic_shadow_data(gw),
     }
