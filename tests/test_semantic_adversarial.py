@@ -54,10 +54,16 @@ NEAR_MISSES = [
 PARAPHRASES = [
     ("How do I reset my password?", "How can I reset my password?"),
     ("What is the capital of Austria?", "What's the capital city of Austria?"),
-    ("How do I learn Python quickly?", "What is the fastest way to learn Python?"),
-    ("How can I lose weight fast?", "How do I lose weight fast?"),
     ("Is it safe to drink tap water in Mexico?", "Is tap water in Mexico safe to drink?"),
     ("How do I cancel my Netflix subscription?", "How can I cancel my Netflix subscription?"),
+]
+
+# paraphrases the default refuses: its cross-encoder learned QQP's strict labels (P 0.48 at cos
+# 0.921, P 0.15 at cos 0.986); the plain cosine rule (cross_encoder=False) serves both. The
+# recall this costs is measured in docs/BENCHMARKS.md (semantic cache, traffic).
+STRICT_MISSES = [
+    ("How do I learn Python quickly?", "What is the fastest way to learn Python?"),
+    ("How can I lose weight fast?", "How do I lose weight fast?"),
 ]
 
 
@@ -79,6 +85,17 @@ def test_paraphrase_hits(cache, stored, query) -> None:
     scope = f"pp:{stored}"
     cache.store(stored, "ANSWER", scope=scope)
     hit = cache.lookup(query, scope=scope)
+    assert hit is not None and hit.answer == "ANSWER"
+
+
+@pytest.mark.parametrize("stored,query", STRICT_MISSES)
+def test_paraphrases_the_cross_encoder_refuses(cache, minilm, stored, query) -> None:  # noqa: F811
+    scope = f"sm:{stored}"
+    plain = SemanticCache(embedder=minilm, cross_encoder=False)
+    for c in (cache, plain):
+        c.store(stored, "ANSWER", scope=scope)
+    assert cache.lookup(query, scope=scope) is None
+    hit = plain.lookup(query, scope=scope)
     assert hit is not None and hit.answer == "ANSWER"
 
 

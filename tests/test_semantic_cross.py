@@ -143,3 +143,39 @@ def test_server_config_turns_the_verifier_on(tmp_path: Path) -> None:
         cache.store("How do I reset my password?", "Settings > Security")
     assert off.lookup("How do I change my username?") is not None
     assert on.lookup("How do I change my username?") is None
+
+
+def test_the_default_verifies_every_lone_hit_with_the_cross_encoder() -> None:
+    """``SemanticCache()`` (default embedder): a lone entry at cos >= 0.88 is served only when
+    the shipped cross-encoder gives it P >= 0.7; an identical text is never scored; a custom
+    embedder, ``threshold=`` or ``cross_encoder=False`` keep the plain 0.92 rule."""
+    from semcomm.semantic import (
+        DEFAULT_THRESHOLD,
+        VERIFIED_MIN_SCORE,
+        VERIFIED_THRESHOLD,
+        CallableEmbedder,
+        ClusterVotePolicy,
+    )
+
+    cache = SemanticCache()
+    pol = cache.policy
+    assert isinstance(pol, ClusterVotePolicy) and isinstance(pol.scorer, CrossEncoderVerifier)
+    assert (pol.threshold, pol.min_score) == (VERIFIED_THRESHOLD, VERIFIED_MIN_SCORE) == (0.88, 0.7)
+    plain = SemanticCache(cross_encoder=False)
+    assert plain.policy.scorer is None and plain.policy.threshold == DEFAULT_THRESHOLD  # type: ignore[attr-defined]
+    toy = SemanticCache(embedder=CallableEmbedder(lambda t: np.ones((len(t), 4)), name="toy", dim=4))
+    assert toy.policy.scorer is None  # type: ignore[attr-defined]
+    assert SemanticCache(threshold=0.9).policy.scorer is None  # type: ignore[attr-defined]
+
+    for c in (cache, plain):
+        c.store("How do I reset my account password?", "Settings > Security")
+        c.store("How can I lose weight fast?", "Eat less, move more.")
+    hit = cache.lookup("How can I reset the password of my account?")  # cos 0.986, P 0.88
+    assert hit is not None and hit.verified and hit.reason == "scored-hit"
+    assert cache.stats().verifications == 1
+    assert cache.lookup("How can I lose weight fast?") is not None  # identical: not scored
+    assert cache.stats().verifications == 1
+    # the cost of QQP's strict labels: cos 0.986, P 0.15 -- the plain rule serves it
+    assert cache.lookup("How do I lose weight fast?") is None
+    assert cache.stats().verifications == 2
+    assert plain.lookup("How do I lose weight fast?") is not None

@@ -33,6 +33,8 @@ from ._judge import JudgeVerifier
 from ._policy import (
     DEFAULT_THRESHOLD,
     POLICIES,
+    VERIFIED_MIN_SCORE,
+    VERIFIED_THRESHOLD,
     CalibrationResult,
     Candidate,
     ClusterVotePolicy,
@@ -62,6 +64,8 @@ __all__ = [
     "ENTRY_FORMAT_VERSION",
     "EVICTION_POLICIES",
     "POLICIES",
+    "VERIFIED_MIN_SCORE",
+    "VERIFIED_THRESHOLD",
     "AutoIndex",
     "CacheStats",
     "CalibrationResult",

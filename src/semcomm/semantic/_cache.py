@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError, InvalidInputError
 from ._context import ContextLike, Scope, context_window, entry_id, partition_key
-from ._embed import Embedder, as_embedder
+from ._embed import DEFAULT_EMBEDDER_NAME, Embedder, as_embedder
 from ._entry import Entry
 from ._guard import LexicalGuard
 from ._index import (
@@ -30,7 +30,10 @@ from ._index import (
 )
 from ._policy import (
     DEFAULT_THRESHOLD,
+    VERIFIED_MIN_SCORE,
+    VERIFIED_THRESHOLD,
     Candidate,
+    ClusterVotePolicy,
     HitPolicy,
     ThresholdPolicy,
     make_policy,
@@ -205,7 +208,8 @@ class SemanticCache:
     callable or :class:`~semcomm.semantic.Embedder`), ``path`` (SQLite file; None -> memory),
     ``store`` (an entry store or a URL), ``policy`` (None ->
     :class:`~semcomm.semantic.ClusterVotePolicy`: answer clusters vote, a lone entry needs
-    :data:`DEFAULT_THRESHOLD`; a name from :data:`POLICIES` or a policy object), ``threshold``
+    :data:`DEFAULT_THRESHOLD`, or with the default embedder :data:`VERIFIED_THRESHOLD` and the
+    cross-encoder's yes (``cross_encoder``); a name from :data:`POLICIES` or a policy object), ``threshold``
     (shortcut for the fixed-threshold policy, no votes), ``guard`` (the lexical near-miss guard; False
     disables it), ``context_turns``, ``max_entries`` / ``max_bytes`` with ``eviction``
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
@@ -219,12 +223,18 @@ class SemanticCache:
     :class:`semcomm.security.TenantSalter`), ``candidates`` (neighbours examined per lookup),
     ``verifier`` (``f(query, cached_query) -> bool``) with ``verify_scopes`` (scope names whose
     hits are served only after the verifier confirms them: for high-stakes scopes),
-    ``cross_encoder`` (default False; True: the best candidate at or above the threshold of
-    a policy the cache builds -- the default, ``threshold=`` or a policy name -- is served only
-    when the shipped :class:`~semcomm.semantic.CrossEncoderVerifier` gives it ``P >= 0.5``,
-    identical text needs no check; or any scorer ``f(query, best, runner_up) -> P``). The
-    cross-encoder learned QQP's strict notion of "duplicate": more precise hits on QQP-like
-    traffic, fewer hits on loose everyday paraphrases.
+    ``cross_encoder`` (default "auto": with the default embedder and no ``policy=`` or
+    ``threshold=``, the policy is ``ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=<the shipped
+    CrossEncoderVerifier>, min_score=VERIFIED_MIN_SCORE)``: a lone candidate at cos >= 0.88 is
+    served only when the cross-encoder gives it ``P >= 0.7``; cluster votes and identical texts
+    are not scored; one MiniLM pair forward per scored lookup, see docs/BENCHMARKS.md; with
+    another embedder "auto" means off, its cosines are on another scale. False: the plain
+    0.92 rule. True: the best candidate at or above the threshold of a policy the cache builds
+    -- ``threshold=`` or a policy name -- is served only when the cross-encoder gives it
+    ``P >= 0.5``; or any scorer ``f(query, best, runner_up) -> P``). The cross-encoder learned
+    QQP's strict notion of "duplicate": more precise hits on QQP-like traffic, fewer hits on
+    loose everyday paraphrases ("How can I lose weight fast?" / "How do I lose weight fast?"
+    is refused).
 
     Answer clusters: entries of one partition whose answers are the same text (case and
     spacing aside) or, with ``answer_match`` (default 0.8: cosine of the two answers'
@@ -264,7 +274,7 @@ class SemanticCache:
         clock: Callable[[], float] = time.time,
         verifier: Callable[[str, str], bool] | None = None,
         verify_scopes: Iterable[str] = (),
-        cross_encoder: Any = False,
+        cross_encoder: Any = "auto",
         hnsw: dict[str, Any] | None = None,
         ivf: dict[str, Any] | None = None,
         answer_match: Any = 0.8,
@@ -275,7 +285,19 @@ class SemanticCache:
             raise ConfigError("pass either threshold= or policy=, not both")
         self.policy: HitPolicy = (ThresholdPolicy(threshold) if threshold is not None
                                   else make_policy(policy))
+        self.embedder: Embedder = as_embedder(embedder)
         built_here = policy is None or isinstance(policy, str)
+        if isinstance(cross_encoder, str) and cross_encoder == "auto":
+            # the default: with the default embedder (the cosine scale the band was measured
+            # on), every lone candidate at cos >= VERIFIED_THRESHOLD is checked by the shipped
+            # cross-encoder; cluster votes and identical texts are not (docs/semantic.md)
+            cross_encoder = False
+            if policy is None and threshold is None and \
+                    getattr(self.embedder, "name", "") == DEFAULT_EMBEDDER_NAME:
+                from ._cross import default_cross_verifier
+
+                self.policy = ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
+                                                min_score=VERIFIED_MIN_SCORE)
         if cross_encoder is not None and cross_encoder is not False and built_here and \
                 isinstance(self.policy, ThresholdPolicy) and self.policy.scorer is None:
             if cross_encoder is True:
@@ -321,7 +343,6 @@ class SemanticCache:
         self.mode = mode
         self.shadow = ShadowLog(shadow_log)
         self._pending: OrderedDict[tuple[str, str], ShadowRecord] = OrderedDict()
-        self.embedder: Embedder = as_embedder(embedder)
         self.backend: EntryStore = open_store(store, path)
         self.guard: LexicalGuard | None = (LexicalGuard() if guard is True or guard is None
                                            else (guard or None))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -126,6 +127,8 @@ class CrossEncoderVerifier:
         self._model: Any = None
         self._tok: Any = None
         self._head: Any = None
+        self.calls = 0  # pair batches scored (after loading), for the hit-path cost
+        self.seconds = 0.0  # time spent in them
 
     # -- loading -----------------------------------------------------------------------
     def _load(self) -> None:
@@ -182,6 +185,7 @@ class CrossEncoderVerifier:
         self._load()
         import torch
 
+        t0 = time.perf_counter()
         batch = self._tok([query] * len(candidates), list(candidates), padding=True,
                           truncation=True, max_length=self.max_length, return_tensors="pt")
         batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -189,7 +193,15 @@ class CrossEncoderVerifier:
             h = self._model(**batch).last_hidden_state
             m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
             logit = self._head((h * m).sum(1) / m.sum(1)).squeeze(-1)
-        return torch.sigmoid(logit.float()).cpu().numpy()
+        out = torch.sigmoid(logit.float()).cpu().numpy()
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @property
+    def ms_per_call(self) -> float:
+        """Mean milliseconds per :meth:`scores` call so far (0.0 before the first)."""
+        return 1e3 * self.seconds / self.calls if self.calls else 0.0
 
     def score(self, query: str, best: Any, runner_up: Any = None) -> float:
         """Scorer protocol of :class:`ThresholdPolicy`: ``P(right)`` of ``best`` (a

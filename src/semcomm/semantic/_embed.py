@@ -30,6 +30,9 @@ __all__ = [
     "default_embedder",
 ]
 
+DEFAULT_EMBEDDER_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+"""Name of the packaged default embedder (the cosine scale the default policy's bands are in)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -144,7 +147,7 @@ class SentenceTransformerEmbedder(_CachingEmbedder):
         self._model: Any = None if model is None or isinstance(model, str) else model
         self._load_lock = threading.Lock()
         if model is None:
-            self._name = "sentence-transformers/all-MiniLM-L6-v2"
+            self._name = DEFAULT_EMBEDDER_NAME
         elif isinstance(model, str):
             self._name = model
         else:

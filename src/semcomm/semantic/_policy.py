@@ -38,6 +38,8 @@ from ..errors import ConfigError, InvalidInputError
 __all__ = [
     "DEFAULT_THRESHOLD",
     "POLICIES",
+    "VERIFIED_MIN_SCORE",
+    "VERIFIED_THRESHOLD",
     "CalibrationResult",
     "Candidate",
     "ClusterVotePolicy",
@@ -84,8 +86,21 @@ class Decision:
     candidate: Candidate | None
     verified: bool = False  # a verifier confirmed this hit
     verifications: int = 0  # verifier calls spent on this lookup
-    reason: str = ""  # "threshold" | "vote" | "verified" | "exploit" | "below" | "rejected" | "budget"
+    reason: str = ""  # "threshold" | "vote" | "verified" | "scored-hit" | "scored" | "exploit" |
+    # "below" | "rejected" | "budget"
     score: float = 0.0  # the evidence the decision rests on (similarity, or a vote margin)
+
+
+VERIFIED_THRESHOLD = 0.88
+"""Lone-entry cosine floor of the default policy when the shipped cross-encoder verifies every
+lone candidate (MiniLM cosine units; ``SemanticCache()`` with the default embedder)."""
+
+VERIFIED_MIN_SCORE = 0.7
+"""Cross-encoder ``P(same question)`` a lone candidate at or above :data:`VERIFIED_THRESHOLD`
+needs. Both values come from the cross-encoder's training run table
+(``bench_semantic_train_cross.py``: cosine cuts 0.88-0.92 by P cuts 0.5-0.95, the lowest cut
+pair near 0.90 precision at 0.30 recall); docs/BENCHMARKS.md gives the held-out figures and
+how far they are from the goal."""
 
 
 class HitPolicy(Protocol):
@@ -106,8 +121,9 @@ def _check_threshold(t: float) -> float:
 class ThresholdPolicy:
     """Hit when the best candidate's cosine similarity is at least ``threshold``.
 
-    With a ``scorer`` (e.g. :class:`~semcomm.semantic.LexicalVerifier`), the best candidate
-    above the threshold must also score at least ``min_score`` given the runner-up.
+    With a ``scorer`` (e.g. :class:`~semcomm.semantic.LexicalVerifier` or the cross-encoder),
+    the best candidate above the threshold must also score at least ``min_score`` given the
+    runner-up (an identical text, case and spacing aside, needs no score).
     With a ``verifier``, candidates above the threshold are offered best first (at most
     ``max_verify``) and the first one the verifier accepts is served.
     """
@@ -133,8 +149,13 @@ class ThresholdPolicy:
             best = above[0]
             runner = candidates[1] if len(candidates) > 1 else None
             same_text = " ".join(best.query.lower().split()) == " ".join(query.lower().split())
-            if not same_text and self.scorer(query, best, runner) < self.min_score:
-                return Decision(None, reason="scored")
+            if not same_text:
+                p = float(self.scorer(query, best, runner))
+                if p < self.min_score:
+                    return Decision(None, verifications=1, reason="scored", score=p)
+                if self.verifier is None:
+                    return Decision(best, verified=True, verifications=1, reason="scored-hit",
+                                    score=p)
             above = [best]
         if self.verifier is None:
             return Decision(above[0], reason="threshold")
