@@ -116,3 +116,32 @@ def test_a_rewrite_or_promotion_keeps_the_hit_count() -> None:
     for i in range(4):
         tiered.put(*chain(1, seed=30 + i)[0])
     assert mem.contains(shared[0])
+
+
+def test_a_long_session_cannot_evict_its_own_models_system_prompt_while_it_is_read() -> None:
+    size = _size()
+    store = MemoryStore(capacity_bytes=12 * size, eviction="fair")
+    system = chain(3, seed=1)  # the model's system prompt, shared by its short requests
+    for k, v in system:
+        store.put(k, v)
+    for _ in range(2):
+        for k, _v in system:
+            store.get(k)
+    for i, (k, v) in enumerate(chain(40, seed=3)):  # a long session on the same model
+        store.put(k, v)
+        if i % 4 == 0:  # short requests keep reading the system prompt meanwhile
+            for sk, _v in system:
+                assert store.get(sk) is not None, f"system prompt evicted at chunk {i}"
+    assert store.stats().rejected > 0  # the session's later chunks were refused instead
+
+
+def test_a_shared_prompt_no_one_reads_any_more_cools_down_and_goes() -> None:
+    size = _size()
+    store = MemoryStore(capacity_bytes=6 * size, eviction="fair")
+    old = chain(1, seed=1)[0]
+    store.put(*old)
+    store.get(old[0])
+    store.get(old[0])  # hot, then never read again
+    for i in range(20):  # one-off prompts: more than the whole share passes through
+        store.put(*chain(1, seed=100 + i)[0])
+    assert not store.contains(old[0])

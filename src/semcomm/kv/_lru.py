@@ -19,7 +19,8 @@ Invariants:
 but chooses the victim differently: entries carry a *group* (their KV namespace: one per model
 and tenant) and a hit count; the victim comes from the group holding the most bytes (the one
 most over an equal share of the budget), and within it a chunk hit fewer than ``shared_hits``
-times goes before one hit repeatedly (a shared system prompt), LRU within each class.
+times goes before one hit repeatedly and lately (a shared system prompt), LRU within each
+class; a chunk never evicts a chunk of its own group that is still read repeatedly.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class LruEntry:
     pins: int = 0  # pin count; > 0 means never evicted
     group: bytes | None = None  # fair eviction: the chunk's KV namespace digest (set on add)
     hits: int = 0  # fair eviction: reads since it was stored (``touch``)
+    mark: int = 0  # fair eviction: its group's inserted bytes at its last read or store
 
 
 class ChainLru:
@@ -192,11 +194,16 @@ class FairChainLru(ChainLru):
     """Fair shares per namespace, shared prefixes kept longest (see the module docstring).
 
     Invariants (on top of :class:`ChainLru`'s): ``group_bytes[g]`` is the sum of the sizes of
-    the entries of group ``g`` (groups with no entry are absent); an entry is *hot* when its
-    ``hits >= shared_hits``; the victim is the first evictable entry, in the order (cold before
-    hot, least recently used first), of the group with the most bytes that has one. So a group
-    at or under an equal share of a full budget loses nothing while another is over its share,
-    and its hot chunks go only after its cold ones.
+    the entries of group ``g`` (groups with no entry are absent). An entry is *hot* when its
+    ``hits >= shared_hits`` and it was read or stored within the last share's worth of bytes
+    inserted into its group (``mark``); a hot entry that nobody reads while a share's worth of
+    new chunks passes *cools down* and counts as cold again. The victim comes from the group
+    holding the most bytes that has an evictable entry: its least recently used cold entry,
+    else its least recently used hot one. So a group at or under an equal share of a full
+    budget loses nothing while another is over its share, and its hot chunks go only after its
+    cold ones. A chunk being inserted never evicts a hot chunk of its own group (the insert is
+    refused instead): a long session cannot push out the system prompt its own model's other
+    requests keep reading.
     """
 
     def __init__(self, shared_hits: int = 2) -> None:
@@ -205,22 +212,25 @@ class FairChainLru(ChainLru):
             raise ValueError(f"shared_hits must be >= 1, got {shared_hits}")
         self.shared_hits = shared_hits
         self.group_bytes: dict[bytes | None, int] = {}
-        # per group: lazy min-heap of (hot, tick, key); stale items skipped as in ChainLru
-        self._gheaps: dict[bytes | None, list[tuple[bool, int, ChunkKey]]] = {}
+        # per (group, read repeatedly): lazy min-heap of (tick, key); stale items are skipped
+        # as in ChainLru (an entry moves heaps when its hits reach shared_hits)
+        self._gheaps: dict[tuple[bytes | None, bool], list[tuple[int, ChunkKey]]] = {}
         self._gcount: dict[bytes | None, int] = {}  # entries per group (heap rebuild bound)
+        self._inserted: dict[bytes | None, int] = {}  # bytes ever inserted per group (monotonic)
 
-    def _hot(self, e: LruEntry) -> bool:
+    def _shared(self, e: LruEntry) -> bool:
         return e.hits >= self.shared_hits
 
     def _push(self, key: ChunkKey, e: LruEntry) -> None:
         if not self._evictable(key, e):
             return
-        heap = self._gheaps.setdefault(e.group, [])
-        heapq.heappush(heap, (self._hot(e), e.tick, key))
+        hkey = (e.group, self._shared(e))
+        heap = self._gheaps.setdefault(hkey, [])
+        heapq.heappush(heap, (e.tick, key))
         if len(heap) > 4 * self._gcount.get(e.group, 0) + 64:
-            g = e.group
-            heap[:] = [(self._hot(x), x.tick, k) for k, x in self.entries.items()
-                       if x.group == g and self._evictable(k, x)]
+            g, shared = hkey
+            heap[:] = [(x.tick, k) for k, x in self.entries.items()
+                       if x.group == g and self._shared(x) == shared and self._evictable(k, x)]
             heapq.heapify(heap)
 
     def add(self, key: ChunkKey, size: int, parent: ChunkKey | None,
@@ -233,12 +243,16 @@ class FairChainLru(ChainLru):
             return old_size
         self.group_bytes[group] = self.group_bytes.get(group, 0) + size
         self._gcount[group] = self._gcount.get(group, 0) + 1
-        return super().add(key, size, parent, group)
+        self._inserted[group] = self._inserted.get(group, 0) + size
+        out = super().add(key, size, parent, group)
+        self.entries[key].mark = self._inserted[group]
+        return out
 
     def touch(self, key: ChunkKey) -> None:
         e = self.entries.get(key)
         if e is not None:
             e.hits += 1
+            e.mark = self._inserted.get(e.group, 0)
         super().touch(key)
 
     def remove(self, key: ChunkKey) -> LruEntry | None:
@@ -253,30 +267,47 @@ class FairChainLru(ChainLru):
         else:
             assert left == 0, "group bytes out of step with its entries"
             del self.group_bytes[g], self._gcount[g]
-            self._gheaps.pop(g, None)
+            self._gheaps.pop((g, False), None)
+            self._gheaps.pop((g, True), None)
         return e
 
-    def _group_victim(self, g: bytes | None, protect: ChunkKey | None) -> ChunkKey | None:
-        heap = self._gheaps.get(g)
+    def _top(self, g: bytes | None, shared: bool, protect: ChunkKey | None
+             ) -> tuple[ChunkKey, LruEntry] | None:
+        """The least recently used evictable entry of one heap (left in it), or None."""
+        heap = self._gheaps.get((g, shared))
         if not heap:
             return None
-        held: list[tuple[bool, int, ChunkKey]] = []
-        found: ChunkKey | None = None
+        held: list[tuple[int, ChunkKey]] = []
+        found: tuple[ChunkKey, LruEntry] | None = None
         while heap:
-            hot, tick, key = heap[0]
+            tick, key = heap[0]
             e = self.entries.get(key)
-            if (e is None or e.tick != tick or e.group != g or hot != self._hot(e)
+            if (e is None or e.tick != tick or e.group != g or self._shared(e) != shared
                     or not self._evictable(key, e)):
                 heapq.heappop(heap)  # stale
                 continue
             if key == protect:
                 held.append(heapq.heappop(heap))
                 continue
-            found = key
+            found = (key, e)
             break
         for item in held:
             heapq.heappush(heap, item)
         return found
+
+    def _group_victim(self, g: bytes | None, protect: ChunkKey | None, share: float | None,
+                      own: bool) -> ChunkKey | None:
+        cold = self._top(g, False, protect)
+        hot = self._top(g, True, protect)
+        if hot is not None and share is not None:
+            if self._inserted.get(g, 0) - hot[1].mark >= share:  # cooled down: cold again
+                if cold is None or hot[1].tick < cold[1].tick:
+                    return hot[0]
+            elif own and cold is None:
+                return None  # still read: the incoming chunk of its own group is refused
+        if cold is not None:
+            return cold[0]
+        return hot[0] if hot is not None else None
 
     def victim(self, protect: ChunkKey | None = None, *, incoming: Incoming | None = None
                ) -> ChunkKey | None:
@@ -292,17 +323,19 @@ class FairChainLru(ChainLru):
         for g in sorted(held, key=lambda x: held[x], reverse=True):
             if share is not None and held[g] <= share:
                 break
-            found = self._group_victim(g, protect)
+            own = incoming is not None and g == incoming.group
+            found = self._group_victim(g, protect, share, own)
             if found is not None:
                 return found
         return None
 
     def order(self) -> list[ChunkKey]:
-        """Entries in the order fair eviction would take them, chains and pins ignored."""
+        """Entries by group (most bytes first), then read fewer than ``shared_hits`` times
+        first, then least recently used first (chains, pins and cooling ignored)."""
         rank = sorted(self.group_bytes, key=lambda x: self.group_bytes[x], reverse=True)
         pos = {g: i for i, g in enumerate(rank)}
         return [k for k, _ in sorted(self.entries.items(), key=lambda kv: (
-            pos[kv[1].group], self._hot(kv[1]), kv[1].tick))]
+            pos[kv[1].group], self._shared(kv[1]), kv[1].tick))]
 
 
 EVICTION_POLICIES: dict[str, type[ChainLru]] = {"lru": ChainLru, "fair": FairChainLru}
