@@ -33,16 +33,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from semcomm.cli._tools.fusion_reference import _assets_paths, reference_items, run_eval
 from semcomm.engine import HFEngine
-from semcomm.fusion import FusionPipeline, load_fuser
+from semcomm.fusion import FusionPipeline, load_fuser, load_side, shipped_fuser_path
 from semcomm.fusion._eval import EvalSettings, plot_results, score_options
-from semcomm.fusion._reference import (
-    _assets_paths,
-    load_side,
-    reference_items,
-    run_eval,
-    shipped_fuser_path,
-)
 from semcomm.kv import MemoryStore
 from semcomm.reference import build_world
 

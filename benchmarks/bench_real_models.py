@@ -20,7 +20,7 @@ Sections (``--sections``, default all), each measured in one run per model:
   the model, paraphrased questions served from the cache (hit rate, answer time against
   generation time).
 * ``gateway``: the embedded default server (both real models, model routing, the agent-chain
-  pipeline) cold then warm through the full request path (``semcomm.server.run_demo``).
+  pipeline) cold then warm through the full request path (``semcomm quickstart``'s ``run_demo``).
 
 Each cell is written to the JSON file as soon as it is measured; ``--resume`` skips cells already
 there, so an interrupted run continues where it stopped.
@@ -328,7 +328,7 @@ def bench_llamacpp(name: str, tok: Any, lengths: list[int], tmp: Path, threads: 
 
 
 def bench_gateway(max_tokens: int) -> dict[str, Any]:
-    from semcomm.server import run_demo
+    from semcomm.cli._tools.demo import run_demo
 
     res = run_demo(n_conversations=3, n_chains=3, max_tokens=max_tokens)
     return {k: res[k] for k in ("models", "pipelines", "cold", "warm", "speedup", "stages",

@@ -22,12 +22,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from semcomm.cli._tools.route_report import plot_cost_quality
 from semcomm.routing import (
     ModelRouter,
     ModelSpec,
     QualityPredictor,
     load_labelled,
-    plot_cost_quality,
 )
 from semcomm.routing._model import evaluate_choices
 

@@ -29,6 +29,7 @@ from _common import agg_figure
 from rich.console import Console
 from rich.table import Table
 
+from semcomm.cli._tools.route_report import plot_ttft_cdf, sim_table
 from semcomm.kv import Namespace
 from semcomm.routing import (
     ReplicaRouter,
@@ -40,7 +41,6 @@ from semcomm.routing import (
     simulate,
     write_trace,
 )
-from semcomm.routing._report import plot_ttft_cdf, sim_table
 from semcomm.security import NO_TENANT_DIGEST
 
 POLICIES = ["round-robin", "least-loaded", "affinity", "weighted", "gated", "two-choice", "default"]

@@ -38,12 +38,12 @@ from semcomm.fusion import (
     load_fuser,
 )
 from semcomm.fusion._kvio import align_layers, cache_to_layers, output_cache
-from semcomm.fusion._toy import toy_pair
 from semcomm.kv import DiskStore, MemoryStore, TieredStore
 from semcomm.kv._codecs import relative_error
 
 from ._engine_models import FAMILIES, prompt_ids, reference_greedy, tiny_model
 from ._fusion_helpers import word_examples
+from ._fusion_toy import toy_pair
 
 DEVICE = os.environ.get("SEMCOMM_TEST_DEVICE", "cuda")
 DEV = torch.device(DEVICE)
@@ -453,12 +453,9 @@ def test_fused_generation_with_a_sharer_store_hit_on_device(engine_device: str) 
 
 
 def test_reference_pair_scores_the_same_on_device_as_on_cpu() -> None:
+    from semcomm.cli._tools.fusion_reference import load_reference_sides, reference_items
+    from semcomm.fusion import shipped_fuser_path
     from semcomm.fusion._eval import EvalSettings, _option_ids, score_options
-    from semcomm.fusion._reference import (
-        load_reference_sides,
-        reference_items,
-        shipped_fuser_path,
-    )
     from semcomm.reference import build_world
 
     s, r = load_reference_sides()

@@ -7,9 +7,9 @@ import torch
 
 from semcomm.errors import InvalidInputError
 from semcomm.fusion import PromptParts, align_offsets, encode_prompt
-from semcomm.fusion._toy import toy_bpe_tokenizer, wordpiece_tokenizer
 
 from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+from ._fusion_toy import toy_bpe_tokenizer, wordpiece_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,12 @@ import torch
 from typer.testing import CliRunner
 
 from semcomm.cli import app
+from semcomm.cli._tools.fusion_reference import (
+    fact_is_heldout,
+    reference_examples,
+    reference_items,
+    write_examples,
+)
 from semcomm.fusion import FusionPipeline, ModelSide
 from semcomm.fusion._eval import (
     EvalSettings,
@@ -18,16 +24,10 @@ from semcomm.fusion._eval import (
     parse_letter,
     plot_results,
 )
-from semcomm.fusion._reference import (
-    fact_is_heldout,
-    reference_examples,
-    reference_items,
-    write_examples,
-)
-from semcomm.fusion._toy import toy_pair
 from semcomm.reference import build_world
 
 from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+from ._fusion_toy import toy_pair
 
 
 @pytest.mark.parametrize(
@@ -236,7 +236,7 @@ def test_score_options_batched_matches_one_by_one_and_keeps_the_cache(toy_sides)
 
 def test_prompt_templates() -> None:
     from semcomm.errors import ConfigError
-    from semcomm.fusion._reference import split_template
+    from semcomm.fusion import split_template
 
     assert split_template("<u>\\n{shared}</u>") == ("<u>\n", "</u>")
     with pytest.raises(ConfigError, match="exactly once"):

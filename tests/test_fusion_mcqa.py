@@ -24,9 +24,9 @@ from semcomm.fusion._mcqa import (
     shared_text,
     shipped_pair_fuser_path,
 )
-from semcomm.fusion._toy import toy_pair
 
 from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+from ._fusion_toy import toy_pair
 
 QUESTIONS: list[dict[str, Any]] = [
     {"question": "Which fox is red?", "choices": ["the red fox", "a blue dog"], "answer": 0},

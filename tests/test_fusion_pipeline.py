@@ -9,10 +9,10 @@ from semcomm.engine import HFEngine
 from semcomm.errors import ConfigError, InvalidInputError, NamespaceMismatchError
 from semcomm.fusion import Fuser, FuserConfig, FusionPipeline, ModelSide, model_spec
 from semcomm.fusion._kvio import cache_to_layers, output_cache
-from semcomm.fusion._toy import toy_pair
 from semcomm.kv import MemoryStore
 
 from ._fusion_helpers import _one_thread  # noqa: F401  (autouse fixture)
+from ._fusion_toy import toy_pair
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from semcomm.fusion import (
     read_examples,
 )
 from semcomm.fusion._eval import score_options
-from semcomm.fusion._toy import toy_pair
 
 from ._fusion_helpers import _one_thread, word_examples  # noqa: F401  (autouse fixture)
+from ._fusion_toy import toy_pair
 
 FUSER = {"hidden_dim": 32, "num_blocks": 1, "dropout": 0.0}
 
@@ -153,7 +153,7 @@ def test_validation_keeps_the_best_fuser(qwen_pair) -> None:
 
 
 def test_validation_file_errors(tmp_path: Path) -> None:
-    from semcomm.fusion._reference import read_mc_items
+    from semcomm.cli._tools.fusion_reference import read_mc_items
 
     bad = tmp_path / "val.jsonl"
     bad.write_text('{"shared": "q", "options": ["a", "b"], "answer_index": 5}\n')

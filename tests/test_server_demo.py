@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from semcomm.server import run_demo, write_demo_chart, write_demo_report
+from semcomm.cli._tools.demo import run_demo, write_demo_chart, write_demo_report
 
 
 def test_run_demo_reports_savings_per_stage(tmp_path: Path) -> None:

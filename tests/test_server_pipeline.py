@@ -17,7 +17,8 @@ from semcomm.server import create_app, load_config
 def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A Qwen2 sharer and a Qwen3 receiver (toy sizes) on disk, and a fuser for the pair."""
     from semcomm.fusion import Fuser, FuserConfig, model_spec, save_fuser
-    from semcomm.fusion._toy import toy_pair
+
+    from ._fusion_toy import toy_pair
 
     root = tmp_path_factory.mktemp("pair")
     p = toy_pair("qwen")

@@ -120,8 +120,8 @@ def train(
     """
     import torch
 
-    from ..fusion import FusionTrainer, TrainConfig, read_examples
-    from ..fusion._reference import c2c_accuracy_metric, load_side, read_mc_items
+    from ..fusion import FusionTrainer, TrainConfig, load_side, read_examples
+    from ._tools.fusion_reference import c2c_accuracy_metric, read_mc_items
 
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     mp: Any = (
@@ -171,7 +171,7 @@ def train(
             (ln for ln in val_data.read_text(encoding="utf-8").splitlines() if ln.strip()), ""
         )
         if '"choices"' in first:
-            from ..fusion._mcqa import c2c_mcqa_metric, read_mcqa
+            from ..fusion import c2c_mcqa_metric, read_mcqa
 
             val_metric = c2c_mcqa_metric(s_side, r_side, read_mcqa(val_data), bf16=bf16)
         elif '"options"' in first:
@@ -236,13 +236,13 @@ def data(
     seed: Annotated[int, typer.Option(help="World seed.")] = 0,
 ) -> None:
     """Write fuser training data from the reference world (training half of the facts)."""
-    from ..fusion._reference import (
+    from ..reference import build_world
+    from ._tools.fusion_reference import (
         reference_examples,
         validation_items,
         write_examples,
         write_mc_items,
     )
-    from ..reference import build_world
 
     world = build_world(seed=seed)
     part = "train" if val_out is not None else "all"
@@ -274,7 +274,7 @@ def data_mcqa(
     instruction_limit: Annotated[int, typer.Option(help="Most instruction rows to add.")] = 1000,
 ) -> None:
     """Write fuser training rows for a real pair from multiple-choice tails (+ instructions)."""
-    from ..fusion._mcqa import build_training_rows
+    from ..fusion import build_training_rows
 
     rows = build_training_rows(
         list(mcqa), skip=skip, instruction_file=instructions, instruction_limit=instruction_limit
@@ -359,8 +359,8 @@ def eval_(
     """Compare receiver alone, sharer alone, text-to-text and C2C on held-out multiple choice."""
     import torch
 
-    from ..fusion._reference import reference_items, run_eval
     from ..reference import build_world
+    from ._tools.fusion_reference import reference_items, run_eval
 
     if threads < 0:
         threads = 1
@@ -443,7 +443,7 @@ def _eval_mcqa(
     weights: str,
 ) -> None:
     from ..errors import InvalidInputError
-    from ..fusion._mcqa import METHODS, McqaSettings, read_mcqa, run_mcqa_eval
+    from ..fusion import METHODS, McqaSettings, read_mcqa, run_mcqa_eval
 
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     bad = [m for m in chosen if m not in METHODS]
@@ -500,8 +500,7 @@ def info(
     ] = None,
 ) -> None:
     """Show a fuser's pair, layer mapping, gates and parameter count."""
-    from ..fusion import load_fuser, read_fuser_config
-    from ..fusion._reference import shipped_fuser_path
+    from ..fusion import load_fuser, read_fuser_config, shipped_fuser_path
 
     p = path or shipped_fuser_path()
     cfg, meta = read_fuser_config(p)
@@ -522,7 +521,7 @@ def info(
 def _write_outputs(console: Any, doc: dict[str, Any], results: dict[str, Any],
                    json_out: Path | None, png: Path | None) -> None:
     """The oracle line, the JSON file and the PNG chart shared by both eval paths."""
-    from ..fusion._eval import plot_results
+    from ..fusion import plot_results
 
     if doc["oracle"] is not None:
         console.print(

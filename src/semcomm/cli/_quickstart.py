@@ -398,7 +398,7 @@ def register(app: typer.Typer) -> None:
             _chart(report, png_path)
             Console().print(f"chart: {png_path}")
             if full_path:
-                from ..server import run_demo, write_demo_chart, write_demo_report
+                from ._tools.demo import run_demo, write_demo_chart, write_demo_report
 
                 with Console().status("full request path: cold round, then warm round...") as st:
                     demo = run_demo(max_tokens=max_new_tokens,

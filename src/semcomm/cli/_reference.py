@@ -33,8 +33,7 @@ def build(
     = None,
 ) -> None:
     """Regenerate the world and retrain both reference models (CPU, seeded)."""
-    from semcomm.reference._assets import ASSETS_DIR
-    from semcomm.reference._build import build_all
+    from semcomm.reference import ASSETS_DIR, build_all
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target = out or ASSETS_DIR
@@ -58,8 +57,7 @@ def evaluate(
     import torch
 
     from semcomm.errors import ConfigError
-    from semcomm.reference._assets import assets_dir, load_model
-    from semcomm.reference._eval import evaluate_model
+    from semcomm.reference import assets_dir, evaluate_model, load_model
     from semcomm.reference.world import build_world
 
     torch.set_num_threads(1)

@@ -56,7 +56,7 @@ def simulate_cmd(
 ) -> None:
     """Replay a trace through simulated replicas and report hit rate, TTFT, queueing, imbalance."""
     from ..routing import CostModel, SimConfig, capacity_at_slo, load_trace, make_policy, simulate
-    from ..routing._report import plot_ttft_cdf, sim_table
+    from ._tools.route_report import plot_ttft_cdf, sim_table
 
     console = Console()
     names = [p.strip() for p in policy.split(",") if p.strip()]
@@ -207,7 +207,8 @@ def eval_cmd(
     from rich.table import Table
 
     from ..errors import InvalidInputError
-    from ..routing import ModelRouter, load_labelled, plot_cost_quality
+    from ..routing import ModelRouter, load_labelled
+    from ._tools.route_report import plot_cost_quality
 
     console = Console()
     router = ModelRouter.load(router_path, embedder=embedder)

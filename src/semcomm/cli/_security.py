@@ -45,7 +45,7 @@ def probe(
     (server-derived per-tenant salts + probe detection). Reports each success rate, chance, and
     the benign throughput of both configurations.
     """
-    from ..security._harness import CANDIDATES, ProbeHarnessConfig, run_probe_harness
+    from ._tools.probe_harness import CANDIDATES, ProbeHarnessConfig, run_probe_harness
 
     console = Console()
     per_defense = per_defense or full

@@ -66,7 +66,7 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     require("uvicorn", "server")
     if ray:
-        from ..server._ray import serve_ray
+        from ..server import serve_ray
 
         serve_ray(cfg)
         return

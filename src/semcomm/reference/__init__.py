@@ -7,13 +7,20 @@
   trained on every fact; ``assets/receiver``: Qwen2-style with a byte-level BPE tokenizer, trained
   on the "seen" facts only): :func:`sharer_path`, :func:`receiver_path`, :func:`load_sharer`,
   :func:`load_receiver`, and :func:`router_labels` (which model answers which question).
+* :func:`build_all` retrains both models into :data:`ASSETS_DIR` (or another folder) and
+  :func:`evaluate_model` scores one on the world (both imported on first use: they need
+  transformers).
 
 See ``docs/reference.md``.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._assets import (
+    ASSETS_DIR,
     assets_dir,
     load_model,
     load_receiver,
@@ -43,7 +50,24 @@ from .world import (
     format_qa,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ._build import build_all
+    from ._eval import evaluate_model
+
+_LAZY = {"build_all": "._build", "evaluate_model": "._eval"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'semcomm.reference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "ASSETS_DIR",
     "LETTERS",
     "ROUTER_PROMPT",
     "SYSTEM_PROMPT",
@@ -59,7 +83,9 @@ __all__ = [
     "Turn",
     "World",
     "assets_dir",
+    "build_all",
     "build_world",
+    "evaluate_model",
     "format_mc",
     "format_qa",
     "load_model",

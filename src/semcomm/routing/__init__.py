@@ -24,7 +24,6 @@ from ._model import (
 )
 from ._policies import POLICIES, Policy, RouteView, make_policy, policy_names, predicted_ttft
 from ._replica import DecisionState, ReplicaRouter, RouteDecision
-from ._report import plot_cost_quality, plot_ttft_cdf, sim_table
 from ._sim import SimConfig, SimResult, capacity_at_slo, simulate
 from ._trace import (
     MOONCAKE_BLOCK_SIZE,
@@ -64,14 +63,11 @@ __all__ = [
     "load_trace",
     "make_policy",
     "parse_trace_lines",
-    "plot_cost_quality",
-    "plot_ttft_cdf",
     "policy_names",
     "predicted_ttft",
     "render_conversation",
     "shared_prefix_workload",
     "shipped_router_path",
-    "sim_table",
     "simulate",
     "write_trace",
 ]

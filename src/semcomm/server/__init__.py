@@ -11,7 +11,6 @@ from ._app import create_app
 from ._backends import (
     BackendStatus,
     Completion,
-    FaultyBackend,
     GenRequest,
     LocalBackend,
     ModelBackend,
@@ -19,10 +18,12 @@ from ._backends import (
 )
 from ._batching import BatchingWorker, EngineRunner, Job
 from ._config import DEFAULT_TOML, ServerConfig, load_config
-from ._demo import demo_workload, run_demo, write_demo_chart, write_demo_report
+from ._faults import FaultyBackend
 from ._gateway import Gateway
 from ._memplan import KVAccountant, MemoryMonitor, MemoryPlan, ModelPlan
 from ._pipeline import PipelineBackend
+from ._ray import serve_ray
+from ._tiny import build_tiny_model
 from ._wiring import build_gateway, plan_config
 
 __all__ = [
@@ -45,11 +46,9 @@ __all__ = [
     "ServerConfig",
     "UpstreamBackend",
     "build_gateway",
+    "build_tiny_model",
     "create_app",
-    "demo_workload",
     "load_config",
     "plan_config",
-    "run_demo",
-    "write_demo_chart",
-    "write_demo_report",
+    "serve_ray",
 ]

@@ -36,10 +36,11 @@ from ..errors import (
     TenantError,
     UpstreamError,
 )
-from ._backends import Completion, GenRequest, InjectedFault
+from ._backends import Completion, GenRequest
 from ._batching import Delta
 from ._config import ServerConfig, load_config
 from ._dashboard import dashboard_data
+from ._faults import InjectedFault
 from ._gateway import Gateway, ModelNotFound, Served
 from ._schemas import (
     ChatCompletionRequest,

@@ -9,7 +9,7 @@ A :class:`ModelBackend` turns a :class:`GenRequest` into a stream of :class:`Sta
   semcomm), over httpx with timeouts and retries only where a retry cannot duplicate output;
 * ``PipelineBackend`` (in ``_pipeline``): a chain of stages served as one virtual model.
 
-:class:`FaultyBackend` wraps a backend to fail on purpose (test-only ``fail_mode`` option).
+Failure injection for tests (``fail_mode``) is ``_faults.FaultyBackend``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ __all__ = [
     "VLLM_TENANT_PARAM",
     "BackendStatus",
     "Completion",
-    "FaultyBackend",
     "GenRequest",
-    "InjectedFault",
     "LocalBackend",
     "ModelBackend",
     "ModelState",
@@ -743,60 +741,3 @@ class UpstreamBackend:
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-# --- failure injection (test-only) ---------------------------------------------------------------
-
-
-class InjectedFault(Exception):
-    """Raised by :class:`FaultyBackend`; the app answers with ``status`` (test-only)."""
-
-    def __init__(self, message: str, status: int, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
-
-
-class FaultyBackend:
-    """Wraps a backend and fails on purpose, as configured by the test-only ``fail_mode``.
-
-    Modes: ``http_500`` and ``http_503`` answer with that status for the first ``fail_count``
-    requests (0 = always); ``slow`` waits ``fail_delay_s`` before serving; ``drop`` sends the
-    first event of a stream and then aborts the connection.
-    """
-
-    def __init__(self, inner: ModelBackend, mode: str, *, delay_s: float = 0.0,
-                 count: int = 0) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.kind = inner.kind
-        self.mode = mode
-        self.delay_s = delay_s
-        self.count = count
-        self.calls = 0
-
-    def status(self) -> BackendStatus:
-        return self.inner.status()
-
-    async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        self.calls += 1
-        failing = self.count == 0 or self.calls <= self.count
-        if self.mode in ("http_500", "http_503") and failing:
-            status = int(self.mode[5:])
-            raise InjectedFault(f"injected failure ({self.mode})", status,
-                                retry_after_s=1 if status == 503 else None)
-        if self.mode == "slow":
-            await asyncio.sleep(self.delay_s)
-        sent = 0
-        async for item in self.inner.stream(req):
-            if self.mode == "drop" and failing and isinstance(item, Delta) and sent >= 1:
-                raise ConnectionAbortedError("injected failure (drop)")
-            if isinstance(item, Delta):
-                sent += 1
-            yield item
-        if self.mode == "drop" and failing and sent <= 1:
-            raise ConnectionAbortedError("injected failure (drop)")
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-

@@ -19,10 +19,11 @@ from typing import Any
 
 from ..errors import ConfigError, SemcommError
 from ..security import TenantSalter
-from ._backends import FaultyBackend, LocalBackend, ModelBackend, UpstreamBackend
+from ._backends import LocalBackend, ModelBackend, UpstreamBackend
 from ._batching import BatchingWorker
 from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
+from ._faults import FaultyBackend
 from ._gateway import Admitter, Gateway, ModelChooser
 from ._memplan import MemoryMonitor, MemoryPlan
 from ._pipeline import PipelineBackend

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._config import ServerConfig, load_config
+from ...server import ServerConfig, create_app, load_config
 
 __all__ = ["demo_workload", "run_demo", "write_demo_chart", "write_demo_report"]
 
@@ -59,7 +59,7 @@ def demo_workload(n_conversations: int = 3, n_chains: int = 3, *,
                 "chains": _FALLBACK_CHAINS[:n_chains], "router_system": _ROUTER_SYSTEM,
                 "specialist_system": _SPECIALIST_SYSTEM}
     try:
-        from ..reference import ROUTER_PROMPT, build_world
+        from ...reference import ROUTER_PROMPT, build_world
 
         world = build_world()
         convs = [c for c in world.conversations(turns=3) if len(c.turns) >= 7][:n_conversations]
@@ -141,8 +141,6 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
                progress: Callable[[str], None] | None) -> dict[str, Any]:
     import httpx
 
-    from ._app import create_app
-
     app = create_app(config)
     gw = app.state.gateway
     chat_model = config.routing.default_model or next(iter(config.models))
@@ -179,9 +177,7 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
                     r.update(round=rnd, kind="agent-chain", item=f"chain{ci}")
                     rows.append(r)
                 rounds[rnd] = rows
-        from ._dashboard import dashboard_data
-
-        dash = dashboard_data(gw)
+            dash = (await client.get("/dashboard/data")).json()  # what the dashboard shows
         notes = dict(gw.notes)
     finally:
         await gw.shutdown()

@@ -1,4 +1,5 @@
-"""Tables and charts for simulation results (rich tables, matplotlib PNGs with the Agg backend)."""
+"""Tables and charts for ``semcomm route`` (rich tables, matplotlib PNGs with the Agg backend):
+simulation results and the model router's quality against cost."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
-from ._model import RouterEval
-from ._sim import SimResult
+from ...routing import RouterEval, SimResult
 
-__all__ = ["plot_ttft_cdf", "sim_table"]
+__all__ = ["plot_cost_quality", "plot_ttft_cdf", "sim_table"]
 
 
 def sim_table(results: Sequence[SimResult], title: str = "replica routing simulation") -> Table:

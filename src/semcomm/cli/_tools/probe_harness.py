@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendUnavailableError, SemcommError
+from ...errors import BackendUnavailableError, SemcommError
 
 __all__ = [
     "AttackOutcome",
@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 def build_target_model(path: Path, *, hidden_size: int, layers: int, seed: int = 0) -> Path:
     """Save a config-built Qwen2 with a byte-level tokenizer to ``path`` (an HF model folder)."""
-    from ..server._tiny import build_tiny_model  # the server's offline model recipe, larger here
+    from ...server import build_tiny_model  # the server's offline model recipe, larger here
 
     if (path / "config.json").exists():
         return path

@@ -1,4 +1,4 @@
-"""Tiny config-built model pairs for tests, benchmarks and docs (random weights, offline).
+"""Tiny config-built model pairs for the fusion tests (random weights, offline).
 
 * ``"qwen"``: a Qwen2 sharer and a Qwen3 receiver sharing one byte-level BPE tokenizer, the
   layout of a real Qwen2.5-0.5B -> Qwen3-0.6B pair at toy sizes (different depths, KV head

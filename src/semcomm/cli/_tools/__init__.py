@@ -1,0 +1,10 @@
+"""Tooling behind CLI commands, not library API: each module serves one command group.
+
+* ``probe_harness``: the timing-attack harness of ``semcomm security probe``.
+* ``demo``: the embedded-default demo of ``semcomm quickstart`` (cold then warm, report, chart).
+* ``route_report``: tables and charts of ``semcomm route simulate`` and ``route eval``.
+* ``fusion_reference``: C2C evaluation on the reference world (``semcomm fusion eval/train``).
+
+These import the library only through each package's ``__init__`` (docs/architecture.md,
+"Packages"); the library never imports them.
+"""
