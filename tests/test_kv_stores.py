@@ -142,26 +142,6 @@ def test_events_store_and_evict_with_increasing_seq(store: ChunkStore) -> None:
     assert first.tier == expected_tier(store)
 
 
-async def test_async_twins(store: ChunkStore) -> None:
-    c = chain(4)
-    keys = [k for k, _ in c]
-    for k, v in c[:3]:
-        await store.aput(k, v)
-    assert await store.aget(keys[1]) == c[1][1]
-    assert await store.aget(keys[3]) is None
-    assert await store.acontains(keys[0]) and not await store.acontains(keys[3])
-    m = await store.alookup(keys)
-    assert m.num_chunks == 3 and len(m.tiers) == 3
-    got = await store.afetch(keys[2])
-    assert got is not None and got.value == c[2][1] and got.tier == expected_tier(store)
-    assert await store.afetch(keys[3]) is None
-    assert await store.adelete(keys[0]) is True
-    assert await store.adelete(keys[0]) is False
-    assert store.lookup(keys).num_chunks == 0
-    with pytest.raises(InvalidInputError):
-        await store.aput(keys[3], c[2][1])
-
-
 def test_defaults_work(tmp_path: Path) -> None:
     assert MemoryStore().stats().capacity_bytes == 1 << 30
     d = DiskStore(tmp_path / "default")

@@ -14,7 +14,6 @@ Every mutation is one Lua script, so several processes keep the bookkeeping cons
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -156,7 +155,6 @@ class RedisStore(StoreBase):
       :class:`~semcomm.errors.BackendDownWarning` (not one per call) and counts in
       ``stats().outages``; calls fail fast for ``retry_interval_s`` after a failure, then the
       store retries and recovers by itself when Redis is back.
-    * Async twins use ``redis.asyncio`` natively (one client per event loop).
     """
 
     name = "redis"
@@ -213,9 +211,6 @@ class RedisStore(StoreBase):
         self._put_script = self._client.register_script(_LUA_PUT)
         self._get_script = self._client.register_script(_LUA_GET)
         self._del_script = self._client.register_script(_LUA_DELETE)
-        self._aclient: Any = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._ascripts: tuple[Any, Any, Any] | None = None
 
         self._state_lock = threading.Lock()
         self._down = False  # inside an outage (warned once)
@@ -272,38 +267,7 @@ class RedisStore(StoreBase):
         self._ok()
         return out
 
-    async def _arun(self, coro_fn: Any, default: Any) -> Any:
-        if self._skip():
-            return default
-        try:
-            out = await coro_fn()
-        except (self._redis.exceptions.RedisError, OSError) as exc:
-            self._failed(exc)
-            return default
-        self._ok()
-        return out
-
-    def _async(self) -> tuple[Any, Any, Any, Any]:
-        """The redis.asyncio client (and its scripts) of the running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._aclient is None or self._aloop is not loop:
-            aio = require("redis.asyncio", "redis")
-            from redis.asyncio.retry import Retry as ARetry
-            from redis.backoff import NoBackoff
-
-            self._aclient = aio.Redis.from_url(
-                self.url, socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s, retry=ARetry(NoBackoff(), 1),
-                socket_read_size=_READ_SIZE,
-            )
-            self._aloop = loop
-            self._ascripts = (self._aclient.register_script(_LUA_PUT),
-                              self._aclient.register_script(_LUA_GET),
-                              self._aclient.register_script(_LUA_DELETE))
-        assert self._ascripts is not None
-        return (self._aclient, *self._ascripts)
-
-    # ---- result handling shared by sync and async ------------------------------------------
+    # ---- result handling ---------------------------------------------------------------------
     def _after_get(self, key: ChunkKey, raw: Any) -> bytes | None:
         if raw is None:
             with self._state_lock:
@@ -500,72 +464,6 @@ class RedisStore(StoreBase):
 
     def close(self) -> None:
         self._client.close()
-
-    # ---- native async twins -------------------------------------------------------------------
-    async def aget(self, key: ChunkKey) -> bytes | None:
-        key = check_key(key)
-        client, _, get_script, _ = self._async()
-        if self._cap >= 0:
-            raw = await self._arun(lambda: get_script(keys=[self._rkey(key)],
-                                                      args=[key.hex(), self.prefix]), None)
-        else:
-            raw = await self._arun(lambda: client.get(self._rkey(key)), None)
-        if raw is None:
-            with self._state_lock:
-                self._misses += 1
-            return None
-        try:
-            value, _ = open_stored(key, bytes(raw), self.sealer)
-        except CorruptEntryError:
-            # rare path: reuse the synchronous drop-and-count logic in a thread
-            return await asyncio.to_thread(self._after_get, key, raw)
-        with self._state_lock:
-            self._hits += 1
-        return value
-
-    async def aput(self, key: ChunkKey, value: bytes) -> None:
-        key = check_key(key)
-        keys, args = self._put_args(key, value)
-        _, put_script, _, _ = self._async()
-        out = await self._arun(lambda: put_script(keys=keys, args=args), None)
-        self._after_put(key, out)
-
-    async def acontains(self, key: ChunkKey) -> bool:
-        key = check_key(key)
-        client, *_ = self._async()
-        return bool(await self._arun(lambda: client.exists(self._rkey(key)), 0))
-
-    async def adelete(self, key: ChunkKey) -> bool:
-        key = check_key(key)
-        _, _, _, del_script = self._async()
-        n = await self._arun(lambda: del_script(keys=[self._rkey(key)],
-                                                args=[key.hex(), self.prefix]), 0)
-        if int(n):
-            self._emit("evict", key, "delete")
-        return bool(int(n))
-
-    async def acontains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        ks = [check_key(k) for k in keys]
-        if not ks:
-            return []
-        client, *_ = self._async()
-
-        async def go() -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for k in ks:
-                pipe.exists(self._rkey(k))
-            return await pipe.execute()  # type: ignore[no-any-return]
-
-        flags = await self._arun(go, None)
-        return [False] * len(ks) if flags is None else [bool(int(f)) for f in flags]
-
-    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
-        n = self._prefix_of(await self.acontains_many(keys))
-        return PrefixMatch(n, (self.name,) * n)
-
-    async def afetch(self, key: ChunkKey) -> Fetched | None:
-        value = await self.aget(key)
-        return None if value is None else Fetched(value, self.name)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, prefix={self.prefix!r}, ttl_s={self.ttl_s})"

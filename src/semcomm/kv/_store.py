@@ -10,13 +10,12 @@ A store maps a :data:`ChunkKey` (32-byte hash-chain key) to the bytes of one enc
 * reports ``store``/``evict`` events with a per-store, strictly increasing sequence number
   (the routing package's precise prefix index follows them).
 
-``StoreBase`` holds the shared machinery (events, default ``lookup``/``fetch``, async twins);
+``StoreBase`` holds the shared machinery (events, default ``lookup``/``fetch``);
 concrete stores implement ``get``, ``put``, ``contains``, ``delete``, ``scan`` and ``stats``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -124,18 +123,6 @@ class ChunkStore(Protocol):
 
     def subscribe(self, callback: Callable[[StoreEvent], None]) -> None: ...
 
-    async def aget(self, key: ChunkKey) -> bytes | None: ...
-
-    async def aput(self, key: ChunkKey, value: bytes) -> None: ...
-
-    async def acontains(self, key: ChunkKey) -> bool: ...
-
-    async def adelete(self, key: ChunkKey) -> bool: ...
-
-    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch: ...
-
-    async def afetch(self, key: ChunkKey) -> Fetched | None: ...
-
 
 def check_key(key: object) -> ChunkKey:
     """Return ``key`` as bytes, or raise ``TypeError``/``ValueError`` naming what is wrong."""
@@ -232,7 +219,7 @@ def parent_of(header: ChunkHeader) -> ChunkKey | None:
 
 
 class StoreBase(ABC):
-    """Shared machinery: event fan-out, default ``lookup``/``fetch``, async twins via threads.
+    """Shared machinery: event fan-out, default ``lookup``/``fetch``.
 
     Subclasses call :meth:`_emit` *after* releasing their own locks, so a subscriber may call
     back into the store. Subscribers run synchronously in the thread that changed the store;
@@ -337,27 +324,3 @@ class StoreBase(ABC):
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Release resources (nothing to do for most stores)."""
 
-    # ---- async twins (thread offload; RedisStore overrides with native async) ------------
-    async def aget(self, key: ChunkKey) -> bytes | None:
-        return await asyncio.to_thread(self.get, key)
-
-    async def aput(self, key: ChunkKey, value: bytes) -> None:
-        await asyncio.to_thread(self.put, key, value)
-
-    async def acontains(self, key: ChunkKey) -> bool:
-        return await asyncio.to_thread(self.contains, key)
-
-    async def adelete(self, key: ChunkKey) -> bool:
-        return await asyncio.to_thread(self.delete, key)
-
-    async def alookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
-        return await asyncio.to_thread(self.lookup, list(keys))
-
-    async def acontains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return await asyncio.to_thread(self.contains_many, list(keys))
-
-    async def afetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]:
-        return await asyncio.to_thread(self.fetch_many, list(keys))
-
-    async def afetch(self, key: ChunkKey) -> Fetched | None:
-        return await asyncio.to_thread(self.fetch, key)
