@@ -145,6 +145,25 @@ def test_server_config_turns_the_verifier_on(tmp_path: Path) -> None:
     assert on.lookup("How do I change my username?") is None
 
 
+@pytest.mark.parametrize(("section", "verified"), [({}, True), ({"cross_encoder": False}, False)])
+def test_server_config_keeps_the_verified_default_unless_turned_off(
+        tmp_path: Path, section: dict, verified: bool) -> None:
+    """No ``cross_encoder`` key: the gateway's cache is the verified default; ``false``: off."""
+    from semcomm.semantic import VERIFIED_THRESHOLD
+    from semcomm.server import load_config
+    from semcomm.server._gateway import Gateway
+    from semcomm.server._wiring import build_semantic
+
+    cfg = load_config(None, overrides={
+        "server": {"state_dir": str(tmp_path)}, "models": {"tiny": {"path": "tiny"}},
+        "semantic": {"backend": "memory", **section}}, defaults=False, environ={})
+    sem, note = build_semantic(cfg, Gateway(cfg))
+    assert sem is not None, note
+    pol = sem.cache.policy
+    assert isinstance(pol.scorer, CrossEncoderVerifier) is verified  # type: ignore[attr-defined]
+    assert pol.threshold == (VERIFIED_THRESHOLD if verified else 0.92)  # type: ignore[attr-defined]
+
+
 def test_the_default_verifies_every_lone_hit_with_the_cross_encoder() -> None:
     """``SemanticCache()`` (default embedder): a lone entry at cos >= 0.88 is served only when
     the shipped cross-encoder gives it P >= 0.7; an identical text is never scored; a custom

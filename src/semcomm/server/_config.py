@@ -217,7 +217,9 @@ class SemanticConfig(_Section):
     path: str | None = None  # sqlite file (default: <state_dir>/semantic.sqlite3)
     redis_url: str | None = None
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
-    cross_encoder: bool = False  # hits must also pass the shipped cross-encoder verifier
+    # None: the cache's default (lone hits at cos >= 0.88 need the shipped cross-encoder's yes);
+    # true: every hit at or above the threshold needs it; false: off (the plain cosine rule)
+    cross_encoder: bool | None = None
     mode: Literal["serve", "shadow"] = "serve"  # shadow: never serve, record would-be hits
     hnsw: dict[str, int | str] | None = None  # HNSW graph options (SemanticCache(hnsw=...))
     ivf: dict[str, int | str | bool] | None = None  # IVF index options (SemanticCache(ivf=...))

@@ -190,8 +190,8 @@ def build_semantic(config: ServerConfig, salter: TenantSalter | Any) -> tuple[An
         kw["store"] = _redis_semantic_store(sc.redis_url, sealer)
     if sc.threshold is not None:
         kw["threshold"] = sc.threshold
-    if sc.cross_encoder:
-        kw["cross_encoder"] = True
+    if sc.cross_encoder is not None:
+        kw["cross_encoder"] = sc.cross_encoder
     if sc.mode == "shadow":  # every request goes to the model; `semcomm cache report` reads the log
         kw["mode"] = "shadow"
         kw["shadow_log"] = str(config.state_dir() / "semantic_shadow.jsonl")
