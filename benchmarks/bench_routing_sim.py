@@ -30,17 +30,15 @@ from rich.console import Console
 from rich.table import Table
 
 from semcomm.cli._tools.route_report import plot_ttft_cdf, sim_table
-from semcomm.kv import Namespace
-from semcomm.routing import (
-    ReplicaRouter,
-    SimConfig,
+from semcomm.cli._tools.route_sim import SimConfig, capacity_at_slo, simulate
+from semcomm.cli._tools.route_trace import (
     TraceRequest,
-    capacity_at_slo,
     load_trace,
     shared_prefix_workload,
-    simulate,
     write_trace,
 )
+from semcomm.kv import Namespace
+from semcomm.routing import ReplicaRouter
 from semcomm.security import NO_TENANT_DIGEST
 
 POLICIES = ["round-robin", "least-loaded", "affinity", "weighted", "gated", "two-choice", "default"]

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from semcomm.cli import app
-from semcomm.routing import shared_prefix_workload, write_trace
+from semcomm.cli._tools.route_trace import shared_prefix_workload, write_trace
 
 runner = CliRunner()
 

@@ -8,18 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from semcomm.errors import ConfigError, InvalidInputError
-from semcomm.routing import (
-    CostModel,
-    SimConfig,
+from semcomm.cli._tools.route_sim import SimConfig, capacity_at_slo, simulate
+from semcomm.cli._tools.route_trace import (
     TraceRequest,
-    capacity_at_slo,
     load_trace,
     parse_trace_lines,
     shared_prefix_workload,
-    simulate,
     write_trace,
 )
+from semcomm.errors import ConfigError, InvalidInputError
+from semcomm.routing import CostModel
 
 
 def _line(ts: int = 0, n: int = 1000, out: int = 10, ids: list[int] | None = None) -> str:

@@ -55,8 +55,10 @@ def simulate_cmd(
     ] = None,
 ) -> None:
     """Replay a trace through simulated replicas and report hit rate, TTFT, queueing, imbalance."""
-    from ..routing import CostModel, SimConfig, capacity_at_slo, load_trace, make_policy, simulate
+    from ..routing import CostModel, make_policy
     from ._tools.route_report import plot_ttft_cdf, sim_table
+    from ._tools.route_sim import SimConfig, capacity_at_slo, simulate
+    from ._tools.route_trace import load_trace
 
     console = Console()
     names = [p.strip() for p in policy.split(",") if p.strip()]
@@ -120,7 +122,7 @@ def synth_cmd(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """Write a synthetic shared-prefix workload (groups x prompts, Zipf skew, multi-turn) as a trace."""
-    from ..routing import shared_prefix_workload, write_trace
+    from ._tools.route_trace import shared_prefix_workload, write_trace
 
     reqs = shared_prefix_workload(
         groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,

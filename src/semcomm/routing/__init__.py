@@ -3,8 +3,8 @@
 * :class:`ReplicaRouter` chooses a replica of one model from the prompt's KV chunk keys, a
   :class:`PrefixIndex` (:class:`ApproximateIndex` from its own decisions, :class:`PreciseIndex`
   from engine store/evict events) and a policy from :data:`POLICIES`.
-* :func:`simulate` replays Mooncake-format traces (:func:`load_trace`) or synthetic
-  shared-prefix workloads (:func:`shared_prefix_workload`) through simulated replicas.
+* The replica-routing simulator (traces, synthetic workloads, discrete-event replay) is CLI
+  tooling: ``semcomm route simulate`` / ``route synth`` (``semcomm.cli._tools.route_sim``).
 * :class:`ModelRouter` chooses among N models by predicted quality against cost.
 """
 
@@ -24,18 +24,8 @@ from ._model import (
 )
 from ._policies import POLICIES, Policy, RouteView, make_policy, policy_names, predicted_ttft
 from ._replica import DecisionState, ReplicaRouter, RouteDecision
-from ._sim import SimConfig, SimResult, capacity_at_slo, simulate
-from ._trace import (
-    MOONCAKE_BLOCK_SIZE,
-    TraceRequest,
-    load_trace,
-    parse_trace_lines,
-    shared_prefix_workload,
-    write_trace,
-)
 
 __all__ = [
-    "MOONCAKE_BLOCK_SIZE",
     "POLICIES",
     "SHIPPED_ROUTERS",
     "ApproximateIndex",
@@ -55,19 +45,10 @@ __all__ = [
     "RouteDecision",
     "RouteView",
     "RouterEval",
-    "SimConfig",
-    "SimResult",
-    "TraceRequest",
-    "capacity_at_slo",
     "load_labelled",
-    "load_trace",
     "make_policy",
-    "parse_trace_lines",
     "policy_names",
     "predicted_ttft",
     "render_conversation",
-    "shared_prefix_workload",
     "shipped_router_path",
-    "simulate",
-    "write_trace",
 ]

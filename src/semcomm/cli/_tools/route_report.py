@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
-from ...routing import RouterEval, SimResult
+from ...routing import RouterEval
+from .route_sim import SimResult
 
 __all__ = ["plot_cost_quality", "plot_ttft_cdf", "sim_table"]
 

@@ -26,11 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from ._cost import CostModel
-from ._index import IndexEvent, PreciseIndex
-from ._replica import ReplicaRouter, RouteDecision
-from ._trace import MOONCAKE_BLOCK_SIZE, TraceRequest
+from ...errors import ConfigError
+from ...routing import CostModel, IndexEvent, PreciseIndex, ReplicaRouter, RouteDecision
+from .route_trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 __all__ = ["SimConfig", "SimResult", "capacity_at_slo", "simulate"]
 

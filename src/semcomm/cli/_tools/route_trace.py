@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InvalidInputError
+from ...errors import InvalidInputError
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
