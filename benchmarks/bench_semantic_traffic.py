@@ -351,6 +351,42 @@ def lookup_speed_traffic(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, n: int,
     return r
 
 
+def pair_sets(data: Path) -> dict:
+    """The verified band on development pair sets the cross-encoder never saw (MRPC and STS
+    ``val``: news and forum sentences, not questions): of the pairs at cos >= 0.88 that pass the
+    guard, how many the labels call the same (MRPC: paraphrase; STS: score >= 4), with and
+    without the cross-encoder's ``P >= 0.7``."""
+    import csv
+
+    from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, LexicalGuard
+    from semcomm.semantic._cross import default_cross_verifier
+
+    sets = {"mrpc-val": (data / "pairs" / "para_msr_msr-para-val.tsv", 3, 4, lambda v: v == "1"),
+            "sts-val": (data / "pairs" / "sts_semeval-sts_all_2015.val.tsv", 1, 2,
+                        lambda v: float(v) >= 4.0)}
+    g, xv, out = LexicalGuard(), default_cross_verifier(), {}
+    for name, (path, ia, ib, same) in sets.items():
+        rows = []
+        with open(path, newline="", encoding="utf-8") as fh:
+            for r in csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE):
+                try:
+                    float(r[0])  # MRPC's header line has "Quality" here
+                    rows.append((r[ia], r[ib], bool(same(r[0]))))
+                except (IndexError, ValueError):
+                    continue
+        va, vb = embed([a for a, _, _ in rows]), embed([b for _, b, _ in rows])
+        cos = (va * vb).sum(1)
+        band = [(a, b, y) for (a, b, y), c in zip(rows, cos, strict=True)
+                if c >= VERIFIED_THRESHOLD and g(a, b)]
+        yes = [(a, b, y) for a, b, y in band if xv.score(a, b) >= VERIFIED_MIN_SCORE]
+        out[name] = {"pairs": len(rows), "same": int(sum(y for *_, y in rows)),
+                     "band_pairs": len(band), "band_precision": float(np.mean(
+                         [y for *_, y in band])) if band else None,
+                     "verified_pairs": len(yes), "verified_precision": float(np.mean(
+                         [y for *_, y in yes])) if yes else None}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -364,7 +400,17 @@ def main() -> None:
                     help="borderline Quora candidates the instruct-model judge scores (0: none)")
     ap.add_argument("--judge-model", default="smollm2-135m-instruct")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    ap.add_argument("--pair-sets-only", action="store_true",
+                    help="only the MRPC/STS check of the verified band "
+                         "(semantic_traffic_pairsets.json)")
     args = ap.parse_args()
+    if args.pair_sets_only:
+        ps = pair_sets(DEFAULT_DATA)
+        for k, v in ps.items():
+            console.print(f"{k}: {v}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "semantic_traffic_pairsets.json").write_text(json.dumps(ps, indent=1))
+        return
     if args.plot_only:
         _plot(json.loads((args.out / "semantic_traffic.json").read_text()),
               args.out / "semantic_traffic.png")
