@@ -209,6 +209,185 @@ def main() -> int:
     return 0
 
 
+class _Server:
+    """``--serve``: one operation per JSON line on stdin, one reply per line on stdout.
+
+    The parent alternates these with semcomm's own operations on the same chunks a few
+    milliseconds apart, so both sides see the same machine (it is shared and loaded).
+    Operations: ``open`` (chunk shape and count), ``put`` (a fresh directory and backend, every
+    chunk written and waited for), ``get`` / ``batched_get`` (one pass over the chunks),
+    ``cpu`` (one LocalCPUBackend put and get pass), ``checks`` (restart and tamper), ``exit``.
+    """
+
+    def __init__(self) -> None:
+        from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.work = tempfile.mkdtemp(prefix="lmcache-bench-")
+        self.pool = torch.empty(3 << 30, dtype=torch.uint8)  # LMCache's CPU staging pool
+        self.allocator = TensorMemoryAllocator(self.pool)
+        self.disk: Any = None
+        self.cpu: Any = None
+        self.round = 0
+
+    def config(self, path: str | None) -> Any:
+        from lmcache.v1.config import LMCacheEngineConfig
+
+        return LMCacheEngineConfig.from_defaults(
+            chunk_size=256, local_cpu=path is None, max_local_cpu_size=2.0,
+            local_disk=path, max_local_disk_size=8.0 if path else 0.0)
+
+    def cpu_backend(self, cfg: Any) -> Any:
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        return LocalCPUBackend(cfg, memory_allocator=self.allocator)
+
+    def keys(self, round_: int) -> list[Any]:
+        from lmcache.utils import CacheEngineKey
+
+        return [CacheEngineKey("bench", 1, 0, (round_ << 32) + (self.tokens << 20) + i,
+                               torch.float16) for i in range(self.n)]
+
+    def op_open(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.tokens, self.n = cmd["tokens"], cmd["chunks"]
+        self.shape = torch.Size([2, cmd["layers"], self.tokens, cmd["heads"] * cmd["head_dim"]])
+        gen = torch.Generator().manual_seed(0)
+        self.base = torch.randn(self.shape, generator=gen).to(torch.float16)
+        return {"chunk_bytes": self.shape.numel() * 2}
+
+    def _close_disk(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+            shutil.rmtree(self.disk_dir, ignore_errors=True)  # as the parent does for its own
+            self.disk = None
+
+    def op_put(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        self._close_disk()
+        self.round += 1
+        self.disk_dir = os.path.join(self.work, f"disk-{self.tokens}-{self.round}")
+        os.makedirs(self.disk_dir, exist_ok=True)
+        cfg = self.config(self.disk_dir)
+        self.cpu = self.cpu_backend(cfg)
+        self.disk = LocalDiskBackend(cfg, self.loop, self.cpu)
+        self.ks = self.keys(self.round)
+        objs = []
+        for i in range(self.n):
+            m = self.cpu.allocate(self.shape, torch.float16, MemoryFormat.KV_2LTD)
+            m.tensor.copy_(self.base + i)
+            objs.append(m)
+        t0 = time.perf_counter()
+        for k, m in zip(self.ks, objs):
+            self.disk.submit_put_task(k, m)
+        while not all(self.disk.contains(k) for k in (self.ks[-1], self.ks[0])) or any(
+                self.disk.exists_in_put_tasks(k) for k in self.ks):
+            time.sleep(0.0002)
+        dt = time.perf_counter() - t0
+        for m in objs:
+            m.ref_count_down()
+        assert all(self.disk.contains(k) for k in self.ks)
+        return {"s": dt}
+
+    def op_get(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        for k in self.ks:
+            m = self.disk.get_blocking(k)
+            assert m is not None
+            m.ref_count_down()
+        return {"s": time.perf_counter() - t0}
+
+    def op_batched_get(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        batch = cmd["batch"]
+        t0 = time.perf_counter()
+        for i in range(0, self.n, batch):
+            got = self.disk.batched_get_blocking(self.ks[i : i + batch])
+            assert all(m is not None for m in got)
+            for m in got:
+                m.ref_count_down()
+        return {"s": time.perf_counter() - t0}
+
+    def op_cpu(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from lmcache.v1.memory_management import MemoryFormat
+
+        cpu = self.cpu_backend(self.config(None))
+        self.round += 1
+        ks = self.keys(self.round)
+        srcs = [self.base + i for i in range(self.n)]
+        objs = []
+        t0 = time.perf_counter()
+        for k, src in zip(ks, srcs):  # a put from data in hand: allocate, copy, insert
+            m = cpu.allocate(self.shape, torch.float16, MemoryFormat.KV_2LTD)
+            m.tensor.copy_(src)
+            cpu.submit_put_task(k, m)
+            objs.append(m)
+        put = time.perf_counter() - t0
+        for m in objs:
+            m.ref_count_down()
+        t0 = time.perf_counter()
+        for k in ks:
+            m = cpu.get_blocking(k)
+            assert m is not None
+            _ = m.tensor.clone()  # a consumer that keeps the data copies it
+            m.ref_count_down()
+        get = time.perf_counter() - t0
+        if hasattr(cpu, "clear"):
+            cpu.clear()
+        return {"put_s": put, "get_s": get}
+
+    def op_checks(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        self.disk.close()
+        cfg = self.config(self.disk_dir)  # restart: a fresh backend on the same directory
+        again = LocalDiskBackend(cfg, self.loop, self.cpu_backend(cfg))
+        found = sum(again.contains(k) for k in self.ks)
+        again.close()
+        self.disk = None
+        d = self.disk_dir + "-t"  # tamper: one byte flipped in a chunk file of a live backend
+        os.makedirs(d, exist_ok=True)
+        cfg = self.config(d)
+        cpu = self.cpu_backend(cfg)
+        disk = LocalDiskBackend(cfg, self.loop, cpu)
+        k0 = self.keys(99)[0]
+        m = cpu.allocate(self.shape, torch.float16, MemoryFormat.KV_2LTD)
+        m.tensor.copy_(self.base)
+        disk.submit_put_task(k0, m)
+        while not disk.contains(k0) or disk.exists_in_put_tasks(k0):
+            time.sleep(0.001)
+        m.ref_count_down()
+        one = self.shape.numel() * 2
+        with open(disk._key_to_path(k0), "r+b") as f:
+            f.seek(one // 2)
+            b = f.read(1)
+            f.seek(one // 2)
+            f.write(bytes([b[0] ^ 0x40]))
+        got = disk.get_blocking(k0)
+        served = got is not None
+        if got is not None:
+            got.ref_count_down()
+        disk.close()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+        return {"found_after_restart": found, "chunks": self.n, "tampered_chunk_served": served}
+
+    def serve(self) -> int:
+        print("@@" + json.dumps({"lmcache_version": _version()}), flush=True)
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "exit":
+                break
+            out = getattr(self, f"op_{cmd['op']}")(cmd)
+            print("@@" + json.dumps(out), flush=True)
+        self._close_disk()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return 0
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -219,4 +398,8 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        _quiet()
+        torch.set_num_threads(1)
+        raise SystemExit(_Server().serve())
     raise SystemExit(main())

@@ -212,173 +212,217 @@ def measure(make: Callable[[], ChunkStore], items: list[tuple[ChunkKey, bytes]],
     return out
 
 
-def lmcache_side(py: str, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """LMCache's backends on the same chunk shapes (a subprocess in LMCache's environment)."""
-    plan = {"layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
-            "tokens": tokens, "mib": args.mib, "repeat": args.repeat, "batch": args.batch}
-    driver = Path(__file__).with_name("_lmcache_driver.py")
-    proc = subprocess.run([py, str(driver), json.dumps(plan)], capture_output=True, text=True,
-                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"LMCache driver failed:\n{proc.stderr[-3000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+class LMCacheServer:
+    """LMCache's backends in their own environment, one operation per call (``--serve``)."""
+
+    def __init__(self, py: str) -> None:
+        driver = Path(__file__).with_name("_lmcache_driver.py")
+        self.proc = subprocess.Popen([py, str(driver), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.version = self._reply()["lmcache_version"]
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return dict(json.loads(line[2:]))
+        raise SystemExit(f"LMCache driver exited (status {self.proc.wait()})")
+
+    def __call__(self, op: str, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
 
 
-def semcomm_side(tokens: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    """semcomm's stores under the LMCache protocol (fresh store per put round, get and drop)."""
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
+                work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, list[float]]]]:
+    """One chunk size: LMCache and semcomm operations alternated, every sample kept.
+
+    Returns the rows (medians of per-chunk times) and the paired samples
+    ``(ours, theirs, op, [their time / our time ...])``: each ratio compares two passes over
+    the same number of chunks run back to back, so both saw the same moment of the machine.
+    """
     one = len(chunk_set(1, tokens, args.layers, args.heads, args.head_dim)[0][1])
     n = max(4, args.mib * MiB // one)
     items = chunk_set(n, tokens, args.layers, args.heads, args.head_dim)
     keys = [k for k, _ in items]
-    nbytes = sum(len(v) for _, v in items)
-    out: list[dict[str, Any]] = []
-    for label, durability, batch in (("disk flush", "flush", 0),
-                                     ("disk fsync (put_many)", "fsync", args.batch)):
-        puts: list[float] = []
-        gets: list[float] = []
-        igets: list[float] = []
-        bgets: list[float] = []
-        last = work
-        # get_into's buffer: allocated and touched once, reused for every get (LMCache reads
-        # into its pre-allocated staging pool the same way)
-        buf = bytearray(one)
-        for r in range(args.repeat):
-            d = work / f"cmp-{tokens}-{durability}-{r}"
-            store = DiskStore(d, capacity_bytes=8 << 30, durability=durability)
-            t0 = time.perf_counter()
-            if batch:
-                for i in range(0, n, batch):
-                    store.put_many(items[i : i + batch])
+    theirs_bytes = lm("open", tokens=tokens, chunks=n, layers=args.layers, heads=args.heads,
+                      head_dim=args.head_dim)["chunk_bytes"]
+    samples: dict[tuple[str, str], list[float]] = {}  # (backend, op) -> seconds per pass
+    pairs: dict[tuple[str, str, str], list[float]] = {}
+
+    def add(backend: str, op: str, t: float) -> None:
+        samples.setdefault((backend, op), []).append(t)
+
+    def pair(ours: str, theirs: str, op: str, t_ours: float, t_theirs: float) -> None:
+        pairs.setdefault((ours, theirs, op), []).append(t_theirs / t_ours)
+
+    buf = bytearray(max(len(v) for _, v in items))  # get_into's, reused (LMCache: its pool)
+    stores: list[DiskStore] = []
+    flush = fsync = None
+    for r in range(args.rounds):
+        for st in stores:  # the previous round's files go, as LMCache's do
+            st.close()
+            shutil.rmtree(st.path, ignore_errors=True)
+        flush = DiskStore(work / f"p{tokens}-flush-{r}", capacity_bytes=8 << 30)
+        fsync = DiskStore(work / f"p{tokens}-fsync-{r}", capacity_bytes=8 << 30,
+                          durability="fsync")
+        stores = [flush, fsync]
+        first_lm = r % 2 == 0  # alternate who goes first
+        t_lm = lm("put")["s"] if first_lm else None
+        f, g = flush, fsync
+        t_flush = _timed(lambda f=f: [f.put(k, v) for k, v in items])
+        if t_lm is None:
+            t_lm = lm("put")["s"]
+        t_lm_put = t_lm
+        add("lmcache-disk", "put", t_lm)
+        add("semcomm disk flush", "put", t_flush)
+        pair("semcomm disk flush", "lmcache-disk", "put", t_flush, t_lm)
+        for j in range(args.repeat):
+            t_lm = lm("get")["s"]
+            if j % 2 == 0:
+                t_get = _timed(lambda f=f: [f.get(k) for k in keys])
+                t_into = _timed(lambda f=f: [f.get_into(k, buf) for k in keys])
             else:
-                for k, v in items:
-                    store.put(k, v)
-            puts.append(time.perf_counter() - t0)
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                for k, _v in items:
-                    if store.get(k) is None:
-                        raise AssertionError("a chunk just written is missing")
-                gets.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for k, _v in items:
-                    if store.get_into(k, buf) is None:
-                        raise AssertionError("a chunk just written is missing")
-                igets.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for i in range(0, n, args.batch):
-                    if any(f is None for f in store.fetch_many(keys[i : i + args.batch])):
-                        raise AssertionError("a chunk just written is missing")
-                bgets.append(time.perf_counter() - t0)
-            store.close()
-            last = d
-        reopened = DiskStore(last, capacity_bytes=8 << 30)
+                t_into = _timed(lambda f=f: [f.get_into(k, buf) for k in keys])
+                t_get = _timed(lambda f=f: [f.get(k) for k in keys])
+            t_lm2 = lm("get")["s"]  # bracket: LMCache before and after ours
+            t_lmb = lm("batched_get", batch=args.batch)["s"]
+            t_b = _timed(lambda f=f: [f.fetch_many(keys[i : i + args.batch])
+                                      for i in range(0, n, args.batch)])
+            for t in (t_lm, t_lm2):
+                add("lmcache-disk", "get", t)
+            add("semcomm disk flush", "get", t_get)
+            add("semcomm disk flush", "get_into", t_into)
+            add("lmcache-disk", "batched_get", t_lmb)
+            add("semcomm disk flush", "batched_get", t_b)
+            mid = (t_lm + t_lm2) / 2
+            pair("semcomm disk flush", "lmcache-disk", "get", t_get, mid)
+            pair("semcomm disk flush", "lmcache-disk", "get_into", t_into, mid)
+            pair("semcomm disk flush", "lmcache-disk", "batched_get", t_b, t_lmb)
+        # fsync last in the round: its filesystem syncs would slow whatever runs next
+        t_fsync = _timed(lambda g=g: [g.put_many(items[i : i + args.batch])
+                                      for i in range(0, n, args.batch)])
+        add("semcomm disk fsync (put_many)", "put", t_fsync)
+        pair("semcomm disk fsync (put_many)", "lmcache-disk", "put", t_fsync, t_lm_put)
+        cpu = lm("cpu")
+        mem = MemoryStore(capacity_bytes=4 << 30)
+        t_mput = _timed(lambda mem=mem: [mem.put(k, v) for k, v in items])
+        # a consumer that keeps the data copies it (LMCache side: clone)
+        t_mget = _timed(lambda mem=mem: [bytearray(mem.get(k) or b"") for k in keys])
+        add("lmcache-cpu", "put", cpu["put_s"])
+        add("lmcache-cpu", "get", cpu["get_s"])
+        add("semcomm memory", "put", t_mput)
+        add("semcomm memory", "get", t_mget)
+        pair("semcomm memory", "lmcache-cpu", "put", t_mput, cpu["put_s"])
+        pair("semcomm memory", "lmcache-cpu", "get", t_mget, cpu["get_s"])
+    checks = lm("checks")
+    assert flush is not None
+    mine = {}
+    for st in stores:
+        st.close()
+        reopened = DiskStore(st.path, capacity_bytes=8 << 30)
         found = len(reopened)
         k0 = items[0][0]
-        path = last / k0.hex()[:2] / f"{k0.hex()}.sckv"
+        path = st.path / k0.hex()[:2] / f"{k0.hex()}.sckv"
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 0x40
         path.write_bytes(bytes(raw))
-        tampered_served = reopened.get(k0) is not None
+        mine[st.durability] = (found, reopened.get(k0) is not None)
         reopened.close()
-        out.append({"backend": f"semcomm {label}", "tokens": tokens, "chunk_bytes": one,
-                    "chunks": n, "put_GBps": nbytes / min(puts) / 1e9,
-                    "get_GBps": nbytes / min(gets) / 1e9,
-                    "put_us_per_chunk": min(puts) / n * 1e6,
-                    "get_us_per_chunk": min(gets) / n * 1e6,
-                    "batched_get_GBps": nbytes / min(bgets) / 1e9,
-                    "batched_get_us_per_chunk": min(bgets) / n * 1e6,
-                    "get_into_GBps": nbytes / min(igets) / 1e9,
-                    "get_into_us_per_chunk": min(igets) / n * 1e6,
-                    "found_after_restart": found, "tampered_chunk_served": tampered_served,
-                    "samples_us": {"put": [t / n * 1e6 for t in puts],
-                                   "get": [t / n * 1e6 for t in gets],
-                                   "get_into": [t / n * 1e6 for t in igets],
-                                   "batched_get": [t / n * 1e6 for t in bgets]}})
-    puts, gets = [], []
-    for _ in range(args.repeat):
-        mem = MemoryStore(capacity_bytes=4 << 30)
-        t0 = time.perf_counter()
-        for k, v in items:
-            mem.put(k, v)
-        puts.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for k, _v in items:
-            got = mem.get(k)
-            assert got is not None
-            bytearray(got)  # a consumer that keeps the data copies it (LMCache side: clone)
-        gets.append(time.perf_counter() - t0)
-    out.append({"backend": "semcomm memory", "tokens": tokens, "chunk_bytes": one, "chunks": n,
-                "put_GBps": nbytes / min(puts) / 1e9, "get_GBps": nbytes / min(gets) / 1e9,
-                "put_us_per_chunk": min(puts) / n * 1e6,
-                "get_us_per_chunk": min(gets) / n * 1e6,
-                "samples_us": {"put": [t / n * 1e6 for t in puts],
-                               "get": [t / n * 1e6 for t in gets]}})
-    return out
+        shutil.rmtree(st.path, ignore_errors=True)
+    rows: list[dict[str, Any]] = []
+    for backend in ("lmcache-disk", "lmcache-cpu", "semcomm disk flush",
+                    "semcomm disk fsync (put_many)", "semcomm memory"):
+        cb = theirs_bytes if backend.startswith("lmcache") else one
+        row: dict[str, Any] = {"backend": backend, "tokens": tokens, "chunk_bytes": cb,
+                               "chunks": n, "samples_us": {}}
+        for (b, op), ts in samples.items():
+            if b != backend:
+                continue
+            us = [t / n * 1e6 for t in ts]
+            row["samples_us"][op] = us
+            row[f"{op}_us_per_chunk"] = statistics.median(us)
+            row[f"{op}_GBps"] = cb / statistics.median(us) / 1e3
+        if backend == "lmcache-disk":
+            row["found_after_restart"] = checks["found_after_restart"]
+            row["tampered_chunk_served"] = checks["tampered_chunk_served"]
+        elif backend.startswith("semcomm disk"):
+            found, served = mine["fsync" if "fsync" in backend else "flush"]
+            row["found_after_restart"] = found
+            row["tampered_chunk_served"] = served
+        rows.append(row)
+    return rows, [(o, t, op, xs) for (o, t, op), xs in pairs.items()]
 
 
 def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> dict[str, Any]:
     tokens = [int(t) for t in args.tokens.split(",")]
-    # interleaved: LMCache then semcomm for one chunk size, --rounds times; every timing of
-    # every round is kept and the median is reported (the machine's load drifts over minutes,
-    # so a side measured only early or late would gain; the median resists the spikes)
-    merged: dict[tuple[str, int], dict[str, Any]] = {}
-    version = "?"
-    for t in tokens:
-        for r in range(args.rounds):
-            if r % 2 == 0:  # alternate which side goes first
-                lm = lmcache_side(args.lmcache_python, [t], args)
-                ours = semcomm_side(t, args, work / f"round{r}")
-            else:
-                ours = semcomm_side(t, args, work / f"round{r}")
-                lm = lmcache_side(args.lmcache_python, [t], args)
-            version = lm["lmcache_version"]
-            for row in [*lm["results"], *ours]:
-                key = (row["backend"], row["tokens"])
-                if key not in merged:
-                    merged[key] = row
-                    continue
-                for m, xs in row["samples_us"].items():
-                    merged[key]["samples_us"][m].extend(xs)
-    rows: list[dict[str, Any]] = list(merged.values())
-    for row in rows:  # the reported figures: medians over rounds x repeats
-        for m, xs in row["samples_us"].items():
-            med = statistics.median(xs)
-            row[f"{m}_us_per_chunk"] = med
-            row[f"{m}_GBps"] = row["chunk_bytes"] / med / 1e3
-    lm = {"lmcache_version": version}
+    lm = LMCacheServer(args.lmcache_python)
+    rows: list[dict[str, Any]] = []
+    paired: dict[tuple[str, str, str, int], list[float]] = {}
+    try:
+        for t in tokens:
+            r, p = paired_size(lm, t, args, work)
+            rows += r
+            for o, th, op, xs in p:
+                paired[(o, th, op, t)] = xs
+            console.print(f"T={t}: done")
+    finally:
+        lm.close()
+    lm_info = {"lmcache_version": lm.version}
     by = {(r["backend"], r["tokens"]): r for r in rows}
     ratios: list[dict[str, Any]] = []
     for t in tokens:
         for ours, theirs in (("semcomm disk flush", "lmcache-disk"),
                              ("semcomm disk fsync (put_many)", "lmcache-disk"),
                              ("semcomm memory", "lmcache-cpu")):
-            a, b = by[(ours, t)], by[(theirs, t)]
-            q = {"semcomm": ours, "lmcache": theirs, "tokens": t,
-                 "put_ratio": a["put_GBps"] / b["put_GBps"],
-                 "get_ratio": a["get_GBps"] / b["get_GBps"]}
-            if "get_into_GBps" in a:
-                q["get_into_ratio"] = a["get_into_GBps"] / b["get_GBps"]
-            if "batched_get_GBps" in a and "batched_get_GBps" in b:
-                q["batched_get_ratio"] = a["batched_get_GBps"] / b["batched_get_GBps"]
+            q: dict[str, Any] = {"semcomm": ours, "lmcache": theirs, "tokens": t}
+            # bytes per chunk differ a little (semcomm's carry a header and a checksum): the
+            # ratio of back-to-back pass times, scaled to a ratio of throughputs
+            a, b = by[(ours, t)]["chunk_bytes"], by[(theirs, t)]["chunk_bytes"]
+            for (o, th, op, tt), xs in paired.items():
+                if (o, th, tt) == (ours, theirs, t):
+                    q[f"{op}_ratio"] = statistics.median(xs) * a / b
+                    q[f"{op}_pairs"] = len(xs)
             ratios.append(q)
-    table = Table(title=f"semcomm vs LMCache {lm['lmcache_version']} storage backends "
-                        "(one run, medians; ratio > 1: semcomm faster)")
+    version = lm_info["lmcache_version"]
+    table = Table(title=f"semcomm vs LMCache {version} storage backends (one run; medians of "
+                        "back-to-back pass ratios; > 1: semcomm faster)")
     for col in ("semcomm store", "LMCache backend", "tokens", "put us/chunk (ours / theirs)",
                 "put ratio", "get us/chunk (ours / theirs)", "get ratio", "get_into us/chunk",
                 "get_into ratio", "batched get us/chunk", "batched ratio"):
         table.add_column(col, justify="left" if "store" in col or "backend" in col else "right")
+
+    def us(a: dict[str, Any], b: dict[str, Any] | None, op: str) -> str:
+        if f"{op}_us_per_chunk" not in a:
+            return "-"
+        mine = f"{a[f'{op}_us_per_chunk']:.0f}"
+        return mine if b is None else f"{mine} / {b[f'{op}_us_per_chunk']:.0f}"
+
+    def ratio(q: dict[str, Any], op: str) -> str:
+        return f"{q[f'{op}_ratio']:.2f}x" if f"{op}_ratio" in q else "-"
+
     for q in ratios:
         a, b = by[(q["semcomm"], q["tokens"])], by[(q["lmcache"], q["tokens"])]
-        table.add_row(q["semcomm"], q["lmcache"], str(q["tokens"]),
-                      f"{a['put_us_per_chunk']:.0f} / {b['put_us_per_chunk']:.0f}",
-                      f"{q['put_ratio']:.2f}x",
-                      f"{a['get_us_per_chunk']:.0f} / {b['get_us_per_chunk']:.0f}",
-                      f"{q['get_ratio']:.2f}x",
-                      f"{a['get_into_us_per_chunk']:.0f}" if "get_into_ratio" in q else "-",
-                      f"{q['get_into_ratio']:.2f}x" if "get_into_ratio" in q else "-",
-                      f"{a['batched_get_us_per_chunk']:.0f} / {b['batched_get_us_per_chunk']:.0f}"
-                      if "batched_get_ratio" in q else "-",
-                      f"{q['batched_get_ratio']:.2f}x" if "batched_get_ratio" in q else "-")
+        table.add_row(q["semcomm"], q["lmcache"], str(q["tokens"]), us(a, b, "put"),
+                      ratio(q, "put"), us(a, b, "get"), ratio(q, "get"),
+                      us(a, None, "get_into"), ratio(q, "get_into"), us(a, b, "batched_get"),
+                      ratio(q, "batched_get"))
     console.print(table)
     for r in rows:
         if "found_after_restart" in r:
@@ -386,9 +430,10 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
                           f"{r['found_after_restart']}/{r['chunks']}; tampered chunk "
                           f"{'SERVED' if r['tampered_chunk_served'] else 'rejected'}")
     if args.png:
-        draw_ratios(ratios, Path(args.png), lm["lmcache_version"])
+        draw_ratios(ratios, Path(args.png), version)
         console.print(f"wrote {args.png}")
-    return {"lmcache_version": lm["lmcache_version"], "rows": rows, "ratios": ratios}
+    return {"lmcache_version": version, "rows": rows, "ratios": ratios,
+            "protocol": "paired: LMCache and semcomm passes back to back, medians of ratios"}
 
 
 def draw_ratios(ratios: list[dict[str, Any]], path: Path, version: str) -> None:
@@ -447,7 +492,13 @@ def main(argv: list[str] | None = None) -> int:
                 payload = {"benchmark": "kv_stores_vs_lmcache", "python": sys.version.split()[0],
                            "shape": {"layers": args.layers, "kv_heads": args.heads,
                                      "head_dim": args.head_dim, "dtype": "float16"},
-                           "repeat": args.repeat, "batch": args.batch, **comparison}
+                           "repeat": args.repeat, "batch": args.batch,
+                           "rounds": args.rounds, "mib": args.mib,
+                           # glibc's allocator settings of both processes (fresh memory per
+                           # get is page faults unless freed memory is kept: docs/BENCHMARKS.md)
+                           "malloc_env": {k: os.environ.get(k) for k in
+                                          ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")},
+                           "load_average": os.getloadavg(), **comparison}
                 Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
                 console.print(f"wrote {args.json_path}")
             if args.dir is None:

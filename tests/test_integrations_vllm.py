@@ -29,6 +29,7 @@ from semcomm.integrations._vllm_core import (
     build_store,
     chunk_size_for,
     gather_chunk,
+    iter_chunks,
     load_chunks,
     model_dir_fingerprint,
     ordered_layers,
@@ -324,6 +325,41 @@ def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
     got = load_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
                       codec=get_codec("lossless"))
     assert len(got) == 1 and torch.equal(got[0][0], torch.zeros(L, H, CS, D))
+
+
+def test_buffered_load_reads_into_one_buffer_and_stops_at_tampering(tmp_path: Path) -> None:
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
+    tokens = list(range(3 * CS + 1))
+    mem = MemoryStore()
+    stored_chain(mem, ns, tokens, 3)
+    disk = DiskStore(tmp_path)
+    keys = chunk_keys(ns, tokens, CS, include_partial=False)
+    for k in keys:
+        disk.put(k, mem.get(k))  # type: ignore[arg-type]
+    codec = get_codec("lossless")
+    want = load_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32", codec=codec)
+    buf = bytearray(len(mem.get(keys[2]) or b"") + 4096)
+    lo, hi = _address(buf), _address(buf) + len(buf)
+    got = []
+    for k, v in iter_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
+                            codec=codec, buffer=buf):
+        assert lo <= k.data_ptr() < hi and lo <= v.data_ptr() < hi  # views of the buffer
+        got.append((k.clone(), v.clone()))  # valid until the next chunk is read
+    assert len(got) == 3
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, want))
+    f = tmp_path / keys[1].hex()[:2] / f"{keys[1].hex()}.sckv"
+    raw = bytearray(f.read_bytes())
+    raw[-100] ^= 1
+    f.write_bytes(bytes(raw))
+    n = sum(1 for _ in iter_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
+                                   codec=codec, buffer=buf))
+    assert n == 1
+
+
+def _address(buf: bytearray) -> int:
+    import ctypes
+
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
 @pytest.mark.parametrize("case", ["absent", "other_namespace", "wrong_dtype", "sealed_other"])

@@ -543,8 +543,33 @@ def _lossless_view(arrays: Mapping[str, Any], dtype: str) -> tuple[torch.Tensor,
     return out[0], out[1]
 
 
+def _usable(value: bytes | memoryview, key: ChunkKey, spec: LoadSpec, *, chunk_size: int,
+            dtype: str, codec: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(k, v)`` of one fetched chunk, or None (logged) when it cannot be used."""
+    try:
+        # stores serve only verified bytes (checksum, key): no second checksum here
+        chunk = decode_chunk(value, expect_key=key, expect_namespace=spec.namespace,
+                             verify=False)
+        h = chunk.header
+        if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
+                or h.codec_params.get("spec", codec.spec) != codec.spec):
+            raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
+                               f"{h.dtype}/{h.codec}, expected {chunk_size} of "
+                               f"{dtype}/{codec.spec}")
+        if codec.name == "lossless" and set(chunk.arrays) == {"k", "v"}:
+            return _lossless_view(chunk.arrays, dtype)
+        kv: tuple[torch.Tensor, torch.Tensor] = codec.decode(chunk.arrays,
+                                                              num_tokens=chunk_size,
+                                                              dtype=dtype)
+        return kv
+    except Exception as exc:  # a bad chunk is a miss from here on
+        logger.warning("semcomm KV chunk %s not usable (%s); recomputing", key.hex()[:16], exc)
+        return None
+
+
 def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
-                codec: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                codec: Any, buffer: bytearray | None = None,
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Decoded ``(k, v)`` of the spec's chunks, in order, stopping at the first that fails.
 
     Absent, corrupt, sealed for another tenant, from another namespace, of the wrong size or
@@ -552,9 +577,28 @@ def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: st
     reports those blocks so vLLM recomputes them). Never raises for store trouble. Chunks are
     fetched a few at a time and yielded one by one, so a caller that copies each into place
     before asking for the next holds a few chunks' bytes, not the whole prefix.
+
+    ``buffer``: with a store that reads into a buffer (``DiskStore.get_into``), every chunk is
+    read into this one, so loading allocates no fresh memory per chunk (page faults of new
+    memory cost as much as the read here, docs/kv.md); each yielded ``(k, v)`` may then view the
+    buffer and is valid only until the next one is requested. Other stores ignore it.
     """
-    many = getattr(store, "fetch_many", None)
     keys = list(spec.keys)
+    into = getattr(store, "get_into", None) if buffer is not None else None
+    if into is not None:
+        for key in keys:
+            try:
+                view = into(key, buffer)
+            except Exception as exc:
+                logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+                return
+            kv = None if view is None else _usable(view, key, spec, chunk_size=chunk_size,
+                                                   dtype=dtype, codec=codec)
+            if kv is None:
+                return
+            yield kv
+        return
+    many = getattr(store, "fetch_many", None)
     for i in range(0, len(keys), _FETCH_BATCH):
         batch = keys[i : i + _FETCH_BATCH]
         try:
@@ -565,23 +609,9 @@ def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: st
         for key, fetched in zip(batch, got):
             if fetched is None:
                 return
-            try:
-                # stores serve only verified bytes (checksum, key): no second checksum here
-                chunk = decode_chunk(fetched.value, expect_key=key,
-                                     expect_namespace=spec.namespace, verify=False)
-                h = chunk.header
-                if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
-                        or h.codec_params.get("spec", codec.spec) != codec.spec):
-                    raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
-                                       f"{h.dtype}/{h.codec}, expected {chunk_size} of "
-                                       f"{dtype}/{codec.spec}")
-                if codec.name == "lossless" and set(chunk.arrays) == {"k", "v"}:
-                    kv = _lossless_view(chunk.arrays, dtype)
-                else:
-                    kv = codec.decode(chunk.arrays, num_tokens=chunk_size, dtype=dtype)
-            except Exception as exc:  # a bad chunk is a miss from here on
-                logger.warning("semcomm KV chunk %s not usable (%s); recomputing",
-                               key.hex()[:16], exc)
+            kv = _usable(fetched.value, key, spec, chunk_size=chunk_size, dtype=dtype,
+                         codec=codec)
+            if kv is None:
                 return
             yield kv
 

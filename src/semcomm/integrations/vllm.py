@@ -150,6 +150,7 @@ class SemcommConnector(KVConnectorBase_V1):
         self._registered: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()
         self._saver: ChunkSaver | None = None
+        self._load_buf: bytearray | None = None  # start_load_kv's read buffer (_load_buffer)
         self.loaded_chunks = self.missed_chunks = 0
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
                     "attention ISA %s", role.name, self.settings.store, self.chunk_size,
@@ -237,10 +238,11 @@ class SemcommConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         caches = self._caches()
+        buffer = self._load_buffer(caches)
         for spec in meta.loads:
             done = 0
             for k, v in iter_chunks(self.store, spec, chunk_size=self.chunk_size,
-                                    dtype=self.dtype, codec=self.codec):
+                                    dtype=self.dtype, codec=self.codec, buffer=buffer):
                 # straight from the chunk's bytes into its blocks, one chunk at a time
                 scatter_chunk(caches, spec.block_ids[done], k, v,
                               skip_blocks=spec.skip_blocks if done == 0 else 0,
@@ -252,6 +254,16 @@ class SemcommConnector(KVConnectorBase_V1):
                 for j in range(done, len(spec.keys)):
                     skip = spec.skip_blocks if j == 0 else 0
                     self._load_errors.update(spec.block_ids[j][skip:])
+
+    def _load_buffer(self, caches: list[torch.Tensor]) -> bytearray:
+        """One reused read buffer for loads: a chunk's KV bytes (every layer's blocks of one
+        chunk, ``[num_blocks, kv_heads, block_size, 2 * head_size]`` per layer) plus 64 KiB for
+        its header; a larger chunk is still read, into new memory."""
+        need = sum(c[0].numel() * c.element_size() for c in caches) * (
+            self.chunk_size // self.block_size) + (1 << 16)
+        if self._load_buf is None or len(self._load_buf) < need:
+            self._load_buf = bytearray(need)
+        return self._load_buf
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
