@@ -6,6 +6,7 @@ module (``_x``) of a different top-level subpackage: ``from ..kv._format import 
 ``import semcomm.kv._format``, ``from semcomm.engine import _cache_adapter``. Imports inside one
 package (``from ._x import``, ``from ..server._x`` within ``server``) are fine, and so are the
 root package's own modules (``semcomm.errors``, ``semcomm._query``), which every package shares.
+Also: the engine's cache adapter is the one module that imports the transformers Cache API.
 """
 
 from __future__ import annotations
@@ -69,6 +70,38 @@ def violations(src: Path = SRC) -> list[str]:
             if any(p.startswith("_") for p in parts[2:]):
                 bad.append(f"{path.relative_to(src)}:{line}: {mod}")
     return bad
+
+
+CACHE_ADAPTER = "semcomm/engine/_cache_adapter.py"
+
+
+def cache_api_imports(src: Path = SRC) -> list[str]:
+    """Imports of the transformers Cache API (``transformers.cache_utils``, any ``*Cache`` /
+    ``*Layer`` name from transformers) outside the engine's cache adapter."""
+    bad = []
+    for path in sorted((src / "semcomm").rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel == CACHE_ADAPTER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module.split(".")[0] != "transformers":
+                continue
+            names = [a.name for a in node.names
+                     if a.name.endswith(("Cache", "Layer")) or "cache_utils" in node.module]
+            if names:
+                bad.append(f"{rel}:{node.lineno}: {node.module} {names}")
+    return bad
+
+
+def test_only_the_engine_cache_adapter_imports_the_transformers_cache_api(tmp_path: Path) -> None:
+    bad = cache_api_imports()
+    assert not bad, "go through semcomm.engine instead:\n" + "\n".join(bad)
+    probe = tmp_path / "semcomm" / "server" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from transformers import DynamicCache\n")
+    assert cache_api_imports(tmp_path) == ["semcomm/server/_probe.py:1: transformers ['DynamicCache']"]
 
 
 def test_no_package_imports_another_packages_private_module() -> None:
