@@ -66,7 +66,8 @@ def _serve(tmp: Path, pair: dict[str, Path], fuser: str | None) -> dict[str, Any
                       for line in streamed.text.splitlines()
                       if line.startswith("data: {") and json.loads(line[6:])["choices"]]
             return {"r1": r1, "r2": r2, "metrics": metrics, "health": health,
-                    "streamed": "".join(deltas), "stream_hits": streamed.headers["x-semcomm-hits"]}
+                    "streamed": "".join(deltas), "pieces": [d for d in deltas if d],
+                    "stream_hits": streamed.headers["x-semcomm-hits"]}
         finally:
             await gw.shutdown()
 
@@ -85,6 +86,9 @@ def test_c2c_handoff_between_different_models(tmp_path: Path, pair: dict[str, Pa
     answer = out["r1"].json()["choices"][0]["message"]["content"]
     assert answer and out["streamed"] == answer
     assert "c2c" in out["stream_hits"]
+    # ... piece by piece as the receiver decodes it, not as one block at the end
+    tokens = out["r1"].json()["usage"]["completion_tokens"]
+    assert tokens >= 2 and len(out["pieces"]) >= 2, (tokens, out["pieces"])
     # the second request reads the sharer's context KV from the KV store
     assert out["r2"].json()["semcomm"]["stages"][1]["c2c"]["sharer_source"] == "engine"
 

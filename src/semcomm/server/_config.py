@@ -89,6 +89,14 @@ stages = [
   { model = "qwen2.5-coder-0.5b-instruct", role = "router", max_tokens = 8, system = "You are a support router. Name the team that should answer: billing, tech or sales. Answer with the team name only." },
   { model = "smollm2-135m-instruct", role = "specialist", system = "You are the specialist of the team named above. Answer the customer in one or two sentences." },
 ]
+
+[pipelines.semcomm-c2c]
+description = "the code model reads the conversation, the small model answers from its cache (C2C with the shipped fuser)"
+handoff = "c2c"
+stages = [
+  { model = "qwen2.5-coder-0.5b-instruct", role = "sharer" },
+  { model = "smollm2-135m-instruct", role = "receiver", system = "Answer the customer in one or two sentences." },
+]
 """
 
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ._backends import BackendStatus, Completion, GenRequest, ModelBackend, StreamItem, collect
-from ._batching import Delta, Started
+from ._batching import Started
 from ._c2c import C2CHandoff, FusionRegistry
 from ._config import PipelineConfig
 
@@ -138,13 +138,19 @@ class PipelineBackend:
             if mode == "c2c":
                 handoff = self._fusion(i)
                 assert handoff is not None  # handoff_mode chose c2c because it exists
-                comp = await handoff.generate(self, sreq, outputs)
                 items = None
-                if i == last:  # the fused answer is whole: it streams as one delta
-                    yield Started(prompt_tokens=prompt_total + comp.prompt_tokens,
-                                  hit_tokens=hit_total + comp.hit_tokens, layers=("c2c",))
-                    if comp.text:
-                        yield Delta(comp.text)
+                if i == last:  # the fused answer streams piece by piece as it is decoded
+                    comp = None
+                    async for item in handoff.stream(sreq):
+                        if isinstance(item, Started):
+                            yield Started(prompt_tokens=prompt_total + item.prompt_tokens,
+                                          hit_tokens=hit_total + item.hit_tokens, layers=("c2c",))
+                        elif isinstance(item, Completion):
+                            comp = item
+                        else:
+                            yield item
+                else:
+                    comp = await handoff.generate(self, sreq, outputs)
             elif i < last:
                 comp = await collect(backend.stream(sreq))
                 items = None
