@@ -387,6 +387,35 @@ def pair_sets(data: Path) -> dict:
     return out
 
 
+def _floors(floors: list[float], out: Path) -> None:
+    """The default policy with another cluster-vote floor (the best member's similarity a vote
+    needs; default 0.6) on the four FAQ workloads: does a higher floor keep loose topic
+    clusters from out-of-scope queries without losing CLINC's recall?"""
+    from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, ClusterVotePolicy
+    from semcomm.semantic._cross import default_cross_verifier
+
+    wl = {"clinc-dev (development)": clinc_faq("train", DEV_FAQ_INTENTS, queries_per_intent=20),
+          "clinc-banking (held out)": clinc_faq("val", BANKING_INTENTS),
+          "clinc-dev-val (held out)": clinc_faq("val", DEV_FAQ_INTENTS),
+          "quora-faq (held out)": quora_faq(DEFAULT_DATA / "meancache_test.csv")}
+    res: dict = {}
+    tbl = Table(title="vote floor (precision / recall / out-of-scope hit rate)")
+    tbl.add_column("floor")
+    for name in wl:
+        tbl.add_column(name)
+    for f in floors:
+        res[str(f)] = row = {}
+        for name, w in wl.items():
+            pol = ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
+                                    min_score=VERIFIED_MIN_SCORE, floor=f)
+            row[name], _ = run_semcomm(w, embed(w.stored), embed(w.queries), policy=pol)
+        tbl.add_row(str(f), *(f"{r['precision']:.3f} / {r['recall']:.3f} / "
+                              f"{r['oos_hit_rate']:.3f}" for r in row.values()))
+    console.print(tbl)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "semantic_traffic_floors.json").write_text(json.dumps(res, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -403,7 +432,13 @@ def main() -> None:
     ap.add_argument("--pair-sets-only", action="store_true",
                     help="only the MRPC/STS check of the verified band "
                          "(semantic_traffic_pairsets.json)")
+    ap.add_argument("--floors", default="",
+                    help="only: the default policy with these vote floors (e.g. 0.6,0.65,0.7) "
+                         "on the FAQ workloads (semantic_traffic_floors.json)")
     args = ap.parse_args()
+    if args.floors:
+        _floors([float(f) for f in args.floors.split(",")], args.out)
+        return
     if args.pair_sets_only:
         ps = pair_sets(DEFAULT_DATA)
         for k, v in ps.items():
