@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from semcomm.kv import MemoryStore, TieredStore
-from semcomm.kv._lru import FairChainLru, make_lru
+from semcomm.kv._lru import FairChainLru, Incoming, make_lru
 
 from ._kvchunks import NS, chain
 
@@ -136,12 +136,19 @@ def test_a_long_session_cannot_evict_its_own_models_system_prompt_while_it_is_re
 
 
 def test_a_shared_prompt_no_one_reads_any_more_cools_down_and_goes() -> None:
-    size = _size()
-    store = MemoryStore(capacity_bytes=6 * size, eviction="fair")
-    old = chain(1, seed=1)[0]
-    store.put(*old)
-    store.get(old[0])
-    store.get(old[0])  # hot, then never read again
-    for i in range(20):  # one-off prompts: more than the whole share passes through
-        store.put(*chain(1, seed=100 + i)[0])
-    assert not store.contains(old[0])
+    now = [0.0]
+    lru = FairChainLru(fresh_s=60.0, clock=lambda: now[0])
+    cap = 15  # the group is over its share whatever it holds
+    hot, key = b"h" * 32, lambda i: bytes([i]) * 32
+    lru.add(hot, 10, None, b"g")
+    lru.touch(hot)
+    lru.touch(hot)  # read by several requests: shared
+    for i in range(1, 4):
+        lru.add(key(i), 10, None, b"g")
+    incoming = Incoming(b"g", 10, cap)
+    assert lru.victim(incoming=incoming) == key(1)  # one-off chunks go first
+    for i in range(1, 4):
+        lru.remove(key(i))
+    assert lru.victim(incoming=incoming) is None  # only the shared chunk left: kept, refused
+    now[0] = 61.0  # nobody read it for a minute: cold again
+    assert lru.victim(incoming=incoming) == hot

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._keys import ChunkKey
@@ -62,7 +64,7 @@ class LruEntry:
     pins: int = 0  # pin count; > 0 means never evicted
     group: bytes | None = None  # fair eviction: the chunk's KV namespace digest (set on add)
     hits: int = 0  # fair eviction: reads since it was stored (``touch``)
-    mark: int = 0  # fair eviction: its group's inserted bytes at its last read or store
+    read_at: float = 0.0  # fair eviction: clock time of its last read (or its store)
 
 
 class ChainLru:
@@ -195,9 +197,10 @@ class FairChainLru(ChainLru):
 
     Invariants (on top of :class:`ChainLru`'s): ``group_bytes[g]`` is the sum of the sizes of
     the entries of group ``g`` (groups with no entry are absent). An entry is *hot* when its
-    ``hits >= shared_hits`` and it was read or stored within the last share's worth of bytes
-    inserted into its group (``mark``); a hot entry that nobody reads while a share's worth of
-    new chunks passes *cools down* and counts as cold again. The victim comes from the group
+    ``hits >= shared_hits`` and it was read within the last ``fresh_s`` seconds (``clock``); a
+    hot entry that nobody reads for ``fresh_s`` *cools down* and counts as cold again (time,
+    not bytes written: a long session writes its whole prompt in one burst, between two reads
+    of the system prompt it must not outlive). The victim comes from the group
     holding the most bytes that has an evictable entry: its least recently used cold entry,
     else its least recently used hot one. So a group at or under an equal share of a full
     budget loses nothing while another is over its share, and its hot chunks go only after its
@@ -206,17 +209,21 @@ class FairChainLru(ChainLru):
     requests keep reading.
     """
 
-    def __init__(self, shared_hits: int = 2) -> None:
+    def __init__(self, shared_hits: int = 2, *, fresh_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if shared_hits < 1:
             raise ValueError(f"shared_hits must be >= 1, got {shared_hits}")
+        if fresh_s <= 0:
+            raise ValueError(f"fresh_s must be > 0, got {fresh_s}")
         self.shared_hits = shared_hits
+        self.fresh_s = fresh_s
+        self._clock = clock
         self.group_bytes: dict[bytes | None, int] = {}
         # per (group, read repeatedly): lazy min-heap of (tick, key); stale items are skipped
         # as in ChainLru (an entry moves heaps when its hits reach shared_hits)
         self._gheaps: dict[tuple[bytes | None, bool], list[tuple[int, ChunkKey]]] = {}
         self._gcount: dict[bytes | None, int] = {}  # entries per group (heap rebuild bound)
-        self._inserted: dict[bytes | None, int] = {}  # bytes ever inserted per group (monotonic)
 
     def _shared(self, e: LruEntry) -> bool:
         return e.hits >= self.shared_hits
@@ -243,16 +250,15 @@ class FairChainLru(ChainLru):
             return old_size
         self.group_bytes[group] = self.group_bytes.get(group, 0) + size
         self._gcount[group] = self._gcount.get(group, 0) + 1
-        self._inserted[group] = self._inserted.get(group, 0) + size
         out = super().add(key, size, parent, group)
-        self.entries[key].mark = self._inserted[group]
+        self.entries[key].read_at = self._clock()
         return out
 
     def touch(self, key: ChunkKey) -> None:
         e = self.entries.get(key)
         if e is not None:
             e.hits += 1
-            e.mark = self._inserted.get(e.group, 0)
+            e.read_at = self._clock()
         super().touch(key)
 
     def remove(self, key: ChunkKey) -> LruEntry | None:
@@ -295,12 +301,12 @@ class FairChainLru(ChainLru):
             heapq.heappush(heap, item)
         return found
 
-    def _group_victim(self, g: bytes | None, protect: ChunkKey | None, share: float | None,
-                      own: bool) -> ChunkKey | None:
+    def _group_victim(self, g: bytes | None, protect: ChunkKey | None, own: bool
+                      ) -> ChunkKey | None:
         cold = self._top(g, False, protect)
-        hot = self._top(g, True, protect)
-        if hot is not None and share is not None:
-            if self._inserted.get(g, 0) - hot[1].mark >= share:  # cooled down: cold again
+        hot = self._top(g, True, protect)  # the least recently read of the group's hot ones
+        if hot is not None:
+            if self._clock() - hot[1].read_at >= self.fresh_s:  # cooled down: cold again
                 if cold is None or hot[1].tick < cold[1].tick:
                     return hot[0]
             elif own and cold is None:
@@ -324,7 +330,7 @@ class FairChainLru(ChainLru):
             if share is not None and held[g] <= share:
                 break
             own = incoming is not None and g == incoming.group
-            found = self._group_victim(g, protect, share, own)
+            found = self._group_victim(g, protect, own)
             if found is not None:
                 return found
         return None
