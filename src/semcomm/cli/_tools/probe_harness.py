@@ -186,6 +186,10 @@ def server_toml(*, port: int, model_dir: Path, state_dir: Path, secret: str,
         "[semantic]",
         "enabled = false",
         "",
+        "[routing]",  # one model: no model router (the embedded default's routes other models)
+        'default_model = "target"',
+        'model_router = ""',
+        "",
     ]
     for name, (key, extra) in tenants.items():
         lines += [f"[tenants.{name}]", f"api_key = {_toml_str(key)}",
