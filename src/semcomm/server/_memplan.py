@@ -295,7 +295,9 @@ class MemoryPlan:
         out = [("baseline (process)", "", "", "", _mib(self.baseline_bytes)),
                ("prefix cache (memory tier)", "", "", "", _mib(self.prefix_cache_bytes))]
         for m in self.models.values():
-            out.append((m.name + (" (pinned)" if m.pinned else ""), _mib(m.weight_bytes),
+            tag = (" (pinned)" if m.pinned else f" (keep-alive {m.keep_alive_s:g} s)"
+                   if m.keep_alive_s is not None else "")
+            out.append((m.name + tag, _mib(m.weight_bytes),
                         f"{m.kv.bytes_per_token / 1024:.1f} KiB", _mib(m.kv_budget_bytes),
                         _mib(m.planned_bytes)))
         out.append(("planned", "", "", "", _mib(self.planned_bytes)))
