@@ -1,9 +1,8 @@
-"""DiskStore's fast paths keep its guarantees: get_into, the cached header check, linked writes.
+"""DiskStore's fast paths keep its guarantees: get_into and the cached header check.
 
 ``get_into`` (reads into the caller's buffer) must keep every guarantee of ``get``: the same
 verified bytes, the same misses for absent, tampered and swapped files, plaintext from a sealed
-store, chunks found after a reopen. Writes of unnamed files linked into place (``O_TMPFILE``)
-must leave exactly the chunk files, replace an existing file, and fall back to temporary files.
+store, chunks found after a reopen.
 """
 
 from __future__ import annotations
@@ -131,11 +130,8 @@ def test_the_cached_header_check_is_as_strict_as_the_full_parse() -> None:
         verify_chunk(_refresh_checksum(raw))
 
 
-@pytest.mark.parametrize("linked", [True, False])
-def test_writes_leave_only_chunk_files_and_replace(tmp_path: Path, linked: bool) -> None:
+def test_writes_leave_only_chunk_files_and_replace(tmp_path: Path) -> None:
     store = DiskStore(tmp_path / "kv")
-    if not linked:
-        store._anon_ok = False  # the temporary-file path (filesystems without O_TMPFILE)
     items = chain(3, payload=512)
     for k, v in items:
         store.put(k, v)
@@ -146,15 +142,3 @@ def test_writes_leave_only_chunk_files_and_replace(tmp_path: Path, linked: bool)
     again = DiskStore(tmp_path / "kv")
     assert [again.get(k) for k, _ in items] == [v for _, v in items]
     assert store.stats().errors == 0 and store.stats().puts == 4
-    if linked and _has_tmpfile(tmp_path):
-        assert store._anon_ok  # the linked path was taken, not silently abandoned
-
-
-def _has_tmpfile(path: Path) -> bool:
-    import os
-
-    try:
-        os.close(os.open(path, getattr(os, "O_TMPFILE", 0) | os.O_WRONLY, 0o600))
-        return hasattr(os, "O_TMPFILE")
-    except OSError:
-        return False

@@ -5,8 +5,7 @@ Layout::
     <root>/.semcomm-kv                 marker (JSON: kind and layout version)
     <root>/.lock                       fcntl lock taken by eviction sweeps
     <root>/<hh>/<64 hex>.sckv          one encoded chunk; <hh> = first two hex digits of the key
-    <root>/<hh>/.<64 hex>.<pid>.<rand>.tmp   a write in progress (renamed into place when done;
-                                       most writes are unnamed files linked into place instead)
+    <root>/<hh>/.<64 hex>.<pid>.<rand>.tmp   a write in progress (renamed into place when done)
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ _LOCK = ".lock"
 _HEX = frozenset("0123456789abcdef")
 _STALE_TMP_S = 900.0  # a tmp file this old is abandoned even if its pid looks alive (pid reuse)
 _REFRESH_S = 1.0  # how often a writer re-lists the directory to see other processes' files
-_O_TMPFILE = getattr(os, "O_TMPFILE", 0)  # Linux: an unnamed file in a directory
 
 
 def _pid_alive(pid: int) -> bool:
@@ -186,12 +184,10 @@ class DiskStore(StoreBase, LruPinning):
 
     Guarantees:
 
-    * **Atomic writes.** A chunk is written to an unnamed file (``O_TMPFILE``, Linux) and
-      linked into place, or where that is not available (and for ``durability="fsync"``) to a
-      temporary file renamed into place with ``os.replace``; readers see the old file or the
-      new one, never a partial write. A writer killed mid-write leaves nothing (unnamed file)
-      or only a ``.tmp`` file, which is never served and is removed by the next open once its
-      process is gone.
+    * **Atomic writes.** A chunk is written to a temporary file and renamed into place with
+      ``os.replace``; readers see the old file or the new one, never a partial write.
+      A writer killed mid-write leaves only a ``.tmp`` file, which is never served and is
+      removed by the next open once its process is gone.
     * **Durability** says what a returned ``put`` promises (:data:`DURABILITY`):
       ``"flush"`` (default): the bytes are in the operating system's hands, so they survive the
       writing process crashing; an OS crash or power loss can lose the newest chunks (a file
@@ -250,16 +246,6 @@ class DiskStore(StoreBase, LruPinning):
         self._root_s = str(root) + os.sep
         self._shard_dirs: set[str] = set()  # shard directories known to exist (skips mkdir)
         self._tmp_seq = itertools.count(secrets.randbelow(1 << 30))
-        # unnamed files linked into place (_write_anonymous) where the platform allows
-        # (a directory fd only makes os.link use linkat, whose AT_SYMLINK_FOLLOW resolves
-        # /proc/self/fd/N; the path is absolute, so which directory does not matter)
-        self._anon_ok = _O_TMPFILE != 0 and os.path.isdir("/proc/self/fd")
-        self._link_dir_fd = -1
-        if self._anon_ok:
-            try:
-                self._link_dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except OSError:
-                self._anon_ok = False
         self.sealer = sealer
         self._lock = threading.RLock()
         self._lru = ChainLru()
@@ -303,19 +289,14 @@ class DiskStore(StoreBase, LruPinning):
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
-            if self._link_dir_fd >= 0:
-                os.close(self._link_dir_fd)
-                self._link_dir_fd = -1
-                self._anon_ok = False
 
     def __del__(self) -> None:
-        for name in ("_lock_fd", "_link_dir_fd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        fd = getattr(self, "_lock_fd", -1)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # ---- scanning ----------------------------------------------------------------------
     def _shards(self) -> Iterator[os.DirEntry[str]]:
@@ -645,10 +626,6 @@ class DiskStore(StoreBase, LruPinning):
             self._lru.add(key, size, parent_of(header))
 
     def _write(self, job: _Job, *, sync: bool) -> bool:
-        if not sync and self._anon_ok:
-            done = self._write_anonymous(job)
-            if done is not None:
-                return done
         tmp = self._stage(job, sync=sync)
         if tmp is None:
             return False
@@ -657,57 +634,6 @@ class DiskStore(StoreBase, LruPinning):
         if sync:
             _fsync_dir(os.path.dirname(tmp))
         return True
-
-    def _write_anonymous(self, job: _Job) -> bool | None:
-        """Write a chunk as an unnamed file (``O_TMPFILE``) and link it into place.
-
-        One directory change instead of two (create, then rename), and a writer killed mid-write
-        leaves nothing behind. The chunk appears complete or not at all, as with a rename. An
-        existing file (a replacement) is linked under a temporary name and renamed over.
-        Returns None where this cannot be done (the caller then writes a temporary file); a
-        filesystem without ``O_TMPFILE`` or a platform without ``/proc/self/fd`` is not tried
-        again by this store.
-        """
-        h = job.key.hex()
-        shard = f"{self._root_s}{h[:2]}"
-        final = f"{shard}/{h}{_SUFFIX}"
-        try:
-            fd = os.open(shard, _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                self._anon_ok = False
-            return None  # (ENOENT: no shard directory yet; the temporary-file path makes it)
-        try:
-            view = memoryview(job.value)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-        except OSError as exc:  # disk full, I/O error: this write fails
-            os.close(fd)
-            self._write_failed(job.key, final, exc, remove=False)
-            return False
-        # "/proc/self/fd/N" names the unnamed file; linkat (os.link with a dir fd) follows it
-        src = f"/proc/self/fd/{fd}"
-        try:
-            try:
-                os.link(src, final, src_dir_fd=self._link_dir_fd, follow_symlinks=True)
-            except FileExistsError:  # a replacement: link beside it, then rename over it
-                tmp = f"{shard}/.{h}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}"
-                os.link(src, tmp, src_dir_fd=self._link_dir_fd, follow_symlinks=True)
-                try:
-                    os.replace(tmp, final)
-                except OSError as exc:
-                    self._write_failed(job.key, tmp, exc)
-                    return False
-            return True
-        except OSError as exc:
-            if exc.errno == errno.ENOENT and not os.path.isdir(shard):
-                self._shard_dirs.discard(shard)  # the shard directory was removed under us
-            else:  # no usable /proc/self/fd here (or linking refused): temporary files
-                self._anon_ok = False
-            return None
-        finally:
-            os.close(fd)
 
     def _stage(self, job: _Job, *, sync: bool = False) -> str | None:
         """Write a chunk to a fresh temporary file next to its final name; None on failure."""
@@ -748,10 +674,9 @@ class DiskStore(StoreBase, LruPinning):
             self._write_failed(job.key, tmp, exc)
             return False
 
-    def _write_failed(self, key: ChunkKey, tmp: str, exc: OSError, *, remove: bool = True) -> None:
-        if remove:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    def _write_failed(self, key: ChunkKey, tmp: str, exc: OSError) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         level = logging.WARNING if exc.errno != errno.ENOENT else logging.DEBUG
         logger.log(level, "DiskStore: could not write chunk %s: %s", key.hex()[:16], exc)
         with self._lock:
