@@ -137,3 +137,18 @@ def test_env_overrides_and_defaults(tmp_path: Path) -> None:
     assert not cfg.anonymous_allowed
     with pytest.raises(ConfigError, match="server.port"):
         load_config(None, environ={"SEMCOMM__SERVER__PORT": "not-a-port"})
+
+
+def test_a_file_with_its_own_models_drops_the_embedded_router_and_pipelines(tmp_path: Path) -> None:
+    """The embedded default's model router routes only its own two models: a file that brings
+    its own models gets neither it nor the embedded pipelines (and still loads)."""
+    p = tmp_path / "own.toml"
+    p.write_text('[models.mine]\npath = "tiny"\n')
+    cfg = load_config(p, environ={})
+    assert list(cfg.models) == ["mine"] and not cfg.pipelines
+    assert cfg.routing.model_router is None
+    p.write_text('[models.mine]\npath = "tiny"\n[routing]\nmodel_router = "r.json"\n')
+    assert load_config(p, environ={}).routing.model_router == "r.json"  # an own router is kept
+    default = load_config(None, environ={})
+    assert default.routing.model_router == "smollm2-qwen2.5-coder"
+    assert default.pipelines["semcomm-chain"].handoff == "text"  # its router step writes text

@@ -85,6 +85,7 @@ backend = "sqlite"
 
 [pipelines.semcomm-chain]
 description = "router step on the code model, then the specialist answer on the small model"
+handoff = "text"       # the router step's answer (a team name) is what the specialist reads
 stages = [
   { model = "qwen2.5-coder-0.5b-instruct", role = "router", max_tokens = 8, system = "You are a support router. Name the team that should answer: billing, tech or sales. Answer with the team name only." },
   { model = "smollm2-135m-instruct", role = "specialist", system = "You are the specialist of the team named above. Answer the customer in one or two sentences." },
@@ -463,12 +464,13 @@ def load_config(
             user = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
-        # a file that defines its own models replaces the embedded ones (and their pipelines
-        # and default model)
+        # a file that defines its own models replaces the embedded ones (and their pipelines,
+        # default model and model router)
         if defaults and "models" in user:
             data.pop("models", None)
             data.pop("pipelines", None)
             data.get("routing", {}).pop("default_model", None)
+            data.get("routing", {}).pop("model_router", None)
         data = _merge(data, user)
     data = _merge(data, _env_overrides(os.environ if environ is None else environ))
     if overrides:
