@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import subprocess
 import sys
@@ -69,14 +68,6 @@ def test_corrupt_values_are_rejected_counted_and_deleted(
     assert store.get(k1) == v1
 
 
-async def test_corrupt_value_rejected_by_async_get(redis_url: str, raw: redis.Redis) -> None:
-    (k0, v0), = chain(1)
-    store = RedisStore(redis_url)
-    raw.set("semcomm:kv:" + k0.hex(), v0[:-1] + bytes([v0[-1] ^ 0xFF]))
-    assert await store.aget(k0) is None
-    assert store.stats().corrupt == 1 and not store.contains(k0)
-
-
 def test_two_processes_share_entries(redis_url: str) -> None:
     store = RedisStore(redis_url)
     run_worker("redis", redis_url, "5", "6")  # another process writes ...
@@ -128,23 +119,6 @@ def test_outage_gives_misses_one_warning_and_recovers(own_redis: RedisServer) ->
     with pytest.warns(BackendDownWarning):
         assert store.get(keys[0]) is None
     assert store.stats().outages == 2
-
-
-async def test_async_outage_is_a_miss(own_redis: RedisServer) -> None:
-    (k, v), = chain(1)
-    store = RedisStore(own_redis.url, retry_interval_s=0.05)
-    await store.aput(k, v)
-    assert await store.aget(k) == v
-    own_redis.stop()
-    with pytest.warns(BackendDownWarning):
-        assert await store.aget(k) is None
-    assert await store.alookup([k]) == store.lookup([k])
-    assert await store.acontains(k) is False
-    await store.aput(k, v)
-    own_redis.start()
-    await asyncio.sleep(0.06)
-    await store.aput(k, v)
-    assert await store.aget(k) == v
 
 
 def test_hung_server_times_out_quickly(blackhole: str) -> None:

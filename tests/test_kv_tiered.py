@@ -62,18 +62,6 @@ def test_lookup_reports_the_tier_of_each_chunk(tmp_path: Path) -> None:
     assert store.lookup(keys).num_chunks == 2
 
 
-async def test_async_lookup_and_promotion(tmp_path: Path) -> None:
-    mem, disk = MemoryStore(), DiskStore(tmp_path / "kv")
-    store = TieredStore([mem, disk])
-    c = chain(3)
-    for k, v in c:
-        disk.put(k, v)
-    m = await store.alookup([k for k, _ in c])
-    assert m.num_chunks == 3 and m.tiers == ("disk",) * 3
-    got = await store.afetch(c[0][0])
-    assert got is not None and got.tier == "disk" and mem.contains(c[0][0])
-
-
 def test_events_are_forwarded_in_order(tmp_path: Path) -> None:
     mem = MemoryStore(capacity_bytes=1)  # too small: every chunk is rejected by memory
     store = TieredStore([mem, DiskStore(tmp_path / "kv")])
