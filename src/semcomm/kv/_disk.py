@@ -255,6 +255,13 @@ class DiskStore(StoreBase, LruPinning):
         self._reserved = 0  # bytes of writes in flight in this process (room already made)
         marker = root / _MARKER
         if not marker.exists():
+            # a new store: its 256 shard directories at once (a store of any size has them
+            # all after a few hundred chunks; made lazily, the first writes each paid a mkdir)
+            for i in range(256):
+                shard = f"{self._root_s}{i:02x}"
+                with contextlib.suppress(OSError):  # a write makes it later if this fails
+                    os.makedirs(shard, exist_ok=True)
+                    self._shard_dirs.add(shard)
             marker.write_text(json.dumps({"kind": "semcomm-kv-disk", "layout": 1}) + "\n")
         self._lock_fd = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         with self._lock, self._flock():
