@@ -16,6 +16,9 @@ object on stdout:
   ``submit_put_task``) and get (``get_blocking`` then a copy
   of the tensor, as a consumer that keeps the data would), for reference.
 
+``--serve`` instead answers one operation per JSON line on stdin (``_Server``): what
+``bench_kv_stores.py`` uses, to run each LMCache pass back to back with semcomm's.
+
 The chunks have LMCache's KV_2LTD layout ``[2, layers, tokens, kv_heads * head_dim]`` in fp16,
 the same bytes as semcomm's 24-layer K/V chunks.
 """

@@ -15,14 +15,17 @@ Run: ``python benchmarks/bench_kv_stores.py [--json out.json] [--tokens 16,64,25
 Redis: ``--redis-url`` or, if omitted, a private redis-server on a free port (Debian's
 redis-server must be installed; ``--no-redis`` skips it).
 
-``--lmcache-python .venv-lmcache/bin/python`` adds, in the same run, LMCache's own storage
-backends on the same chunks (``benchmarks/_lmcache_driver.py`` drives them in the environment
-that has ``lmcache``) next to semcomm's under one protocol: every put round writes new chunks
-into a fresh store (LMCache skips keys it holds; semcomm would replace), every get reads and
-drops a chunk; the DiskStore at both durabilities (``flush``: one ``put`` per chunk;
-``fsync``: ``put_many`` per batch of ``--batch`` chunks). Then a restart (a new store on the same
+``--lmcache-python .venv-lmcache/bin/python`` compares, in the same run, against LMCache's own
+storage backends on the same chunks: LMCache runs as a persistent process in the environment
+that has ``lmcache`` (``benchmarks/_lmcache_driver.py --serve``), and each of its passes (a pass:
+every chunk once) runs back to back with the matching semcomm pass, so both see the same moment
+of a shared machine; the figures are medians of the per-pair ratios. Every put round writes new
+chunks into a fresh store on both sides (the previous round's files deleted); gets read and drop
+each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool); the
+DiskStore at both durabilities (``flush``: one ``put`` per chunk; ``fsync``: ``put_many`` per
+batch of ``--batch`` chunks, run last in each round). Then a restart (a new store on the same
 directory: chunks found) and a tamper test (one payload byte flipped: served or rejected).
-Writes a table, ``--json`` and ``--png`` (ratios semcomm / LMCache).
+Writes a table, ``--json`` (every sample kept) and ``--png`` (ratios semcomm / LMCache).
 """
 
 from __future__ import annotations
