@@ -217,8 +217,8 @@ class _Server:
 
     The parent alternates these with semcomm's own operations on the same chunks a few
     milliseconds apart, so both sides see the same machine (it is shared and loaded).
-    Operations: ``open`` (chunk shape and count), ``put`` (a fresh directory and backend, every
-    chunk written and waited for), ``get`` / ``batched_get`` (one pass over the chunks),
+    Operations: ``open`` (chunk shape and count), ``clear`` (the previous round's backend and
+    files removed), ``put`` (a fresh directory and backend, every chunk written and waited for), ``get`` / ``batched_get`` (one pass over the chunks),
     ``cpu`` (one LocalCPUBackend put and get pass), ``checks`` (restart and tamper), ``exit``.
     """
 
@@ -264,6 +264,10 @@ class _Server:
             self.disk.close()
             shutil.rmtree(self.disk_dir, ignore_errors=True)  # as the parent does for its own
             self.disk = None
+
+    def op_clear(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self._close_disk()  # the previous round's backend and files
+        return {}
 
     def op_put(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from lmcache.v1.memory_management import MemoryFormat

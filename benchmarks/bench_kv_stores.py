@@ -23,7 +23,8 @@ of a shared machine; the figures are medians of the per-pair ratios. Every put r
 chunks into a fresh store on both sides (the previous round's files deleted); gets read and drop
 each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool); the
 DiskStore at both durabilities (``flush``: one ``put`` per chunk; ``fsync``: ``put_many`` per
-batch of ``--batch`` chunks, run last in each round). Then a restart (a new store on the same
+batch of ``--batch`` chunks, run last in each round); each round's puts start from a synced
+filesystem (``os.sync`` after the previous round's files are deleted). Then a restart (a new store on the same
 directory: chunks found) and a tamper test (one payload byte flipped: served or rejected).
 Writes a table, ``--json`` (every sample kept) and ``--png`` (ratios semcomm / LMCache).
 """
@@ -279,9 +280,13 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     stores: list[DiskStore] = []
     flush = fsync = None
     for r in range(args.rounds):
-        for st in stores:  # the previous round's files go, as LMCache's do
+        for st in stores:  # the previous round's files go, and LMCache's
             st.close()
             shutil.rmtree(st.path, ignore_errors=True)
+        lm("clear")
+        # every put pair starts from a synced filesystem: neither side's writes pay for the
+        # other's dirty pages or deleted files (the journal's work is done before timing)
+        os.sync()
         flush = DiskStore(work / f"p{tokens}-flush-{r}", capacity_bytes=8 << 30)
         fsync = DiskStore(work / f"p{tokens}-fsync-{r}", capacity_bytes=8 << 30,
                           durability="fsync")
