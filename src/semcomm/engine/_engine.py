@@ -144,6 +144,10 @@ class HFEngine:
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
+        # optional: runs the prefill's forward (``run(runner, ids, cache, align=chunk_size)``;
+        # align 0: one piece, a sliding-window model's float results change when cut), e.g. the
+        # server's scheduler bounding concurrent long prefills (server._engine_runner)
+        self.prefill_scheduler: Any = None
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
             raise InvalidInputError(f"unsupported KV dtype {self.dtype}")
@@ -436,7 +440,10 @@ class HFEngine:
             stats.recomputed_tokens = len(ids) - kept
             t1 = time.perf_counter()
             rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
-            logits = self._runner.forward(rest, cache)
+            sched = self.prefill_scheduler
+            logits = (self._runner.forward(rest, cache) if sched is None
+                      else sched.run(self._runner, rest, cache,
+                                     align=0 if self.layout.sliding else self.chunk_size))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             stats.prefill_ms = (time.perf_counter() - t1) * 1e3

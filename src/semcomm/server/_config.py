@@ -126,6 +126,14 @@ class ServerSection(_Section):
     # + baseline) must fit it, or the server refuses to start (`semcomm serve --check`)
     memory_bytes: int | None = Field(None, ge=1)
     kv_wait_s: float = Field(2.0, ge=0)  # a request waits this long for KV headroom, then 429
+    # prefill scheduling across every in-process model (docs/server.md, "Prefill scheduling"):
+    # at most this many long prefills compute at once (None: max(1, cores - 1); 0: off, every
+    # prefill one forward as it comes); a prefill of more than long_prefill_tokens uncached
+    # tokens is long and runs in pieces of about long_prefill_piece_tokens (rounded up to the
+    # KV chunk size), taking a slot per piece
+    long_prefill_slots: int | None = Field(None, ge=0)
+    long_prefill_tokens: int = Field(512, ge=1)
+    long_prefill_piece_tokens: int = Field(256, ge=1)
 
 
 class ModelConfig(_Section):

@@ -3,6 +3,11 @@
 * :class:`EngineRunner` serves a model through per-tenant ``semcomm.engine.HFEngine`` s (each
   has its own salted KV namespace), all sharing one model and one store: KV prefix reuse.
 * :class:`DirectRunner` serves a model the engine does not support, without KV reuse.
+* :class:`PrefillScheduler` (one per process and setting, :func:`prefill_scheduler`) runs every
+  engine prefill's forward: a long one (more uncached tokens than ``long_tokens``) is cut into
+  pieces ending at KV chunk boundaries and each piece needs one of ``slots`` shared by every
+  model in the process, so long prefills never take every core from the short requests; short
+  prefills and decode steps never wait for it.
 
 Both hand the batch to one ``semcomm.engine.BatchDecoder`` (the one decode loop: sampling,
 detokenizing, stop strings, batching; a batch of one with an engine is exactly
@@ -12,20 +17,172 @@ into the worker's events. Neither touches KV tensors nor the transformers cache 
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..engine import BatchDecoder, BatchRequest, BatchResult, GenerationStats, SamplingParams
 from ._batching import Delta, Event, Finished, GenOutput, Job, Started
 
-__all__ = ["DirectRunner", "EngineRunner", "engine_runner"]
+__all__ = ["DirectRunner", "EngineRunner", "PrefillScheduler", "engine_runner",
+           "prefill_scheduler"]
 
 log = logging.getLogger(__name__)
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+class PrefillScheduler:
+    """Bounds how many long prefills run at once across every model of the process.
+
+    A prefill whose uncached part (the tokens its forward computes) is longer than
+    ``long_tokens`` is long: it runs as pieces of about ``piece_tokens`` (cut at multiples of
+    the engine's KV chunk size, so the cache holds the same positions at each cut as after a
+    prefix hit; logits bit-identical to one forward, tests/test_server_prefill_sched.py; an
+    engine with sliding-window layers passes ``align=0``: one piece, whose float results
+    would change if cut), and each piece holds one of ``slots``. Pieces wait in arrival order; a
+    waiting long prefill resumes between another's pieces, so two long prompts take turns.
+    While short prefills are running and every core is taken (``cores``), the next piece
+    waits for them, at most ``yield_s``. Short prefills never wait; decode steps do not pass
+    through here. Thread-safe; ``stats()`` is what ``/health`` and ``/metrics`` show.
+    """
+
+    def __init__(self, *, slots: int, long_tokens: int, piece_tokens: int,
+                 cores: int | None = None, yield_s: float = 0.5) -> None:
+        if slots < 1 or long_tokens < 1 or piece_tokens < 1:
+            raise ValueError("slots, long_tokens and piece_tokens must be >= 1")
+        self.slots = slots
+        self.long_tokens = long_tokens
+        self.piece_tokens = piece_tokens
+        self.cores = cores if cores is not None else _cores()
+        self.yield_s = yield_s
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._running = 0  # long pieces running now
+        self._shorts = 0  # short prefills running now
+        self.peak_running = 0
+        self.long_prefills = 0
+        self.short_prefills = 0
+        self.pieces = 0
+        self.waits = 0  # pieces that could not start at once
+        self.wait_s = 0.0
+
+    def cuts(self, start: int, n: int, align: int) -> list[tuple[int, int]]:
+        """The pieces ``[a, b)`` (offsets into the ``n`` new tokens) of a long prefill whose
+        cache holds ``start`` positions: every cut at an absolute position that is a multiple
+        of ``align`` rounded up from ``piece_tokens``."""
+        step = max(1, align) * max(1, -(-self.piece_tokens // max(1, align)))
+        out, a = [], 0
+        while a < n:
+            b = min(n, ((start + a) // step + 1) * step - start)
+            out.append((a, b))
+            a = b
+        return out
+
+    @contextmanager
+    def _short(self) -> Iterator[None]:
+        with self._cond:
+            self._shorts += 1
+            self.short_prefills += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shorts -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def _slot(self) -> Iterator[None]:
+        me = object()
+        t0 = time.perf_counter()
+        yield_until = t0 + self.yield_s
+        with self._cond:
+            self._queue.append(me)
+            waited = False
+            while True:
+                now = time.perf_counter()
+                busy = (self._shorts > 0 and self._shorts + self._running >= self.cores
+                        and now < yield_until)
+                if self._queue[0] is me and self._running < self.slots and not busy:
+                    break
+                waited = True
+                self._cond.wait(max(0.001, yield_until - now) if busy else None)
+            self._queue.popleft()
+            self._running += 1
+            self.peak_running = max(self.peak_running, self._running)
+            self.pieces += 1
+            if waited:
+                self.waits += 1
+                self.wait_s += time.perf_counter() - t0
+            self._cond.notify_all()  # the next in line may take another free slot
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def run(self, runner: Any, ids: Any, cache: Any, *, align: int) -> Any:
+        """``runner.forward(ids, cache)`` (``ids`` ``[1, n]``), long ones piece by piece."""
+        n = int(ids.shape[1])
+        if n <= self.long_tokens:
+            with self._short():
+                return runner.forward(ids, cache)
+        with self._cond:
+            self.long_prefills += 1
+        logits = None
+        pieces = self.cuts(int(cache.get_seq_length()), n, align) if align > 0 else [(0, n)]
+        for a, b in pieces:
+            with self._slot():
+                logits = runner.forward(ids[:, a:b], cache)
+        return logits
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"slots": self.slots, "long_tokens": self.long_tokens,
+                    "piece_tokens": self.piece_tokens, "cores": self.cores,
+                    "running": self._running, "waiting": len(self._queue),
+                    "peak_running": self.peak_running, "long_prefills": self.long_prefills,
+                    "short_prefills": self.short_prefills, "pieces": self.pieces,
+                    "waits": self.waits, "wait_s": round(self.wait_s, 6)}
+
+
+_SCHEDULERS: dict[tuple[int, int, int], PrefillScheduler] = {}
+_SCHEDULERS_LOCK = threading.Lock()
+
+
+def prefill_scheduler(slots: int | None, long_tokens: int,
+                      piece_tokens: int) -> PrefillScheduler | None:
+    """The process's scheduler for these settings (None when ``slots == 0``: off).
+
+    ``slots=None`` means ``max(1, cores - 1)``. Every gateway in a process with the same
+    settings shares one scheduler: the cores are the process's, whatever serves the model.
+    """
+    if slots == 0:
+        return None
+    n = slots if slots is not None else max(1, _cores() - 1)
+    key = (n, long_tokens, piece_tokens)
+    with _SCHEDULERS_LOCK:
+        sched = _SCHEDULERS.get(key)
+        if sched is None:
+            sched = _SCHEDULERS[key] = PrefillScheduler(slots=n, long_tokens=long_tokens,
+                                                        piece_tokens=piece_tokens)
+        return sched
+
+
 def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salter: Any,
-                  chunk_size: int | None, codec: str | None) -> tuple[Any, str]:
+                  chunk_size: int | None, codec: str | None,
+                  scheduler: PrefillScheduler | None = None) -> tuple[Any, str]:
     """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model."""
     try:
         from ..engine import DEFAULT_CHUNK_SIZE, HFEngine
@@ -34,7 +191,7 @@ def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salt
     try:
         runner = EngineRunner(HFEngine, model, tokenizer, model_id=model_id, store=store,
                               salter=salter, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
-                              codec=codec or "lossless")
+                              codec=codec or "lossless", scheduler=scheduler)
     except Exception as exc:  # unsupported model family etc.: serve it plainly, say why
         log.warning("model %s served without KV reuse: %s", model_id, exc)
         return None, f"HFEngine refused the model ({exc}); plain batched decoding"
@@ -92,8 +249,10 @@ class EngineRunner:
     """Runs batches of jobs on per-tenant ``HFEngine`` s over one shared model (see module doc)."""
 
     def __init__(self, engine_cls: Any, model: Any, tokenizer: Any, *, model_id: str, store: Any,
-                 salter: Any, chunk_size: int, codec: str) -> None:
+                 salter: Any, chunk_size: int, codec: str,
+                 scheduler: PrefillScheduler | None = None) -> None:
         self.engine_cls = engine_cls
+        self.scheduler = scheduler
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -122,6 +281,7 @@ class EngineRunner:
                                       store=None if isolate else self.store,
                                       chunk_size=self.chunk_size, codec=self.codec,
                                       tenant=tenant, salter=self.salter)
+                eng.prefill_scheduler = self.scheduler
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:
             raise RuntimeError(f"KV namespace digest {eng.namespace.tenant!r} differs from the "

@@ -198,7 +198,19 @@ class Gateway:
         self.memory = memory  # the process's memory plan and live KV (None: not planned)
         if memory is not None:
             self.metrics.register_memory(memory.snapshot)
+        self.prefill = self._prefill_scheduler()  # None: no in-process model, or turned off
+        if self.prefill is not None:
+            self.metrics.register_prefill(self.prefill.stats)
         self._started = False
+
+    def _prefill_scheduler(self) -> Any:
+        if not any(m.kind == "hf" for m in self.config.models.values()):
+            return None
+        from ._engine_runner import prefill_scheduler
+
+        sv = self.config.server
+        return prefill_scheduler(sv.long_prefill_slots, sv.long_prefill_tokens,
+                                 sv.long_prefill_piece_tokens)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -555,6 +567,7 @@ class Gateway:
             "kv": {"enabled": self.kv_store is not None,
                    "detail": self.notes.get("kv", "")},
             "memory": self.memory.snapshot() if self.memory is not None else None,
+            "prefill": self.prefill.stats() if self.prefill is not None else None,
             "wiring": dict(self.notes),
         }
 

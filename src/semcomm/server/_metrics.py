@@ -53,6 +53,36 @@ class _StoreCollector(Collector):
         yield from (b, e, cap, ev, cor)
 
 
+class _PrefillCollector(Collector):
+    """``semcomm_prefill_*``: the process's prefill scheduler (read at scrape)."""
+
+    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            st = self.source()
+        except Exception:  # a scrape must not fail
+            return
+        yield GaugeMetricFamily("semcomm_prefill_slots", "Long prefills that may compute at "
+                                "once across every model", value=float(st["slots"]))
+        yield GaugeMetricFamily("semcomm_prefill_long_running", "Long prefill pieces "
+                                "computing now", value=float(st["running"]))
+        yield GaugeMetricFamily("semcomm_prefill_long_waiting", "Long prefill pieces waiting "
+                                "for a slot now", value=float(st["waiting"]))
+        yield CounterMetricFamily("semcomm_prefill_long", "Long prefills (more uncached "
+                                  "tokens than long_prefill_tokens)",
+                                  value=float(st["long_prefills"]))
+        yield CounterMetricFamily("semcomm_prefill_short", "Short prefills (never wait)",
+                                  value=float(st["short_prefills"]))
+        yield CounterMetricFamily("semcomm_prefill_pieces", "Pieces long prefills ran in",
+                                  value=float(st["pieces"]))
+        yield CounterMetricFamily("semcomm_prefill_waits", "Long prefill pieces that waited "
+                                  "for a slot or for short prefills", value=float(st["waits"]))
+        yield CounterMetricFamily("semcomm_prefill_wait_seconds", "Seconds long prefill "
+                                  "pieces waited", value=float(st["wait_s"]))
+
+
 class _MemoryCollector(Collector):
     """``semcomm_memory_*``: the memory plan and what each model holds now (read at scrape)."""
 
@@ -171,6 +201,10 @@ class Metrics:
                                        "headroom", ["from_model", "to_model"], registry=r)
         if store_source is not None:
             r.register(_StoreCollector(store_source))
+
+    def register_prefill(self, source: Callable[[], dict[str, Any]]) -> None:
+        """Export the prefill scheduler (``semcomm_prefill_*``) from ``source()`` at scrape."""
+        self.registry.register(_PrefillCollector(source))
 
     def register_memory(self, source: Callable[[], dict[str, Any]]) -> None:
         """Export the memory plan (``semcomm_memory_*``) from ``source()`` at each scrape."""

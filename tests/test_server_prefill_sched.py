@@ -1,0 +1,205 @@
+"""The process-wide prefill scheduler: long prefills bounded by slots, short ones never wait,
+outputs identical with and without it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from semcomm.engine import HFEngine
+from semcomm.kv import MemoryStore
+from semcomm.server._engine_runner import PrefillScheduler, prefill_scheduler
+
+from ._engine_models import prompt_ids, tiny_model
+from .test_server_support import live_server
+
+CHUNK = 8
+
+
+class _Overlap:
+    """Forward hooks on a model: the most forwards of ``min_len``+ tokens running at once.
+
+    Each such forward sleeps ``hold_s`` inside (so two that could overlap do)."""
+
+    def __init__(self, min_len: int, hold_s: float = 0.03) -> None:
+        self.min_len, self.hold_s = min_len, hold_s
+        self.now = self.peak = self.count = 0
+        self.short_peak = 0
+        self._short_now = 0
+        self._lock = threading.Lock()
+        self._mine = threading.local()
+
+    def attach(self, model: Any) -> None:
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        model.register_forward_hook(self._post, with_kwargs=True)
+
+    def _len(self, kwargs: dict[str, Any]) -> int:
+        ids = kwargs.get("input_ids")
+        return int(ids.shape[1]) if ids is not None else 0
+
+    def _pre(self, _m: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        n = self._len(kwargs)
+        long = n >= self.min_len
+        self._mine.long = long
+        with self._lock:
+            if long:
+                self.now += 1
+                self.count += 1
+                self.peak = max(self.peak, self.now)
+            elif n > 1:
+                self._short_now += 1
+                self.short_peak = max(self.short_peak, self._short_now)
+        if long or n > 1:
+            time.sleep(self.hold_s)
+
+    def _post(self, _m: Any, _args: Any, kwargs: dict[str, Any], _out: Any) -> None:
+        n = self._len(kwargs)
+        with self._lock:
+            if self._mine.long:
+                self.now -= 1
+            elif n > 1:
+                self._short_now -= 1
+
+
+def _engine(model: Any, sched: PrefillScheduler | None) -> HFEngine:
+    eng = HFEngine(model, None, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    eng.prefill_scheduler = sched
+    return eng
+
+
+def test_pieces_end_at_kv_chunk_boundaries() -> None:
+    s = PrefillScheduler(slots=1, long_tokens=4, piece_tokens=20)
+    # step rounds 20 up to 24 (three chunks of 8); a cache holding 8 positions cuts at 24, 48
+    assert s.cuts(8, 50, 8) == [(0, 16), (16, 40), (40, 50)]
+    assert s.cuts(0, 24, 8) == [(0, 24)]
+    assert all((8 + b) % 24 == 0 for _, b in s.cuts(8, 50, 8)[:-1])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_outputs_are_identical_with_and_without_the_scheduler(family: str) -> None:
+    model = tiny_model(family)
+    ids = prompt_ids(120, seed=3)
+    plain = _engine(model, None)
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16)
+    cut = _engine(model, sched)
+    for prompt in (ids, ids[:40] + prompt_ids(60, seed=4)):  # a miss, then a partial hit
+        a = plain.generate(prompt, max_new_tokens=12)
+        b = cut.generate(prompt, max_new_tokens=12)
+        assert b.token_ids == a.token_ids
+        assert b.stats.hit_tokens == a.stats.hit_tokens
+    pa, pb = plain.prefill(prompt_ids(90, seed=5)), cut.prefill(prompt_ids(90, seed=5))
+    assert torch.equal(pa.last_logits, pb.last_logits)
+    assert sched.long_prefills >= 3
+    if family == "gemma3":  # sliding layers: never cut (their float results would change)
+        assert sched.pieces == sched.long_prefills
+    else:
+        assert sched.pieces > sched.long_prefills
+
+
+def test_long_prefills_never_exceed_the_slots_and_short_ones_never_wait() -> None:
+    models = [tiny_model("qwen2", seed=0), tiny_model("llama", seed=1)]
+    probe = _Overlap(min_len=9)
+    for m in models:
+        probe.attach(m)
+    sched = PrefillScheduler(slots=1, long_tokens=12, piece_tokens=16, cores=64)
+    engines = [_engine(m, sched) for m in models for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def run(eng: HFEngine, prompt: list[int]) -> None:
+        try:
+            eng.generate(prompt, max_new_tokens=2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    # four long ones: 105 tokens, pieces of 16 and a last one of 9 (all seen by the probe)
+    jobs = [(engines[i], prompt_ids(105, seed=10 + i)) for i in range(4)]
+    jobs += [(engines[i % 4], prompt_ids(6, seed=30 + i)) for i in range(6)]  # six short ones
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert probe.count == 4 * 7  # every long prompt ran in 7 pieces
+    assert probe.peak == 1  # measured at the model, not inferred from the scheduler
+    assert sched.peak_running == 1
+    assert sched.waits > 0  # the long prefills did contend
+    assert probe.short_peak >= 2  # short prefills ran together, unlimited
+    assert sched.short_prefills >= 6
+
+
+def test_without_the_scheduler_long_prefills_overlap() -> None:
+    """The instrument can see overlap: the same long prompts, no scheduler."""
+    model = tiny_model("qwen2")
+    probe = _Overlap(min_len=9, hold_s=0.1)
+    probe.attach(model)
+    engines = [_engine(model, None) for _ in range(3)]
+    threads = [threading.Thread(target=e.generate, args=(prompt_ids(100, seed=10 + i),),
+                                kwargs={"max_new_tokens": 1}) for i, e in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert probe.peak >= 2
+
+
+def _config(tmp: Path, **server: Any):  # type: ignore[no-untyped-def]
+    from semcomm.server import load_config
+
+    return load_config(None, overrides={
+        "server": {"state_dir": str(tmp), "max_tokens_limit": 64, **server},
+        "models": {"tiny": {"path": "tiny", "workers": 2, "max_batch": 1}},
+        "kv": {"tiers": ["memory"], "memory_bytes": 8 * 2**20, "chunk_size": 8},
+        "semantic": {"enabled": False}}, defaults=False, environ={})
+
+
+def _chat(text: str) -> dict[str, Any]:
+    return {"model": "tiny", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": text}]}
+
+
+LONG = "the long session reads a very long document, page after page. " * 6
+
+
+def test_the_server_schedules_long_prefills_and_shows_it(tmp_path: Path) -> None:
+    answers = {}
+    for slots in (1, 0):
+        cfg = _config(tmp_path / str(slots), long_prefill_slots=slots, long_prefill_tokens=32,
+                      long_prefill_piece_tokens=16)
+        with live_server(cfg) as srv, srv.client() as c:
+            got = [c.post("/v1/chat/completions", json=_chat(t)).json()
+                   for t in (LONG, "hi there", LONG + " and one more page.")]
+            answers[slots] = [g["choices"][0]["message"]["content"] for g in got]
+            health = c.get("/health").json()
+            metrics = c.get("/metrics").text
+        if slots == 1:
+            pre = health["prefill"]
+            assert (pre["slots"], pre["long_tokens"], pre["piece_tokens"]) == (1, 32, 16)
+            assert pre["long_prefills"] >= 1 and pre["pieces"] > pre["long_prefills"]
+            assert pre["short_prefills"] >= 1
+            assert "semcomm_prefill_waits_total" in metrics
+            assert f"semcomm_prefill_pieces_total {float(pre['pieces'])}" in metrics
+        else:
+            assert health["prefill"] is None  # 0 turns it off
+    assert answers[1] == answers[0]
+
+
+def test_the_default_slots_leave_a_core_and_bad_settings_are_refused(tmp_path: Path) -> None:
+    import os
+
+    from semcomm.errors import ConfigError
+
+    cores = len(os.sched_getaffinity(0))
+    sched = prefill_scheduler(None, 512, 256)
+    assert sched is not None and sched.slots == max(1, cores - 1)
+    assert prefill_scheduler(None, 512, 256) is sched  # one per process and setting
+    assert prefill_scheduler(0, 512, 256) is None
+    with pytest.raises(ConfigError, match="long_prefill_slots"):
+        _config(tmp_path, long_prefill_slots=-1)
+    with pytest.raises(ConfigError, match="long_prefill_tokens"):
+        _config(tmp_path, long_prefill_tokens="many")
