@@ -80,12 +80,12 @@ def test_pieces_end_at_kv_chunk_boundaries() -> None:
     assert all((8 + b) % 24 == 0 for _, b in s.cuts(8, 50, 8)[:-1])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
-def test_outputs_are_identical_with_and_without_the_scheduler(family: str) -> None:
+@pytest.mark.parametrize(("family", "nice"), [("qwen2", 0), ("qwen2", 10), ("gemma3", 10)])
+def test_outputs_are_identical_with_and_without_the_scheduler(family: str, nice: int) -> None:
     model = tiny_model(family)
     ids = prompt_ids(120, seed=3)
     plain = _engine(model, None)
-    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16)
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, nice=nice)
     cut = _engine(model, sched)
     for prompt in (ids, ids[:40] + prompt_ids(60, seed=4)):  # a miss, then a partial hit
         a = plain.generate(prompt, max_new_tokens=12)
@@ -95,6 +95,7 @@ def test_outputs_are_identical_with_and_without_the_scheduler(family: str) -> No
     pa, pb = plain.prefill(prompt_ids(90, seed=5)), cut.prefill(prompt_ids(90, seed=5))
     assert torch.equal(pa.last_logits, pb.last_logits)
     assert sched.long_prefills >= 3
+    assert sched.nice_applied == (nice > 0)  # pieces ran on the scheduler's niced thread
     if family == "gemma3":  # sliding layers: never cut (their float results would change)
         assert sched.pieces == sched.long_prefills
     else:
@@ -180,6 +181,7 @@ def test_the_server_schedules_long_prefills_and_shows_it(tmp_path: Path) -> None
         if slots == 1:
             pre = health["prefill"]
             assert (pre["slots"], pre["long_tokens"], pre["piece_tokens"]) == (1, 32, 16)
+            assert (pre["nice"], pre["nice_applied"]) == (10, True)  # the default
             assert pre["long_prefills"] >= 1 and pre["pieces"] > pre["long_prefills"]
             assert pre["short_prefills"] >= 1
             assert "semcomm_prefill_waits_total" in metrics
@@ -195,11 +197,13 @@ def test_the_default_slots_leave_a_core_and_bad_settings_are_refused(tmp_path: P
     from semcomm.errors import ConfigError
 
     cores = len(os.sched_getaffinity(0))
-    sched = prefill_scheduler(None, 512, 256)
+    sched = prefill_scheduler(None, 512, 256, 10)
     assert sched is not None and sched.slots == max(1, cores - 1)
-    assert prefill_scheduler(None, 512, 256) is sched  # one per process and setting
+    assert prefill_scheduler(None, 512, 256, 10) is sched  # one per process and setting
     assert prefill_scheduler(0, 512, 256) is None
     with pytest.raises(ConfigError, match="long_prefill_slots"):
         _config(tmp_path, long_prefill_slots=-1)
     with pytest.raises(ConfigError, match="long_prefill_tokens"):
         _config(tmp_path, long_prefill_tokens="many")
+    with pytest.raises(ConfigError, match="long_prefill_nice"):
+        _config(tmp_path, long_prefill_nice=20)

@@ -134,6 +134,9 @@ class ServerSection(_Section):
     long_prefill_slots: int | None = Field(None, ge=0)
     long_prefill_tokens: int = Field(512, ge=1)
     long_prefill_piece_tokens: int = Field(256, ge=1)
+    # long prefill pieces compute on threads at this niceness (Linux), so a short request or a
+    # decode step gets a core first (0: on the worker's own thread, normal priority)
+    long_prefill_nice: int = Field(10, ge=0, le=19)
 
 
 class ModelConfig(_Section):

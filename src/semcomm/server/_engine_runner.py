@@ -18,6 +18,7 @@ into the worker's events. Neither touches KV tensors nor the transformers cache 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import threading
@@ -53,14 +54,22 @@ class PrefillScheduler:
     would change if cut), and each piece holds one of ``slots``. Pieces wait in arrival order; a
     waiting long prefill resumes between another's pieces, so two long prompts take turns.
     While short prefills are running and every core is taken (``cores``), the next piece
-    waits for them, at most ``yield_s``. Short prefills never wait; decode steps do not pass
-    through here. Thread-safe; ``stats()`` is what ``/health`` and ``/metrics`` show.
+    waits for them, at most ``yield_s``. With ``nice > 0`` the pieces compute on ``slots``
+    threads of this scheduler running at that niceness (Linux: per thread), so the OS gives a
+    core to a runnable short request or decode step first and to the long prefill when one is
+    idle. Short prefills never wait; decode steps do not pass through here. Thread-safe;
+    ``stats()`` is what ``/health`` and ``/metrics`` show.
     """
 
     def __init__(self, *, slots: int, long_tokens: int, piece_tokens: int,
-                 cores: int | None = None, yield_s: float = 0.5) -> None:
+                 cores: int | None = None, yield_s: float = 0.5, nice: int = 0) -> None:
         if slots < 1 or long_tokens < 1 or piece_tokens < 1:
             raise ValueError("slots, long_tokens and piece_tokens must be >= 1")
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be in [0, 19], got {nice}")
+        self.nice = nice
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.nice_applied = False
         self.slots = slots
         self.long_tokens = long_tokens
         self.piece_tokens = piece_tokens
@@ -142,27 +151,56 @@ class PrefillScheduler:
             self.long_prefills += 1
         logits = None
         pieces = self.cuts(int(cache.get_seq_length()), n, align) if align > 0 else [(0, n)]
+        pool = self._executor()
         for a, b in pieces:
             with self._slot():
-                logits = runner.forward(ids[:, a:b], cache)
+                if pool is None:
+                    logits = runner.forward(ids[:, a:b], cache)
+                else:  # the caller waits; the piece computes on a lower-priority thread
+                    logits = pool.submit(_forward_no_grad, runner, ids[:, a:b], cache).result()
         return logits
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        if self.nice == 0:
+            return None
+        with self._cond:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.slots, thread_name_prefix="semcomm-long-prefill",
+                    initializer=self._lower_priority)
+            return self._pool
+
+    def _lower_priority(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            self.nice_applied = True
+        except (AttributeError, OSError) as exc:  # not Linux: the pieces run at normal priority
+            log.warning("long prefills run at normal priority (%s)", exc)
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"slots": self.slots, "long_tokens": self.long_tokens,
                     "piece_tokens": self.piece_tokens, "cores": self.cores,
+                    "nice": self.nice, "nice_applied": self.nice_applied,
                     "running": self._running, "waiting": len(self._queue),
                     "peak_running": self.peak_running, "long_prefills": self.long_prefills,
                     "short_prefills": self.short_prefills, "pieces": self.pieces,
                     "waits": self.waits, "wait_s": round(self.wait_s, 6)}
 
 
-_SCHEDULERS: dict[tuple[int, int, int], PrefillScheduler] = {}
+def _forward_no_grad(runner: Any, ids: Any, cache: Any) -> Any:
+    import torch
+
+    with torch.no_grad():  # grad mode is per thread: the engine's caller set it on its own
+        return runner.forward(ids, cache)
+
+
+_SCHEDULERS: dict[tuple[int, int, int, int], PrefillScheduler] = {}
 _SCHEDULERS_LOCK = threading.Lock()
 
 
-def prefill_scheduler(slots: int | None, long_tokens: int,
-                      piece_tokens: int) -> PrefillScheduler | None:
+def prefill_scheduler(slots: int | None, long_tokens: int, piece_tokens: int,
+                      nice: int = 0) -> PrefillScheduler | None:
     """The process's scheduler for these settings (None when ``slots == 0``: off).
 
     ``slots=None`` means ``max(1, cores - 1)``. Every gateway in a process with the same
@@ -171,12 +209,12 @@ def prefill_scheduler(slots: int | None, long_tokens: int,
     if slots == 0:
         return None
     n = slots if slots is not None else max(1, _cores() - 1)
-    key = (n, long_tokens, piece_tokens)
+    key = (n, long_tokens, piece_tokens, nice)
     with _SCHEDULERS_LOCK:
         sched = _SCHEDULERS.get(key)
         if sched is None:
             sched = _SCHEDULERS[key] = PrefillScheduler(slots=n, long_tokens=long_tokens,
-                                                        piece_tokens=piece_tokens)
+                                                        piece_tokens=piece_tokens, nice=nice)
         return sched
 
 

@@ -210,7 +210,7 @@ class Gateway:
 
         sv = self.config.server
         return prefill_scheduler(sv.long_prefill_slots, sv.long_prefill_tokens,
-                                 sv.long_prefill_piece_tokens)
+                                 sv.long_prefill_piece_tokens, sv.long_prefill_nice)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:

@@ -236,7 +236,8 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                                     codec=config.kv.codec,
                                     scheduler=prefill_scheduler(sv.long_prefill_slots,
                                                                 sv.long_prefill_tokens,
-                                                                sv.long_prefill_piece_tokens))
+                                                                sv.long_prefill_piece_tokens,
+                                                                sv.long_prefill_nice))
         kv_reuse = runner is not None
         notes[f"model:{name}"] = why
     if runner is None:
