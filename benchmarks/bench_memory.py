@@ -10,7 +10,11 @@ question, 8 tokens out) and, in the middle phase, one long session per model (tw
 * ``plan``: ``[server] memory_bytes`` with per-model ``kv_bytes`` sized for one long session
   plus four short requests, KV admission, fair eviction in the memory tier, KV headroom in the
   replica router;
-* ``fixed``: no plan, the same fixed memory-tier budget under plain LRU, no KV term in routing.
+* ``fixed``: no plan, the same fixed memory-tier budget under plain LRU, no KV term in routing,
+  no prefill scheduler (``long_prefill_slots = 0``);
+* ``plan-nosched``: the ``plan`` run with the prefill scheduler off (``long_prefill_slots =
+  0``): every long prefill one forward, both at once (``plan`` runs the default scheduler: one
+  long prefill at a time on two cores, in pieces of 256 tokens, docs/server.md).
 
 Measured in each run: short requests' TTFT alone, during the long sessions and after them (p50
 and p99), the shared system prompts' prefix hit rate in the same three phases (cached prompt
@@ -44,6 +48,7 @@ MODELS = {"small": "smollm2-135m-instruct", "coder": "qwen2.5-coder-0.5b-instruc
 CHUNK = 64  # KV chunk tokens (the system prompts span several chunks)
 TIER_BYTES = 96 * 2**20  # the memory tier: holds the system prompts, not the long sessions too
 SHORT_OUT = 8
+MODES = ("plan", "plan-nosched", "fixed")
 LONG_OUT = 16
 
 
@@ -72,6 +77,9 @@ def _config(mode: str, state: Path, kv_bytes: dict[str, int] | None, *,
             keep_alive: bool = False) -> Any:
     from semcomm.server import load_config
 
+    sched = mode == "plan"  # the prefill scheduler (server defaults) in the plan run only
+    mode = "plan" if mode == "plan-nosched" else mode
+
     models: dict[str, Any] = {}
     for name, path in MODELS.items():
         m: dict[str, Any] = {"path": path, "workers": 2, "max_batch": 4, "max_context": 2048}
@@ -85,6 +93,8 @@ def _config(mode: str, state: Path, kv_bytes: dict[str, int] | None, *,
             break
     server: dict[str, Any] = {"state_dir": str(state), "torch_threads": 1, "batch_wait_ms": 5,
                               "max_tokens_limit": 2000, "kv_wait_s": 2.0}
+    if not sched:
+        server["long_prefill_slots"] = 0
     if mode == "plan":
         server["memory_bytes"] = 8 * 2**30
     return load_config(None, overrides={
@@ -278,6 +288,18 @@ async def _probe(client: Any, gw: Any, longs: Any) -> dict[str, Any]:
     return out
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds each live thread of this process has used (by thread name)."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            clk = time.pthread_getcpuclockid(t.ident)  # type: ignore[arg-type]
+            out[t.name] = out.get(t.name, 0.0) + time.clock_gettime(clk)
+        except (OSError, TypeError, AttributeError):
+            continue
+    return out
+
+
 def _on_long_worker(during: list[dict[str, Any]], longs: list[dict[str, Any]]) -> dict[str, Any]:
     """Shorts served by the worker that ran their model's long session (token-aware balancing
     sends them to the other worker while the session holds its KV)."""
@@ -300,7 +322,8 @@ async def child_main(mode: str, quick: bool) -> dict[str, Any]:
     # quick: one turn of ~1.5k tokens; full: two turns of ~800 tokens each (1.6k at the second)
     words, turns = (1100, 1) if quick else (600, 2)
     state = Path(tempfile.mkdtemp(prefix=f"bench-memory-{mode}-"))
-    kv = _kv_budgets(quick) if mode == "plan" else None
+    planned = mode in ("plan", "plan-nosched")
+    kv = _kv_budgets(quick) if planned else None
     t_load = time.perf_counter()
     srv = Server(_config(mode, state, kv))
     load_s = time.perf_counter() - t_load
@@ -316,13 +339,19 @@ async def child_main(mode: str, quick: bool) -> dict[str, Any]:
                 long_session(client, m, passages, 200 + 60 * i, words, turns)
                 for i, m in enumerate(MODELS))))
             probe_task = None
-            if mode == "plan":
+            if planned:
                 probe_task = asyncio.ensure_future(_probe(client, gw, longs_task))
+            cpu0, w0 = _thread_cpu(), time.perf_counter()
             during = await run_shorts(client, shorts, passages, rounds, 1000, until=longs_task)
+            cpu1, w1 = _thread_cpu(), time.perf_counter()
+            res["during_cpu_s"] = {"wall_s": round(w1 - w0, 2), **{
+                k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()
+                if v - cpu0.get(k, 0.0) >= 0.05}}
             longs = [r for session in await longs_task for r in session]
             probes = [await probe_task] if probe_task is not None else []
             after = await run_shorts(client, shorts, passages, rounds, 2000)
             snap = gw.memory.snapshot() if gw.memory is not None else None
+            res["prefill"] = gw.prefill.stats() if gw.prefill is not None else None
     finally:
         srv.stop()
     every = alone + during + after + longs + probes
@@ -330,7 +359,9 @@ async def child_main(mode: str, quick: bool) -> dict[str, Any]:
         "alone": _summary(alone), "during": _summary(during), "after": _summary(after),
         "long": {"n": len(longs), "ok": sum(r["status"] == 200 for r in longs),
                  "prompt_tokens": [r.get("prompt_tokens") for r in longs],
-                 "total_s": [round(r.get("total_s", 0.0), 2) for r in longs]},
+                 "total_s": [round(r.get("total_s", 0.0), 2) for r in longs],
+                 "ttft_s": [round(r.get("ttft_s", 0.0), 2) for r in longs],
+                 "texts": [r.get("text", "") for r in longs]},
         "statuses": _statuses(every),
         "failed_for_memory": sum(1 for r in every if r["status"] not in (200, 429)
                                  or (r["status"] == 429 and not r["retry_after"])),
@@ -413,7 +444,7 @@ def show(res: dict[str, Any]) -> None:
     for col in ("run", "phase", "n", "ok", "TTFT p50", "TTFT p99", "p99 / alone", "hit rate",
                 "hit / alone"):
         t.add_column(col, justify="right")
-    for mode in ("plan", "fixed"):
+    for mode in MODES:
         r = res[mode]
         for phase in ("alone", "during", "after"):
             p = r[phase]
@@ -425,13 +456,21 @@ def show(res: dict[str, Any]) -> None:
     m = Table(title="memory and refusals")
     for col in ("run", "peak RSS", "planned", "peak / plan", "statuses", "failed for memory"):
         m.add_column(col, justify="right")
-    for mode in ("plan", "fixed"):
+    for mode in MODES:
         r = res[mode]
         plan = r.get("plan")
         m.add_row(mode, _mib(r["peak_rss_bytes"]), _mib(plan["planned_bytes"]) if plan else "-",
                   f"{r['peak_rss_over_plan']:.3f}" if plan else "-", json.dumps(r["statuses"]),
                   str(r["failed_for_memory"]))
     console.print(m)
+    for mode in MODES:
+        r = res[mode]
+        pre = r.get("prefill")
+        console.print(f"{mode}: long sessions' TTFT {r['long']['ttft_s']} s; prefill scheduler "
+                      + (f"{pre['slots']} slot(s), {pre['pieces']} pieces, {pre['waits']} waits "
+                         f"({pre['wait_s']:.1f} s), nice {pre['nice']}" if pre else "off")
+                      + f"; CPU seconds by thread during the long sessions: "
+                      f"{r.get('during_cpu_s')}")
     k = res["keepalive"]
     console.print(f"keep-alive (small): reload {k['mean_reload_s']:.2f} s; TTFT warm "
                   f"{statistics.median(k['warm_ttft_s']):.3f} s vs after unload "
@@ -452,11 +491,15 @@ def chart(res: dict[str, Any], path: Path) -> None:
         a1, a2, a3 = fig.subplots(1, 3)
         phases = ["alone", "during", "after"]
         x = np.arange(3)
-        for i, mode in enumerate(("plan", "fixed")):
+        w = 0.8 / len(MODES)
+        for i, mode in enumerate(MODES):
             r = res[mode]
-            a1.bar(x + (i - 0.5) * 0.38, [r[p]["ttft_p99_s"] for p in phases], 0.38, label=mode)
-            a2.bar(x + (i - 0.5) * 0.38, [r[p]["hit_rate"] for p in phases], 0.38, label=mode)
-        for ax_, title in ((a1, "short requests: p99 TTFT (s)"),
+            off = (i - (len(MODES) - 1) / 2) * w
+            a1.bar(x + off, [r[p]["ttft_p99_s"] / r["alone"]["ttft_p99_s"] for p in phases], w,
+                   label=mode)
+            a2.bar(x + off, [r[p]["hit_rate"] for p in phases], w, label=mode)
+        a1.axhline(1.5, color="#c33", lw=0.8, ls="--")
+        for ax_, title in ((a1, "short requests: p99 TTFT / alone"),
                            (a2, "system-prompt prefix hit rate")):
             ax_.set_xticks(x, ["alone", "during long", "after long"])
             ax_.set_title(title, fontsize=9)
@@ -471,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and shorter sessions")
     p.add_argument("--out", type=Path, default=RESULTS / "memory.json")
-    p.add_argument("--child", choices=["plan", "fixed", "keepalive"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=[*MODES, "keepalive"], help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -484,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                            "tier_bytes": TIER_BYTES, "chunk_tokens": CHUNK}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("plan", "fixed", "keepalive"):
+        for mode in (*MODES, "keepalive"):
             out = Path(tmp) / f"{mode}.json"
             cmd = [sys.executable, __file__, "--child", mode, "--child-out", str(out)]
             if args.quick:
@@ -499,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         "plan_p99_during_over_alone": plan["during"]["ttft_p99_s"] / plan["alone"]["ttft_p99_s"],
         "fixed_p99_during_over_alone": fixed["during"]["ttft_p99_s"]
         / fixed["alone"]["ttft_p99_s"],
+        "plan_nosched_p99_during_over_alone": res["plan-nosched"]["during"]["ttft_p99_s"]
+        / res["plan-nosched"]["alone"]["ttft_p99_s"],
+        "long_texts_identical_with_and_without_scheduler":
+            plan["long"]["texts"] == res["plan-nosched"]["long"]["texts"],
         "plan_hit_during_over_alone": plan["during"]["hit_rate"] / plan["alone"]["hit_rate"],
         "plan_hit_after_over_alone": plan["after"]["hit_rate"] / plan["alone"]["hit_rate"],
         "fixed_hit_after_over_alone": fixed["after"]["hit_rate"] / fixed["alone"]["hit_rate"],
