@@ -15,7 +15,7 @@ from semcomm.engine import HFEngine
 from semcomm.kv import MemoryStore
 from semcomm.server._engine_runner import PrefillScheduler, prefill_scheduler
 
-from ._engine_models import prompt_ids, tiny_model
+from ._engine_models import FAMILIES, prompt_ids, tiny_model
 from .test_server_support import live_server
 
 CHUNK = 8
@@ -207,3 +207,14 @@ def test_the_default_slots_leave_a_core_and_bad_settings_are_refused(tmp_path: P
         _config(tmp_path, long_prefill_tokens="many")
     with pytest.raises(ConfigError, match="long_prefill_nice"):
         _config(tmp_path, long_prefill_nice=20)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cut_prefills_give_bit_identical_logits_in_every_family(family: str) -> None:
+    model = tiny_model(family)
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16)
+    plain, cut = _engine(model, None), _engine(model, sched)
+    ids = prompt_ids(90, seed=6)
+    pa, pb = plain.prefill(ids), cut.prefill(ids)
+    assert sched.pieces == 6  # cut at 16, 32, 48, 64, 80
+    assert torch.equal(pa.last_logits, pb.last_logits)
