@@ -21,6 +21,16 @@ from .test_server_support import live_server
 CHUNK = 8
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Any:
+    """The engine cuts long prefills only with one intra-op thread (where a cut prefill is
+    bit-identical to one forward); the tests here run as a server with torch_threads = 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class _Overlap:
     """Forward hooks on a model: the most forwards of ``min_len``+ tokens running at once.
 
@@ -217,4 +227,18 @@ def test_cut_prefills_give_bit_identical_logits_in_every_family(family: str) -> 
     ids = prompt_ids(90, seed=6)
     pa, pb = plain.prefill(ids), cut.prefill(ids)
     assert sched.pieces == 6  # cut at 16, 32, 48, 64, 80
+    assert torch.equal(pa.last_logits, pb.last_logits)
+
+
+def test_with_several_torch_threads_long_prefills_take_a_slot_uncut() -> None:
+    """With more than one intra-op thread a cut prefill is not bit-identical to one forward
+    (CPU matmuls split rows by shape), so the engine hands the scheduler one piece: the slot
+    limit still holds and the logits equal the plain engine's."""
+    model = tiny_model("llama")
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16)
+    plain, cut = _engine(model, None), _engine(model, sched)
+    ids = prompt_ids(90, seed=6)
+    torch.set_num_threads(2)
+    pa, pb = plain.prefill(ids), cut.prefill(ids)
+    assert sched.long_prefills == 1 and sched.pieces == 1
     assert torch.equal(pa.last_logits, pb.last_logits)

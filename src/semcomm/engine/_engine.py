@@ -145,7 +145,8 @@ class HFEngine:
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
         # optional: runs the prefill's forward (``run(runner, ids, cache, align=chunk_size)``;
-        # align 0: one piece, a sliding-window model's float results change when cut), e.g. the
+        # align 0: one piece, where cut results would change: a sliding-window model, or torch
+        # with more than one intra-op thread), e.g. the
         # server's scheduler bounding concurrent long prefills (server._engine_runner)
         self.prefill_scheduler: Any = None
         self.dtype: torch.dtype = self.layout.dtype
@@ -441,9 +442,12 @@ class HFEngine:
             t1 = time.perf_counter()
             rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
             sched = self.prefill_scheduler
+            # cut only where a cut prefill is bit-identical to one forward: one intra-op thread
+            # (with more, CPU matmuls split rows differently by shape) and no sliding layers
+            cut = not self.layout.sliding and torch.get_num_threads() == 1
             logits = (self._runner.forward(rest, cache) if sched is None
                       else sched.run(self._runner, rest, cache,
-                                     align=0 if self.layout.sliding else self.chunk_size))
+                                     align=self.chunk_size if cut else 0))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             stats.prefill_ms = (time.perf_counter() - t1) * 1e3
