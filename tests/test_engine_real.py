@@ -40,9 +40,7 @@ _TEXT = (
 MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def loaded(request: pytest.FixtureRequest) -> tuple[str, Any, Any]:
-    name = request.param
+def _load(name: str) -> tuple[str, Any, Any]:
     if not is_pulled(name):
         pytest.skip(f"{name} is not pulled (`semcomm models pull {name}`)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,6 +48,17 @@ def loaded(request: pytest.FixtureRequest) -> tuple[str, Any, Any]:
     path = model_path(name, pull_missing=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return name, model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def loaded(request: pytest.FixtureRequest) -> tuple[str, Any, Any]:
+    return _load(request.param)
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[str, Any, Any]:
+    """The small model only: for the paths that are the same code on every model."""
+    return _load(MODELS[0])
 
 
 def _prompt(tok: Any, n: int) -> list[int]:
@@ -120,11 +129,9 @@ def test_real_model_greedy_is_exact_cold_warm_and_after_restart(
         model.to(torch.float32)
 
 
-def test_real_chat_answer_is_exact_and_reuses_the_system_prompt(loaded: tuple[str, Any, Any],
+def test_real_chat_answer_is_exact_and_reuses_the_system_prompt(small: tuple[str, Any, Any],
                                                                tmp_path: Path) -> None:
-    name, model, tok = loaded
-    if name != MODELS[0]:
-        pytest.skip("the chat path is the same code on both models; run on the small one")
+    _, model, tok = small
     eng = _engine(model, tok, tmp_path / "kv", "float32")
     system = {"role": "system", "content": _TEXT}
     a = eng.generate([system, {"role": "user", "content": "What is the refund for 70 min?"}],

@@ -194,24 +194,39 @@ def test_rank_selection_by_cross_validated_log_loss() -> None:
         QualityPredictor(rank="best")
 
 
+_MIXED_PROMPTS = [  # none of these is in the router's training rows
+    "Write a Python function that reverses a linked list.",
+    "Fix this SQL query: SELECT * FORM users WHERE id = 1",
+    "What is the capital of France?", "How do I reset my password?",
+    "Where would you put a plate after washing it?",
+    "To keep bread fresh longer, what should you do?",
+    "Which gas do plants take in from the air?", "What tool would you use to tighten a screw?",
+    "Explain recursion with a JavaScript example.",
+    "What is the boiling point of water at sea level?",
+    "Where do people usually keep their winter coats?",
+    "How can I remove a stain from a white shirt?",
+    "Why does the moon change shape during the month?",
+    "Convert this list comprehension to a for loop: [x*x for x in xs]",
+    "What happens to ice when you heat it?", "My invoice shows a double charge, what should I do?",
+    "What is a good way to open a stuck jar lid?", "Which animal is known for building dams?",
+    "What causes rust on iron?", "How do I sort a dictionary by value in Python?",
+]
+_CODE = [0, 1, 8, 13, 19]  # indexes of the code requests above
+
+
 def test_the_shipped_router_for_the_default_pair_loads_by_name_and_splits_traffic() -> None:
     """``[routing] model_router = "smollm2-qwen2.5-coder"`` (the embedded default) resolves to
-    the shipped file, routes between the two catalog models and, at its calibrated budget,
-    sends a real share of held-out questions to each (not everything to one model)."""
-    from semcomm.fusion import read_mcqa
+    the shipped file, routes between the two catalog models, sends a real share of mixed
+    requests to each (not everything to one model) and code requests to the code model."""
     from semcomm.routing import SHIPPED_ROUTERS, shipped_router_path
 
     assert "smollm2-qwen2.5-coder" in SHIPPED_ROUTERS
     assert shipped_router_path("smollm2-qwen2.5-coder").is_file()
     router = ModelRouter.load("smollm2-qwen2.5-coder")
     assert [m.name for m in router.models] == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "mcqa"
-    if not data.is_dir():
-        pytest.skip(f"{data} not found")
-    qs = [q.question for name in ("arc_easy", "commonsense_qa", "piqa")  # the sets it was
-          for q in read_mcqa(data / f"{name}.jsonl", skip=60, limit=40)]  # trained on; unseen rows
-    picks = [router.route(q).index for q in qs]
+    picks = [router.route(q).index for q in _MIXED_PROMPTS]
     share = sum(picks) / len(picks)
     assert 0.15 <= share <= 0.85, share
+    assert all(picks[i] == 1 for i in _CODE), picks
     with pytest.raises(ConfigError, match="smollm2-qwen2.5-coder"):
         shipped_router_path("no-such-router")
