@@ -384,34 +384,19 @@ def evaluate_mcqa(
         need_s = "sharer" in st.methods or "c2c" in st.methods
         r_layers: KVLayers | None = None
         s_layers: KVLayers | None = None
+        t_rp = t_sp = 0.0
         if need_r:
             r_layers, t_rp = _timed(_prefill_all_but_last, receiver, r_enc.input_ids, bf16)
         if need_s:
             s_layers, t_sp = _timed(_prefill_all_but_last, sharer, s_enc.input_ids, bf16)
-        if "receiver" in st.methods:
-            assert r_layers is not None
-            sc, t_sc = _timed(
-                score_choices,
-                receiver,
-                r_layers,
-                r_enc.input_ids[-1],
-                len(r_enc.input_ids) - 1,
-                q.choices,
-                bf16,
-            )
-            tallies["receiver"].add(sc, q.answer, t_rp + t_sc, prefill=t_rp, score=t_sc)
-        if "sharer" in st.methods:
-            assert s_layers is not None
-            sc, t_sc = _timed(
-                score_choices,
-                sharer,
-                s_layers,
-                s_enc.input_ids[-1],
-                len(s_enc.input_ids) - 1,
-                q.choices,
-                bf16,
-            )
-            tallies["sharer"].add(sc, q.answer, t_sp + t_sc, prefill=t_sp, score=t_sc)
+        for method, side, layers, enc, t_pre in (("receiver", receiver, r_layers, r_enc, t_rp),
+                                                 ("sharer", sharer, s_layers, s_enc, t_sp)):
+            if method not in st.methods:
+                continue
+            assert layers is not None
+            sc, t_sc = _timed(score_choices, side, layers, enc.input_ids[-1],
+                              len(enc.input_ids) - 1, q.choices, bf16)
+            tallies[method].add(sc, q.answer, t_pre + t_sc, prefill=t_pre, score=t_sc)
         if "t2t" in st.methods:
             (text, ntok), t_gen = _timed(_analysis, sharer, shared, st.analysis_tokens, bf16)
             ctx = shared + (f"Hint: {text}\n" if text else "")
