@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,7 +310,8 @@ def test_load_round_trip_is_exact_in_bf16(tmp_path: Path, caches: list[torch.Ten
         assert torch.equal(f[[0, 2, 3, 9]], c[[4, 1, 8, 6]])
 
 
-def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
+def _three_chunks_on_disk(tmp_path: Path) -> tuple[bytes, list[int], MemoryStore, DiskStore, list[Any]]:
+    """Three stored chunks of one prompt, in a memory store and copied to a disk store."""
     ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
     tokens = list(range(3 * CS + 1))
     mem = MemoryStore()
@@ -318,6 +320,11 @@ def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
     keys = chunk_keys(ns, tokens, CS, include_partial=False)
     for k in keys:
         disk.put(k, mem.get(k))  # type: ignore[arg-type]
+    return ns, tokens, mem, disk, keys
+
+
+def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
+    ns, tokens, mem, disk, keys = _three_chunks_on_disk(tmp_path)
     f = tmp_path / keys[1].hex()[:2] / f"{keys[1].hex()}.sckv"
     raw = bytearray(f.read_bytes())
     raw[-100] ^= 1
@@ -328,14 +335,7 @@ def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
 
 
 def test_buffered_load_reads_into_one_buffer_and_stops_at_tampering(tmp_path: Path) -> None:
-    ns = NamespaceFactory(model="m", tokenizer="t", dtype="float32", codec="lossless").digest(None)
-    tokens = list(range(3 * CS + 1))
-    mem = MemoryStore()
-    stored_chain(mem, ns, tokens, 3)
-    disk = DiskStore(tmp_path)
-    keys = chunk_keys(ns, tokens, CS, include_partial=False)
-    for k in keys:
-        disk.put(k, mem.get(k))  # type: ignore[arg-type]
+    ns, tokens, mem, disk, keys = _three_chunks_on_disk(tmp_path)
     codec = get_codec("lossless")
     want = load_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32", codec=codec)
     buf = bytearray(len(mem.get(keys[2]) or b"") + 4096)
