@@ -194,6 +194,12 @@ def test_the_server_schedules_long_prefills_and_shows_it(tmp_path: Path) -> None
             assert (pre["nice"], pre["nice_applied"]) == (10, True)  # the default
             assert pre["long_prefills"] >= 1 and pre["pieces"] > pre["long_prefills"]
             assert pre["short_prefills"] >= 1
+            assert (pre["yield"], pre["yield_max_ms"]) == (True, 1000.0)  # the defaults
+            # the short request was in flight from submit to its first token, then let go
+            assert pre["short_requests"] == 1 and pre["short_in_flight"] == 0
+            assert "semcomm_prefill_short_in_flight 0.0" in metrics
+            assert "semcomm_long_prefill_yield_seconds_total" in metrics
+            assert "semcomm_prefill_yield_forced_total" in metrics
             assert "semcomm_prefill_waits_total" in metrics
             assert f"semcomm_prefill_pieces_total {float(pre['pieces'])}" in metrics
         else:
@@ -242,3 +248,175 @@ def test_with_several_torch_threads_long_prefills_take_a_slot_uncut() -> None:
     pa, pb = plain.prefill(ids), cut.prefill(ids)
     assert sched.long_prefills == 1 and sched.pieces == 1
     assert torch.equal(pa.last_logits, pb.last_logits)
+
+
+# --- yielding to short requests -------------------------------------------------------------
+class _LayerCalls:
+    """Forward hooks on a model's decoder layers: the calls each layer finished on one thread,
+    and an optional action run once after a given layer's first call there."""
+
+    def __init__(self, model: Any) -> None:
+        from semcomm.server._prefill import _decoder_layers
+
+        self.thread: int | None = None  # the long prefill's thread (set before it starts)
+        self.done = [0] * len(_decoder_layers(model))
+        self.after: tuple[int, Any] | None = None  # (layer index, action)
+        for i, layer in enumerate(_decoder_layers(model)):
+            layer.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int) -> Any:
+        def post(_m: Any, _args: Any, _out: Any) -> None:
+            if threading.get_ident() != self.thread:
+                return
+            self.done[i] += 1
+            if self.after is not None and self.after[0] == i:
+                action, self.after = self.after[1], None
+                action()
+        return post
+
+
+def _wait_for(cond: Any, what: str, timeout: float = 30.0) -> None:
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _long_prefill_thread(eng: HFEngine, ids: list[int], out: dict[str, Any]
+                         ) -> threading.Thread:
+    def work() -> None:
+        out["pre"] = eng.prefill(ids)
+    return threading.Thread(target=work, daemon=True)
+
+
+def test_a_long_prefill_waits_for_a_short_request_in_flight_and_resumes_after() -> None:
+    model = tiny_model("qwen2")
+    calls = _LayerCalls(model)
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, yield_max_s=60)
+    plain, eng = _engine(tiny_model("qwen2"), None), _engine(model, sched)
+    ids = prompt_ids(90, seed=6)
+    ticket = sched.short_request(owner=-1)  # a short request on another worker, queued
+    out: dict[str, Any] = {}
+    t = _long_prefill_thread(eng, ids, out)
+    t.start()
+    calls.thread = t.ident
+    _wait_for(lambda: sched.stats()["yields"] == 1, "the first piece to yield")
+    assert sched.stats()["short_in_flight"] == 1
+    assert calls.done == [0, 0]  # nothing of the long prefill computed while it waits
+    assert sched.pieces == 0
+    ticket.close()
+    t.join(30)
+    assert torch.equal(out["pre"].last_logits, plain.prefill(ids).last_logits)
+    assert calls.done == [6, 6] and sched.pieces == 6
+    st = sched.stats()
+    assert (st["yields"], st["forced"], st["short_in_flight"]) == (1, 0, 0)
+    assert st["yield_s"] > 0 and st["wait_s"] >= st["yield_s"]
+
+
+def test_a_running_piece_pauses_between_layers_for_a_short_request_arriving() -> None:
+    model = tiny_model("llama")
+    calls = _LayerCalls(model)
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, yield_max_s=60, nice=10)
+    plain, eng = _engine(tiny_model("llama"), None), _engine(model, sched)
+    ids = prompt_ids(90, seed=7)
+    tickets: list[Any] = []
+    out: dict[str, Any] = {}
+    t = _long_prefill_thread(eng, ids, out)
+    # with nice > 0 the pieces compute on the scheduler's thread: watch that one
+    sched._executor()
+    assert sched._pool is not None
+    calls.thread = sched._pool.submit(threading.get_ident).result()
+
+    def arrive() -> None:  # the short request arrives after layer 0 of the third piece
+        if calls.done[0] == 3:
+            tickets.append(sched.short_request(owner=-1))
+        else:
+            calls.after = (0, arrive)
+    calls.after = (0, arrive)
+    t.start()
+    _wait_for(lambda: sched.stats()["yields"] == 1, "the running piece to pause")
+    assert calls.done == [3, 2]  # paused after layer 0 of the third piece, before layer 1
+    tickets[0].close()
+    t.join(30)
+    assert calls.done == [6, 6]
+    assert torch.equal(out["pre"].last_logits, plain.prefill(ids).last_logits)
+    assert sched.stats()["gated_models"] == 1 and sched.forced == 0
+
+
+def test_the_starvation_bound_lets_every_piece_run_after_its_wait() -> None:
+    model = tiny_model("qwen2")
+    bound = 0.15
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, yield_max_s=bound)
+    plain, eng = _engine(tiny_model("qwen2"), None), _engine(model, sched)
+    ids = prompt_ids(90, seed=8)
+    ticket = sched.short_request(owner=-1)  # in flight for the whole prefill: never ends
+    try:
+        pre = eng.prefill(ids)
+    finally:
+        ticket.close()
+    assert torch.equal(pre.last_logits, plain.prefill(ids).last_logits)
+    st = sched.stats()
+    assert st["pieces"] == 6 and st["forced"] == 6  # each piece ran once its bound was spent
+    assert st["yields"] == 6 and st["yield_s"] >= 6 * bound  # and not before
+
+
+@pytest.mark.parametrize("case", ["own worker", "a worker in a long prefill", "yield off"])
+def test_short_requests_that_cannot_go_first_do_not_hold_a_long_prefill(case: str) -> None:
+    """A request queued behind this long prefill (same worker), or behind another worker's
+    long prefill, cannot start before it; with yield off only running short prefills count."""
+    sched = PrefillScheduler(slots=2, long_tokens=16, piece_tokens=16, yield_max_s=60,
+                             yield_to_short=case != "yield off")
+    eng = _engine(tiny_model("qwen2"), sched)
+    ready = threading.Event()
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        ready.wait(30)
+        out["pre"] = eng.prefill(prompt_ids(90, seed=9))
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    other: threading.Thread | None = None
+    inside, release = threading.Event(), threading.Event()
+    if case == "a worker in a long prefill":
+        # another worker's long prefill, held inside its first piece until this one is done
+        model2 = tiny_model("llama")
+
+        def hold(_m: Any, _args: Any) -> None:
+            if other is not None and threading.get_ident() == other.ident:
+                inside.set()
+                release.wait(30)
+        model2.register_forward_pre_hook(hold)
+        other = threading.Thread(target=_engine(model2, sched).prefill,
+                                 args=(prompt_ids(90, seed=10),), daemon=True)
+        other.start()
+        _wait_for(inside.is_set, "the other long prefill to start")
+        ticket = sched.short_request(owner=other.ident or 0)  # queued behind it
+    else:
+        ticket = sched.short_request(owner=t.ident if case == "own worker" else -1)
+    try:
+        ready.set()
+        t.join(30)
+        assert not t.is_alive() and "pre" in out
+    finally:
+        release.set()
+        ticket.close()
+        if other is not None:
+            other.join(30)
+    assert (sched.yields, sched.forced, sched.yield_s) == (0, 0, 0.0)
+
+
+def test_bad_yield_settings_are_refused(tmp_path: Path) -> None:
+    from semcomm.errors import ConfigError
+
+    for bad in (-1, "soon", float("inf"), 10**6):
+        with pytest.raises(ConfigError, match="long_prefill_yield_max_ms"):
+            _config(tmp_path, long_prefill_yield_max_ms=bad)
+    with pytest.raises(ConfigError, match="long_prefill_yield"):
+        _config(tmp_path, long_prefill_yield="sometimes")
+    with pytest.raises(ValueError, match="yield_max_s"):
+        PrefillScheduler(slots=1, long_tokens=4, piece_tokens=4, yield_max_s=-0.5)
+    sv = _config(tmp_path, long_prefill_yield=False, long_prefill_yield_max_ms=250).server
+    from semcomm.server._prefill import scheduler_for
+
+    sched = scheduler_for(sv)
+    assert sched is not None and (sched.yield_to_short, sched.yield_max_s) == (False, 0.25)

@@ -383,8 +383,16 @@ class LocalBackend:
                 raise
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
+        # a short request is in flight for the prefill scheduler from submit to its first
+        # token (long prefills on other workers step aside meanwhile, docs/server.md)
+        sched = getattr(runner, "scheduler", None)
+        ticket = (sched.short_request(worker.thread_ident)
+                  if sched is not None and worker.thread_ident is not None
+                  and len(ids) <= sched.long_tokens else None)
 
         def emit(event: Any) -> None:
+            if ticket is not None and not isinstance(event, Started):
+                ticket.close()  # engine thread: the first token (or the end) is out
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         ctx = req.tenant_ctx
@@ -395,6 +403,8 @@ class LocalBackend:
         try:
             worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:
+            if ticket is not None:
+                ticket.close()
             if reservation is not None:
                 self.memory.release(reservation)
             raise
@@ -429,6 +439,8 @@ class LocalBackend:
                     done = True
                     raise event.error
         finally:
+            if ticket is not None:
+                ticket.close()
             if not done:
                 job.cancelled.set()
             if reservation is not None:

@@ -161,6 +161,11 @@ class BatchingWorker:
         return max(1.0, round(batches_ahead * max(self._service_s, 0.05), 1))
 
     @property
+    def thread_ident(self) -> int | None:
+        """``threading.get_ident()`` of the engine thread running this worker's batches."""
+        return self._thread.ident
+
+    @property
     def queue_depth(self) -> int:
         return len(self._queue)
 

@@ -206,11 +206,9 @@ class Gateway:
     def _prefill_scheduler(self) -> Any:
         if not any(m.kind == "hf" for m in self.config.models.values()):
             return None
-        from ._engine_runner import prefill_scheduler
+        from ._prefill import scheduler_for
 
-        sv = self.config.server
-        return prefill_scheduler(sv.long_prefill_slots, sv.long_prefill_tokens,
-                                 sv.long_prefill_piece_tokens, sv.long_prefill_nice)
+        return scheduler_for(self.config.server)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:

@@ -78,9 +78,21 @@ class _PrefillCollector(Collector):
         yield CounterMetricFamily("semcomm_prefill_pieces", "Pieces long prefills ran in",
                                   value=float(st["pieces"]))
         yield CounterMetricFamily("semcomm_prefill_waits", "Long prefill pieces that waited "
-                                  "for a slot or for short prefills", value=float(st["waits"]))
+                                  "for a slot or for short requests", value=float(st["waits"]))
         yield CounterMetricFamily("semcomm_prefill_wait_seconds", "Seconds long prefill "
-                                  "pieces waited", value=float(st["wait_s"]))
+                                  "pieces waited (for a slot or for short requests)",
+                                  value=float(st["wait_s"]))
+        yield GaugeMetricFamily("semcomm_prefill_short_in_flight", "Short requests and "
+                                "prefills in flight now (long prefills yield to them)",
+                                value=float(st["short_in_flight"]))
+        yield CounterMetricFamily("semcomm_prefill_yields", "Long prefill pieces that waited "
+                                  "for short requests", value=float(st["yields"]))
+        yield CounterMetricFamily("semcomm_long_prefill_yield_seconds", "Seconds long "
+                                  "prefill pieces waited for short requests (before starting "
+                                  "or paused between layers)", value=float(st["yield_s"]))
+        yield CounterMetricFamily("semcomm_prefill_yield_forced", "Long prefill pieces that "
+                                  "ran out of long_prefill_yield_max_ms with short requests in "
+                                  "flight (the starvation bound)", value=float(st["forced"]))
 
 
 class _MemoryCollector(Collector):

@@ -228,16 +228,13 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
     runner: Any = None
     kv_reuse = False
     if cfg.kv_cache and store is not None:
-        from ._engine_runner import engine_runner, prefill_scheduler
+        from ._engine_runner import engine_runner
+        from ._prefill import scheduler_for
 
-        sv = config.server
         runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=salter,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
-                                    scheduler=prefill_scheduler(sv.long_prefill_slots,
-                                                                sv.long_prefill_tokens,
-                                                                sv.long_prefill_piece_tokens,
-                                                                sv.long_prefill_nice))
+                                    scheduler=scheduler_for(config.server))
         kv_reuse = runner is not None
         notes[f"model:{name}"] = why
     if runner is None:
