@@ -194,7 +194,8 @@ def test_the_server_schedules_long_prefills_and_shows_it(tmp_path: Path) -> None
             assert (pre["nice"], pre["nice_applied"]) == (10, True)  # the default
             assert pre["long_prefills"] >= 1 and pre["pieces"] > pre["long_prefills"]
             assert pre["short_prefills"] >= 1
-            assert (pre["yield"], pre["yield_max_ms"]) == (True, 1000.0)  # the defaults
+            # the defaults
+            assert (pre["yield"], pre["yield_max_ms"], pre["yield_run_ms"]) == (True, 500, 100)
             # the short request was in flight from submit to its first token, then let go
             assert pre["short_requests"] == 1 and pre["short_in_flight"] == 0
             assert "semcomm_prefill_short_in_flight 0.0" in metrics
@@ -343,21 +344,27 @@ def test_a_running_piece_pauses_between_layers_for_a_short_request_arriving() ->
     assert sched.stats()["gated_models"] == 1 and sched.forced == 0
 
 
-def test_the_starvation_bound_lets_every_piece_run_after_its_wait() -> None:
-    model = tiny_model("qwen2")
-    bound = 0.15
-    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, yield_max_s=bound)
-    plain, eng = _engine(tiny_model("qwen2"), None), _engine(model, sched)
+@pytest.mark.parametrize(("run_s", "pauses"), [(60.0, 1), (1e-9, 6 + 6 * 2)])
+def test_the_starvation_bound_ends_every_pause_and_lets_the_prefill_compute(
+        run_s: float, pauses: int) -> None:
+    """A short request in flight for the whole prefill: each pause ends after the bound; then
+    the prefill computes for ``run_s`` (all of it at 60 s; at 1 ns it pauses again at the next
+    point: before each of the 6 pieces and before each of its 2 layers)."""
+    bound = 0.04
+    sched = PrefillScheduler(slots=1, long_tokens=16, piece_tokens=16, yield_max_s=bound,
+                             yield_run_s=run_s)
+    plain, eng = _engine(tiny_model("qwen2"), None), _engine(tiny_model("qwen2"), sched)
     ids = prompt_ids(90, seed=8)
-    ticket = sched.short_request(owner=-1)  # in flight for the whole prefill: never ends
+    ticket = sched.short_request(owner=-1)  # never ends while the prefill runs
     try:
         pre = eng.prefill(ids)
     finally:
         ticket.close()
     assert torch.equal(pre.last_logits, plain.prefill(ids).last_logits)
     st = sched.stats()
-    assert st["pieces"] == 6 and st["forced"] == 6  # each piece ran once its bound was spent
-    assert st["yields"] == 6 and st["yield_s"] >= 6 * bound  # and not before
+    assert st["pieces"] == 6
+    assert st["yields"] == st["forced"] == pauses  # every pause ran out of the bound
+    assert st["yield_s"] >= pauses * bound  # and none ended before it
 
 
 @pytest.mark.parametrize("case", ["own worker", "a worker in a long prefill", "yield off"])
@@ -411,12 +418,19 @@ def test_bad_yield_settings_are_refused(tmp_path: Path) -> None:
     for bad in (-1, "soon", float("inf"), 10**6):
         with pytest.raises(ConfigError, match="long_prefill_yield_max_ms"):
             _config(tmp_path, long_prefill_yield_max_ms=bad)
+    for bad in (0, -5, float("nan")):
+        with pytest.raises(ConfigError, match="long_prefill_yield_run_ms"):
+            _config(tmp_path, long_prefill_yield_run_ms=bad)
     with pytest.raises(ConfigError, match="long_prefill_yield"):
         _config(tmp_path, long_prefill_yield="sometimes")
     with pytest.raises(ValueError, match="yield_max_s"):
         PrefillScheduler(slots=1, long_tokens=4, piece_tokens=4, yield_max_s=-0.5)
-    sv = _config(tmp_path, long_prefill_yield=False, long_prefill_yield_max_ms=250).server
+    with pytest.raises(ValueError, match="yield_run_s"):
+        PrefillScheduler(slots=1, long_tokens=4, piece_tokens=4, yield_run_s=0)
+    sv = _config(tmp_path, long_prefill_yield=False, long_prefill_yield_max_ms=250,
+                 long_prefill_yield_run_ms=20).server
     from semcomm.server._prefill import scheduler_for
 
     sched = scheduler_for(sv)
-    assert sched is not None and (sched.yield_to_short, sched.yield_max_s) == (False, 0.25)
+    assert sched is not None
+    assert (sched.yield_to_short, sched.yield_max_s, sched.yield_run_s) == (False, 0.25, 0.02)

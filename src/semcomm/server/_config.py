@@ -139,11 +139,12 @@ class ServerSection(_Section):
     long_prefill_nice: int = Field(10, ge=0, le=19)
     # a long prefill steps aside while a short request is in flight on another worker (from
     # submit to its first token): its next piece waits and a running piece pauses between two
-    # decoder layers, at most long_prefill_yield_max_ms per piece in all (the starvation
-    # bound; then the piece computes to its end). false: the next piece waits only while short
-    # prefills take every core, at most the same bound
+    # decoder layers. A pause lasts at most long_prefill_yield_max_ms (the starvation bound);
+    # then the prefill computes long_prefill_yield_run_ms before it may pause again. false:
+    # the next piece waits only while short prefills take every core, at most the same bound
     long_prefill_yield: bool = True
-    long_prefill_yield_max_ms: float = Field(1000.0, ge=0, le=60_000, allow_inf_nan=False)
+    long_prefill_yield_max_ms: float = Field(500.0, ge=0, le=60_000, allow_inf_nan=False)
+    long_prefill_yield_run_ms: float = Field(100.0, gt=0, le=60_000, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):

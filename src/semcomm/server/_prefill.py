@@ -7,9 +7,10 @@ of ``slots`` shared by every model in the process, so long prefills never take e
 the short requests. With ``yield_to_short`` (the default) a long prefill also steps aside
 while a short request is in flight on another worker (from its submit to its first token,
 :meth:`PrefillScheduler.short_request`): its next piece does not start, and a running piece
-pauses between two decoder layers, until no short request is left or the piece has waited
-``yield_max_s`` in all (the starvation bound: then it computes to its end). Pausing between
-layers changes nothing that is computed. Short prefills and decode steps never wait for it.
+pauses between two decoder layers, until no short request is left or the pause has lasted
+``yield_max_s`` (the starvation bound: then it computes at least ``yield_run_s`` before it
+pauses again). Pausing between layers changes nothing that is computed. Short prefills and
+decode steps never wait for it.
 """
 
 from __future__ import annotations
@@ -43,17 +44,15 @@ def _cores() -> int:
 
 
 @dataclass(slots=True)
-class _Piece:
-    """One piece of a long prefill, from its wait for a slot to the end of its forward.
+class _Long:
+    """One long prefill in :meth:`PrefillScheduler.run`, across its pieces.
 
     Only the scheduler changes it, under its lock."""
 
     owner: ThreadId  # the worker thread whose prefill this is (its own short requests queue
-    # behind it, so the piece never waits for them)
-    budget_s: float  # seconds it may wait for short requests in all (before and inside)
-    yielded_s: float = 0.0  # seconds it has waited for short requests so far
-    paused: bool = False  # it waited for short requests at least once
-    forced: bool = False  # the budget ran out while short requests were in flight
+    # behind it, so it never waits for them)
+    run_until: float = 0.0  # perf_counter() before which it does not yield (set when a pause
+    # ran out of yield_max_s: it then computes yield_run_s at least)
 
 
 class ShortTicket:
@@ -77,7 +76,7 @@ class ShortTicket:
         self._sched._end_short(self.owner)
 
 
-_TLS = threading.local()  # .piece: the _Piece (and its scheduler) this thread computes now
+_TLS = threading.local()  # .gate: (scheduler, _Long) of the long piece this thread computes now
 
 
 class PrefillScheduler:
@@ -93,13 +92,15 @@ class PrefillScheduler:
 
     Short work in flight, by worker thread: short prefills (counted while their forward runs)
     and short requests (a :class:`ShortTicket`, from submit to first token). With
-    ``yield_to_short`` a piece waits, before it starts and between its decoder layers (a
-    forward pre-hook on each layer, installed once per model), while any is in flight on a
-    thread other than its own worker's and other than a worker inside a long prefill (a
-    request queued behind a long prefill cannot start before it anyway), at most
-    ``yield_max_s`` per piece in all; then it computes to its end (``forced``). Without it, the
-    next piece waits while short prefills run and every core (``cores``) is taken, at most
-    ``yield_max_s``. With ``nice > 0`` the pieces compute on ``slots`` threads of this
+    ``yield_to_short`` a long prefill pauses, before a piece starts and between its decoder
+    layers (a forward pre-hook on each layer, installed once per model), while any is in
+    flight on a thread other than its own worker's and other than a worker inside a long
+    prefill (a request queued behind a long prefill cannot start before it anyway). A pause
+    lasts at most ``yield_max_s``; one that runs out (``forced``) lets the prefill compute
+    ``yield_run_s`` before it may pause again, so under endless short traffic a long prefill
+    still computes at least ``yield_run_s / (yield_max_s + yield_run_s)`` of the time.
+    Without it, the next piece waits while short prefills run and every core (``cores``) is
+    taken, at most ``yield_max_s``. With ``nice > 0`` the pieces compute on ``slots`` threads of this
     scheduler at that niceness (Linux: per thread), so the OS gives a core to a runnable short
     request or decode step first. Thread-safe; ``stats()`` is what ``/health`` and
     ``/metrics`` show.
@@ -107,13 +108,15 @@ class PrefillScheduler:
 
     def __init__(self, *, slots: int, long_tokens: int, piece_tokens: int,
                  cores: int | None = None, nice: int = 0, yield_to_short: bool = True,
-                 yield_max_s: float = 1.0) -> None:
+                 yield_max_s: float = 0.5, yield_run_s: float = 0.1) -> None:
         if slots < 1 or long_tokens < 1 or piece_tokens < 1:
             raise ValueError("slots, long_tokens and piece_tokens must be >= 1")
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be in [0, 19], got {nice}")
         if not (math.isfinite(yield_max_s) and yield_max_s >= 0):
             raise ValueError(f"yield_max_s must be a finite number >= 0, got {yield_max_s}")
+        if not (math.isfinite(yield_run_s) and yield_run_s > 0):
+            raise ValueError(f"yield_run_s must be a finite number > 0, got {yield_run_s}")
         self.nice = nice
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.nice_applied = False
@@ -123,6 +126,7 @@ class PrefillScheduler:
         self.cores = cores if cores is not None else _cores()
         self.yield_to_short = yield_to_short
         self.yield_max_s = yield_max_s
+        self.yield_run_s = yield_run_s
         self._cond = threading.Condition()
         self._queue: collections.deque[object] = collections.deque()
         self._running = 0  # long pieces running now
@@ -135,11 +139,11 @@ class PrefillScheduler:
         self.short_prefills = 0
         self.short_requests = 0
         self.pieces = 0
-        self.waits = 0  # pieces that could not start at once or paused
-        self.wait_s = 0.0  # every second pieces waited (for a slot or for short work)
-        self.yields = 0  # pieces that waited for short work
-        self.yield_s = 0.0  # seconds pieces waited for short work
-        self.forced = 0  # pieces that ran out of yield_max_s while short work was in flight
+        self.waits = 0  # times a long prefill waited (for a slot, or a pause for short work)
+        self.wait_s = 0.0  # every second long prefills waited (for a slot or for short work)
+        self.yields = 0  # pauses for short work
+        self.yield_s = 0.0  # seconds of those pauses
+        self.forced = 0  # pauses that ran out of yield_max_s with short work still in flight
         self.gated_models = 0  # models whose decoder layers carry the pause point
 
     def cuts(self, start: int, n: int, align: int) -> list[tuple[int, int]]:
@@ -195,60 +199,56 @@ class PrefillScheduler:
             self._end_short(me, prefill=True)
 
     # --- long pieces ------------------------------------------------------------------------
-    def _busy(self, piece: _Piece) -> bool:  # caller holds _cond
-        """Must ``piece`` wait for short work now (its budget aside)?"""
+    def _busy(self, long: _Long) -> bool:  # caller holds _cond
+        """Must ``long`` wait for short work now (the bounds aside)?"""
         if self.yield_to_short:
-            return self._shorts_elsewhere(piece.owner) > 0
+            return self._shorts_elsewhere(long.owner) > 0
         return self._shorts > 0 and self._shorts + self._running >= self.cores
 
-    def _yield(self, piece: _Piece) -> None:  # caller holds _cond
-        """Wait while ``piece`` must yield to short work and has budget left."""
-        while self._busy(piece):
-            left = piece.budget_s - piece.yielded_s
+    def _yield(self, long: _Long) -> None:  # caller holds _cond
+        """One pause of ``long`` while it must yield to short work: at most ``yield_max_s``;
+        when that runs out, it computes ``yield_run_s`` before it pauses again."""
+        t = time.perf_counter()
+        if t < long.run_until or not self._busy(long):
+            return
+        self.yields += 1
+        self.waits += 1
+        deadline = t + self.yield_max_s
+        while self._busy(long):
+            left = deadline - time.perf_counter()
             if left <= 0:
-                if not piece.forced:
-                    piece.forced = True
-                    self.forced += 1
-                return
-            if not piece.paused:
-                piece.paused = True
-                self.yields += 1
-            t = time.perf_counter()
+                self.forced += 1
+                long.run_until = time.perf_counter() + self.yield_run_s
+                break
             self._cond.wait(left)
-            dt = time.perf_counter() - t
-            piece.yielded_s += dt
-            self.yield_s += dt
-            self.wait_s += dt
+        dt = time.perf_counter() - t
+        self.yield_s += dt
+        self.wait_s += dt
 
-    def _gate(self, piece: _Piece) -> None:
+    def _gate(self, long: _Long) -> None:
         """The pause point between two decoder layers of a running piece."""
         if (not self.yield_to_short or self._n_in_flight == 0  # fast path, no lock
-                or piece.yielded_s >= piece.budget_s):
+                or time.perf_counter() < long.run_until):
             return
         with self._cond:
-            was = piece.paused
-            self._yield(piece)
-            if piece.paused and not was:
-                self.waits += 1
+            self._yield(long)
 
     @contextmanager
-    def _slot(self, piece: _Piece) -> Iterator[None]:
+    def _slot(self, long: _Long) -> Iterator[None]:
         me = object()
         with self._cond:
             self._queue.append(me)
-            waited = False
-            while not (self._queue[0] is me and self._running < self.slots):
-                waited = True
+            if not (self._queue[0] is me and self._running < self.slots):
+                self.waits += 1
                 t = time.perf_counter()
-                self._cond.wait()
+                while not (self._queue[0] is me and self._running < self.slots):
+                    self._cond.wait()
                 self.wait_s += time.perf_counter() - t
-            self._yield(piece)  # at the head with a free slot: now only short work holds it
+            self._yield(long)  # at the head with a free slot: now only short work holds it
             self._queue.popleft()
             self._running += 1
             self.peak_running = max(self.peak_running, self._running)
             self.pieces += 1
-            if waited or piece.paused:
-                self.waits += 1
             self._cond.notify_all()  # the next in line may take another free slot
         try:
             yield
@@ -275,13 +275,13 @@ class PrefillScheduler:
             logits = None
             pieces = self.cuts(int(cache.get_seq_length()), n, align) if align > 0 else [(0, n)]
             pool = self._executor()
+            long = _Long(owner=owner)
             for a, b in pieces:
-                piece = _Piece(owner=owner, budget_s=self.yield_max_s)
-                with self._slot(piece):
+                with self._slot(long):
                     if pool is None:
-                        logits = _compute(self, piece, runner, ids[:, a:b], cache)
+                        logits = _compute(self, long, runner, ids[:, a:b], cache)
                     else:  # the caller waits; the piece computes on a lower-priority thread
-                        logits = pool.submit(_compute, self, piece, runner, ids[:, a:b],
+                        logits = pool.submit(_compute, self, long, runner, ids[:, a:b],
                                              cache).result()
         finally:
             with self._cond:
@@ -313,6 +313,7 @@ class PrefillScheduler:
                     "piece_tokens": self.piece_tokens, "cores": self.cores,
                     "nice": self.nice, "nice_applied": self.nice_applied,
                     "yield": self.yield_to_short, "yield_max_ms": self.yield_max_s * 1e3,
+                    "yield_run_ms": self.yield_run_s * 1e3,
                     "running": self._running, "waiting": len(self._queue),
                     "short_in_flight": self._n_in_flight,
                     "peak_running": self.peak_running, "long_prefills": self.long_prefills,
@@ -323,11 +324,11 @@ class PrefillScheduler:
                     "forced": self.forced, "gated_models": self.gated_models}
 
 
-def _compute(sched: PrefillScheduler, piece: _Piece, runner: Any, ids: Any, cache: Any) -> Any:
-    """One piece's forward on this thread, its decoder layers gated by ``piece``."""
+def _compute(sched: PrefillScheduler, long: _Long, runner: Any, ids: Any, cache: Any) -> Any:
+    """One piece's forward on this thread, its decoder layers gated for ``long``."""
     import torch
 
-    _TLS.gate = (sched, piece)
+    _TLS.gate = (sched, long)
     try:
         with torch.no_grad():  # grad mode is per thread: the engine's caller set it on its own
             return runner.forward(ids, cache)
@@ -380,13 +381,13 @@ def _install_gate(model: Any) -> bool:
         return True
 
 
-_SCHEDULERS: dict[tuple[int, int, int, int, bool, float], PrefillScheduler] = {}
+_SCHEDULERS: dict[tuple[int, int, int, int, bool, float, float], PrefillScheduler] = {}
 _SCHEDULERS_LOCK = threading.Lock()
 
 
 def prefill_scheduler(slots: int | None, long_tokens: int, piece_tokens: int,
-                      nice: int = 0, *, yield_to_short: bool = True,
-                      yield_max_s: float = 1.0) -> PrefillScheduler | None:
+                      nice: int = 0, *, yield_to_short: bool = True, yield_max_s: float = 0.5,
+                      yield_run_s: float = 0.1) -> PrefillScheduler | None:
     """The process's scheduler for these settings (None when ``slots == 0``: off).
 
     ``slots=None`` means ``max(1, cores - 1)``. Every gateway in a process with the same
@@ -395,13 +396,14 @@ def prefill_scheduler(slots: int | None, long_tokens: int, piece_tokens: int,
     if slots == 0:
         return None
     n = slots if slots is not None else max(1, _cores() - 1)
-    key = (n, long_tokens, piece_tokens, nice, yield_to_short, yield_max_s)
+    key = (n, long_tokens, piece_tokens, nice, yield_to_short, yield_max_s, yield_run_s)
     with _SCHEDULERS_LOCK:
         sched = _SCHEDULERS.get(key)
         if sched is None:
             sched = _SCHEDULERS[key] = PrefillScheduler(
                 slots=n, long_tokens=long_tokens, piece_tokens=piece_tokens, nice=nice,
-                yield_to_short=yield_to_short, yield_max_s=yield_max_s)
+                yield_to_short=yield_to_short, yield_max_s=yield_max_s,
+                yield_run_s=yield_run_s)
         return sched
 
 
@@ -410,4 +412,5 @@ def scheduler_for(server: Any) -> PrefillScheduler | None:
     return prefill_scheduler(server.long_prefill_slots, server.long_prefill_tokens,
                              server.long_prefill_piece_tokens, server.long_prefill_nice,
                              yield_to_short=server.long_prefill_yield,
-                             yield_max_s=server.long_prefill_yield_max_ms / 1e3)
+                             yield_max_s=server.long_prefill_yield_max_ms / 1e3,
+                             yield_run_s=server.long_prefill_yield_run_ms / 1e3)
