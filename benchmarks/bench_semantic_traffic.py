@@ -52,6 +52,7 @@ from bench_semantic_common import (
     DEFAULT_DATA,
     DEV_FAQ_INTENTS,
     FAQWorkload,
+    Protocol,
     build_protocol,
     clinc_faq,
     quora_faq,
@@ -79,10 +80,19 @@ def embed(texts: list[str]) -> np.ndarray:
     return v
 
 
-def pairs_workload(limit: int) -> FAQWorkload:
+def pairs_workload(limit: int, *, offset: int = 0, name: str = "quora-pairs") -> FAQWorkload:
     """The QQP cache protocol as an FAQ: every stored question is its own answer; a query's
-    right answers are the stored questions of its duplicate component."""
-    p = build_protocol(DEFAULT_DATA / "meancache_test.csv", seed=0, limit=limit)
+    right answers are the stored questions of its duplicate component. ``offset``: skip the
+    protocol's first pairs (``meancache_test.csv``, seed 0; pairs 0-1999 are the classic
+    2,000-pair set, later ones are fresh blocks for ``bench_semantic_fresh.py``)."""
+    full = build_protocol(DEFAULT_DATA / "meancache_test.csv", seed=0,
+                          limit=offset + limit)
+    p = Protocol(full.stored[offset:], full.queries[offset:], full.labels[offset:], full.comp)
+    return protocol_workload(p, name)
+
+
+def protocol_workload(p: Protocol, name: str) -> FAQWorkload:
+    """A pair protocol as an FAQ workload (see :func:`pairs_workload`)."""
     from bench_semantic_common import norm
 
     comp_of = [p.comp.get(norm(s)) for s in p.stored]
@@ -92,7 +102,7 @@ def pairs_workload(limit: int) -> FAQWorkload:
     for q in p.queries:
         c = p.comp.get(norm(q))
         expected.append(f"comp:{c}" if c in stored_comps else None)
-    w = FAQWorkload("quora-pairs", p.stored, answers, p.queries, expected)
+    w = FAQWorkload(name, p.stored, answers, p.queries, expected)
     w.comp_of_answer = {a: f"comp:{c}" for a, c in zip(answers, comp_of, strict=True)}  # type: ignore[attr-defined]
     return w
 
@@ -145,6 +155,20 @@ def run_cosine(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, cut: float) -> di
 
 
 def run_gptcache(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, cut: float) -> dict:
+    out = gptcache_served(w, sv, qv, cut)
+    if isinstance(out, dict):
+        return out
+    served, lat = out
+    r = score(w, served)
+    r["cos_cut"] = cut
+    r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
+    return r
+
+
+def gptcache_served(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray,
+                    cut: float) -> tuple[list, list[float]] | dict:
+    """GPTCache 0.1.44 on the workload: (answer served per query or None, seconds per get), or
+    ``{"error": ...}`` when gptcache/faiss are not importable."""
     try:
         import faiss  # noqa: F401
         from gptcache import Cache, Config
@@ -175,10 +199,10 @@ def run_gptcache(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, cut: float) -> 
         t = time.perf_counter()
         served.append(get(q, cache_obj=c))
         lat.append(time.perf_counter() - t)
-    r = score(w, served)
-    r["cos_cut"] = cut
-    r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
-    return r
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return served, lat
 
 
 def replay_learning(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int) -> list[dict]:

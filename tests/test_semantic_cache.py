@@ -16,6 +16,7 @@ from semcomm.semantic import (
     HNSWIndex,
     Scope,
     ThresholdPolicy,
+    calibrate_scored_cut,
     calibrate_threshold,
 )
 
@@ -306,6 +307,58 @@ def test_calibrate_threshold_hits_target_precision() -> None:
                                vetoed=vetoed).threshold == r.threshold
     with pytest.raises(InvalidInputError):
         calibrate_threshold([0.5], [0])
+
+
+def _scored_lookups() -> tuple[list[float], list[float], list[bool], list[bool]]:
+    """(cos, P, right, exact) of 260 validation lookups in four groups."""
+    groups = [  # (cos, P, lookups, right ones, identical text)
+        (0.95, 0.9, 100, 98, False),  # close and confirmed: nearly all right
+        (0.90, 0.9, 100, 80, False),  # the lower band: 80 % right
+        (0.95, 0.3, 50, 20, False),  # close but refused by the verifier: mostly wrong
+        (1.00, 0.0, 10, 10, True),  # identical texts: served without a score
+    ]
+    cos: list[float] = []
+    p: list[float] = []
+    ok: list[bool] = []
+    ex: list[bool] = []
+    for c, s, n, k, e in groups:
+        cos += [c] * n
+        p += [s] * n
+        ok += [True] * k + [False] * (n - k)
+        ex += [e] * n
+    return cos, p, ok, ex
+
+
+@pytest.mark.parametrize(("target", "confidence", "cut", "hits", "right"), [
+    # the 90 % margin: (0.89, 0.5) measures 188/210 = 0.895 >= 0.89, but its lower bound
+    # (0.87) does not clear 0.89, so the narrower cut is taken
+    (0.89, 0.9, (0.93, 0.5), 110, 108),
+    (0.89, 0.5, (0.89, 0.5), 210, 188),  # no margin: the wider cut passes
+    (0.70, 0.9, (0.89, 0.2), 260, 208),  # a loose target takes everything
+])
+def test_calibrate_scored_cut_takes_the_most_recall_whose_bound_clears_the_target(
+        target: float, confidence: float, cut: tuple[float, float], hits: int,
+        right: int) -> None:
+    cos, p, ok, ex = _scored_lookups()
+    r = calibrate_scored_cut(cos, p, ok, 300, exact=ex, target_precision=target,
+                             confidence=confidence, thresholds=[0.89, 0.93],
+                             min_scores=[0.2, 0.5])
+    assert r.reached and (r.threshold, r.min_score) == cut
+    assert (r.hits, r.precision, r.recall) == (hits, right / hits, right / 300)
+    assert r.precision >= r.lower_bound >= target
+
+
+def test_calibrate_scored_cut_unreachable_target_and_bad_input() -> None:
+    cos, p, ok, ex = _scored_lookups()
+    r = calibrate_scored_cut(cos, p, ok, 300, exact=ex, target_precision=0.99,
+                             thresholds=[0.89, 0.93], min_scores=[0.2, 0.5])
+    assert not r.reached and (r.threshold, r.min_score) == (0.93, 0.5)  # the most precise
+    with pytest.raises(InvalidInputError, match="n_positive"):
+        calibrate_scored_cut(cos, p, ok, 10)
+    with pytest.raises(InvalidInputError, match="equally long"):
+        calibrate_scored_cut(cos, p[:-1], ok, 300)
+    with pytest.raises(ConfigError, match="target precision"):
+        calibrate_scored_cut(cos, p, ok, 300, target_precision=1.0)
 
 
 async def test_async_twins(toy) -> None:

@@ -165,8 +165,8 @@ def test_server_config_keeps_the_verified_default_unless_turned_off(
 
 
 def test_the_default_verifies_every_lone_hit_with_the_cross_encoder() -> None:
-    """``SemanticCache()`` (default embedder): a lone entry at cos >= 0.88 is served only when
-    the shipped cross-encoder gives it P >= 0.7; an identical text is never scored; a custom
+    """``SemanticCache()`` (default embedder): a lone entry at cos >= 0.91 is served only when
+    the shipped cross-encoder gives it P >= 0.65; an identical text is never scored; a custom
     embedder, ``threshold=`` or ``cross_encoder=False`` keep the plain 0.92 rule."""
     from semcomm.semantic import (
         DEFAULT_THRESHOLD,
@@ -179,7 +179,7 @@ def test_the_default_verifies_every_lone_hit_with_the_cross_encoder() -> None:
     cache = SemanticCache()
     pol = cache.policy
     assert isinstance(pol, ClusterVotePolicy) and isinstance(pol.scorer, CrossEncoderVerifier)
-    assert (pol.threshold, pol.min_score) == (VERIFIED_THRESHOLD, VERIFIED_MIN_SCORE) == (0.88, 0.7)
+    assert (pol.threshold, pol.min_score) == (VERIFIED_THRESHOLD, VERIFIED_MIN_SCORE) == (0.91, 0.65)
     plain = SemanticCache(cross_encoder=False)
     assert plain.policy.scorer is None and plain.policy.threshold == DEFAULT_THRESHOLD  # type: ignore[attr-defined]
     toy = SemanticCache(embedder=CallableEmbedder(lambda t: np.ones((len(t), 4)), name="toy", dim=4))

@@ -46,9 +46,11 @@ __all__ = [
     "Decision",
     "ErrorBoundedPolicy",
     "HitPolicy",
+    "ScoredCut",
     "Scorer",
     "ThresholdPolicy",
     "Verifier",
+    "calibrate_scored_cut",
     "calibrate_threshold",
     "make_policy",
 ]
@@ -91,16 +93,18 @@ class Decision:
     score: float = 0.0  # the evidence the decision rests on (similarity, or a vote margin)
 
 
-VERIFIED_THRESHOLD = 0.88
+VERIFIED_THRESHOLD = 0.91
 """Lone-entry cosine floor of the default policy when the shipped cross-encoder verifies every
 lone candidate (MiniLM cosine units; ``SemanticCache()`` with the default embedder)."""
 
-VERIFIED_MIN_SCORE = 0.7
+VERIFIED_MIN_SCORE = 0.65
 """Cross-encoder ``P(same question)`` a lone candidate at or above :data:`VERIFIED_THRESHOLD`
-needs. Both values come from the cross-encoder's training run table
-(``bench_semantic_train_cross.py``: cosine cuts 0.88-0.92 by P cuts 0.5-0.95, the lowest cut
-pair near 0.90 precision at 0.30 recall); docs/BENCHMARKS.md gives the held-out figures and
-how far they are from the goal."""
+needs. Both values are chosen by :func:`calibrate_scored_cut` on a validation split only
+(``python benchmarks/bench_semantic_fresh.py --calibrate``: the 2,000 ``meancache_test.csv``
+protocol pairs the cross-encoder never trained on; the cut with the most recall whose precision
+has a one-sided 90 % Wilson lower bound >= 0.90). The previous (0.88, 0.7) was read off the same
+split without a margin (0.901 there, 0.872 on fresh pairs). docs/BENCHMARKS.md gives the fresh
+held-out figures."""
 
 
 class HitPolicy(Protocol):
@@ -522,6 +526,82 @@ def calibrate_threshold(similarities: Sequence[float], labels: Sequence[int | bo
     return CalibrationResult(threshold=pick[0], precision=pick[1], recall=pick[2],
                              target_precision=target_precision, n_pairs=len(s), curve=curve,
                              reached=reached)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredCut:
+    """Outcome of :func:`calibrate_scored_cut`: one (cosine, score) cut and what it measured."""
+
+    threshold: float  # lone-candidate cosine floor
+    min_score: float  # verifier score the candidate needs at or above it
+    hits: int  # validation lookups served at this cut
+    precision: float  # measured on the validation lookups
+    lower_bound: float  # one-sided Wilson lower bound on precision at ``confidence``
+    recall: float  # right hits / ``n_positive``
+    reached: bool  # False: no cut's lower bound met the target (the most precise one is given)
+
+
+def calibrate_scored_cut(similarities: Sequence[float], scores: Sequence[float],
+                         right: Sequence[bool], n_positive: int, *,
+                         target_precision: float = 0.9, confidence: float = 0.9,
+                         thresholds: Sequence[float] | None = None,
+                         min_scores: Sequence[float] | None = None,
+                         exact: Sequence[bool] | None = None,
+                         min_hits: int = 30) -> ScoredCut:
+    """The verified lone-candidate cut with the most recall whose precision clears
+    ``target_precision`` with a margin, from labelled validation lookups.
+
+    Each lookup ``i`` contributes its best candidate: cosine ``similarities[i]``, verifier
+    score ``scores[i]`` (e.g. the cross-encoder's P) and whether serving it is ``right[i]``;
+    ``exact[i]`` marks an identical text (served without a score, as the policy does).
+    ``n_positive`` lookups have a right answer stored (the recall denominator). A cut
+    ``(t, p)`` serves ``similarity >= t and (score >= p or exact)``; it qualifies when it serves
+    at least ``min_hits`` lookups and the one-sided Wilson lower bound on its precision at
+    ``confidence`` is at least ``target_precision``: a cut chosen this way keeps the target on
+    fresh traffic of the same kind with about that confidence (less the optimism of taking the
+    best of the grid). Of the qualifying cuts the one with the most recall is returned (ties:
+    the higher cosine, then the higher score).
+    """
+    if not 0.0 < target_precision < 1.0:
+        raise ConfigError(f"target precision must be in (0, 1), got {target_precision!r}")
+    if not 0.5 <= confidence < 1.0:
+        raise ConfigError(f"confidence must be in [0.5, 1), got {confidence!r}")
+    sim = np.asarray(similarities, dtype=np.float64)
+    sc = np.asarray(scores, dtype=np.float64)
+    ok = np.asarray(right, dtype=bool)
+    ex = np.zeros_like(ok) if exact is None else np.asarray(exact, dtype=bool)
+    if not (sim.shape == sc.shape == ok.shape == ex.shape) or sim.ndim != 1 or len(sim) == 0:
+        raise InvalidInputError("calibration needs equally long, non-empty similarity, score, "
+                                "right (and exact) lists")
+    if int(n_positive) < max(1, int(ok.sum())):
+        raise InvalidInputError(f"n_positive ({n_positive}) is below the number of right "
+                                f"candidates ({int(ok.sum())})")
+    ts = np.round(np.arange(0.80, 0.971, 0.01), 2) if thresholds is None else thresholds
+    ps = np.round(np.arange(0.30, 0.951, 0.05), 2) if min_scores is None else min_scores
+    z = _norm_ppf(confidence)
+    best: ScoredCut | None = None
+    most_precise: ScoredCut | None = None
+    for t in ts:
+        for p in ps:
+            hit = (sim >= float(t)) & ((sc >= float(p)) | ex)
+            n = int(hit.sum())
+            if n < min_hits:
+                continue
+            k = int((hit & ok).sum())
+            cut = ScoredCut(float(t), float(p), n, k / n, 1.0 - _wilson_upper(n - k, n, z),
+                            k / int(n_positive), False)
+            if most_precise is None or cut.lower_bound > most_precise.lower_bound:
+                most_precise = cut
+            if cut.lower_bound >= target_precision and (
+                    best is None or (cut.recall, cut.threshold, cut.min_score)
+                    > (best.recall, best.threshold, best.min_score)):
+                best = cut
+    if best is not None:
+        return ScoredCut(best.threshold, best.min_score, best.hits, best.precision,
+                         best.lower_bound, best.recall, True)
+    if most_precise is None:
+        raise InvalidInputError(f"no cut serves {min_hits}+ validation lookups")
+    return most_precise
 
 
 POLICIES: dict[str, Callable[..., Any]] = {

@@ -1,0 +1,428 @@
+"""Semantic cache on FRESH held-out data: traffic that no training run, cut choice or earlier
+benchmark of the semantic cache touched, with bootstrap confidence intervals.
+
+Which data chose what (read from the training scripts and their results):
+
+- ``meancache_val.csv`` (all of it): trained the shipped cross-encoder adapter
+  (``bench_semantic_train_cross.py``) and the lexical verifier, and chose the 0.92 cosine
+  default (``DEFAULT_THRESHOLD``). Not usable here: the adapter has seen it.
+- ``meancache_test.csv``, cache-protocol pairs 0-1999 (seed 0; "quora-pairs"): the
+  cross-encoder's training run prints its table on these pairs, and the lone-candidate cut
+  (cos >= 0.88, P >= 0.7) and its rejected alternatives were read on them. Here:
+  **validation** ("quora-val").
+- ``meancache_test.csv`` duplicate components of 3+ questions and 6,000 of its singletons
+  ("quora-faq" of ``bench_semantic_traffic.py``): read, and used to reject other vote floors.
+- CLINC150: the 44 ``DEV_FAQ_INTENTS`` (train split) chose the cluster-vote defaults; the 30
+  banking intents and the dev intents' ``val`` split, with ``oos_train`` / ``oos_val``, were
+  read as held-out sets (and to reject other vote floors). Here: **validation** ("clinc-dev",
+  "clinc-banking").
+- MRPC / STS ``val``: read once (``--pair-sets-only`` of the traffic benchmark).
+
+Fresh (never used for anything before this script; fixed seed 0):
+
+- ``clinc-fresh``: 17 single-answer CLINC150 intents none of the above used
+  (``FRESH_FAQ_INTENTS``, picked by reading their phrasings, before any cache ran on them),
+  5 stored ``train`` phrasings per intent; queries: their other ``train`` and all ``val``
+  phrasings, the ``val`` phrasings of the 59 other unused intents (never stored: out of scope,
+  some near misses such as "add milk to my shopping list" against "what is on my shopping
+  list"), and CLINC's own 200 out-of-scope queries (read before, reported apart).
+- ``quora-fresh``: cache-protocol pairs 2000-7999 of ``meancache_test.csv`` (same seed-0
+  order; questions disjoint from pairs 0-1999), as three caches of 2,000 pairs each (the
+  classic protocol's size), pooled.
+- ``mrpc-train``: the 3,576 MRPC ``train`` pairs (news sentences, not questions) in the same
+  pair protocol: pair traffic the cross-encoder was never trained or checked on.
+
+Methods, in one run on the same MiniLM vectors: ``SemanticCache()`` (the default),
+``SemanticCache(cross_encoder=False)``, plain MiniLM cosine (nearest stored phrasing) at 0.80,
+0.92 and at the cut calibrated on the matching validation set for the goal's precision, and
+GPTCache 0.1.44 (SQLite + Faiss, ``SearchDistanceEvaluation``) at cos 0.80 and 0.92. 95 %
+percentile-bootstrap intervals resample the lookups (2,000 resamples).
+
+    python benchmarks/bench_semantic_fresh.py              # ~10 min on the shared 2-core box
+    python benchmarks/bench_semantic_fresh.py --calibrate  # only: the lone-candidate cut
+                                                            # chosen on the validation set
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench_semantic_common import (
+    BANKING_INTENTS,
+    DEFAULT_DATA,
+    DEV_FAQ_INTENTS,
+    FAQWorkload,
+    clinc_faq,
+    clinc_fresh,
+    protocol_from_rows,
+    read_tsv_pairs,
+)
+from bench_semantic_traffic import (
+    embed,
+    gptcache_served,
+    pairs_workload,
+    protocol_workload,
+    right,
+)
+from rich.console import Console
+from rich.table import Table
+
+from semcomm import SemanticCache
+from semcomm.semantic import default_embedder
+
+console = Console()
+
+# the issue's goals: FAQ precision >= 0.95 (recall >= 0.50, out of scope <= 1 %); Quora
+# precision >= 0.90 (recall >= 0.30). The cosine baseline's calibrated cut aims at the same.
+GOAL_PRECISION = {"faq": 0.95, "pairs": 0.90}
+QUORA_VAL = "quora-val (validation: the lone-candidate cut is chosen here)"
+
+
+class Traffic:
+    """One workload as one or more independent caches (blocks) whose lookups are pooled."""
+
+    def __init__(self, name: str, kind: str, blocks: list[FAQWorkload],
+                 query_kinds: list[str] | None = None, role: str = "fresh") -> None:
+        self.name, self.kind, self.blocks, self.role = name, kind, blocks, role
+        self.query_kinds = query_kinds  # per pooled query (FAQ sets), else None
+        self.vecs = [(embed(b.stored), embed(b.queries)) for b in blocks]
+
+    @property
+    def in_scope(self) -> np.ndarray:
+        return np.concatenate([b.in_scope() for b in self.blocks])
+
+    def outcome(self, served: list[list[str | None]]) -> tuple[np.ndarray, np.ndarray]:
+        """(hit, right) per pooled query from the answers served per block."""
+        hit, ok = [], []
+        for b, s in zip(self.blocks, served, strict=True):
+            hit.extend(a is not None for a in s)
+            ok.extend(a is not None and right(b, a, e) for a, e in zip(s, b.expected,
+                                                                      strict=True))
+        return np.asarray(hit), np.asarray(ok)
+
+
+def metrics(hit: np.ndarray, ok: np.ndarray, ins: np.ndarray) -> dict:
+    nh = int(hit.sum())
+    return {"hits": nh, "precision": float(ok.sum() / nh) if nh else 1.0,
+            "recall": float(ok.sum() / max(1, ins.sum())),
+            "oos_hit_rate": float((hit & ~ins).sum() / max(1, (~ins).sum()))}
+
+
+def bootstrap(hit: np.ndarray, ok: np.ndarray, ins: np.ndarray, reps: int,
+              seed: int) -> dict[str, list[float]]:
+    """95 % percentile intervals of precision, recall and the out-of-scope hit rate, resampling
+    lookups with replacement."""
+    rng = np.random.default_rng(seed)
+    n = len(hit)
+    h, o, i = hit.astype(np.int32), ok.astype(np.int32), ins.astype(np.int32)
+    ps, rs, us = [], [], []
+    for s in range(0, reps, 200):
+        idx = rng.integers(0, n, (min(200, reps - s), n))
+        nh, no, ni = h[idx].sum(1), o[idx].sum(1), i[idx].sum(1)
+        nu = (h[idx] * (1 - i[idx])).sum(1)
+        ps.append(np.where(nh > 0, no / np.maximum(nh, 1), 1.0))
+        rs.append(no / np.maximum(ni, 1))
+        us.append(nu / np.maximum(n - ni, 1))
+
+    def ci(a: list[np.ndarray]) -> list[float]:
+        x = np.concatenate(a)
+        return [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]
+
+    return {"precision": ci(ps), "recall": ci(rs), "oos_hit_rate": ci(us)}
+
+
+def served_semcomm(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, lat: list[float],
+                   stats: dict, **kw) -> list[str | None]:
+    cache = SemanticCache(embedder=default_embedder(), max_entries=None, **kw)
+    cache.store_many(w.stored, w.answers, embeddings=list(sv))
+    xv = getattr(cache.policy, "scorer", None)
+    calls0 = getattr(xv, "calls", 0)
+    out: list[str | None] = []
+    for q, v in zip(w.queries, qv, strict=True):
+        t = time.perf_counter()
+        h = cache.lookup(q, embedding=v)
+        lat.append(time.perf_counter() - t)
+        out.append(None if h is None else h.answer)
+    stats["scored"] = stats.get("scored", 0) + getattr(xv, "calls", 0) - calls0
+    return out
+
+
+def nearest(sv: np.ndarray, qv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sims = qv @ sv.T
+    j = sims.argmax(1)
+    return j, sims[np.arange(len(j)), j]
+
+
+def served_cosine(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, cut: float) -> list:
+    j, best = nearest(sv, qv)
+    return [w.answers[k] if s >= cut else None for k, s in zip(j, best, strict=True)]
+
+
+def calibrated_cosine_cut(t: Traffic, target: float, min_hits: int = 30) -> float:
+    """The lowest cosine cut whose precision on ``t`` (a validation set) reaches ``target``
+    with at least ``min_hits`` hits (1.0 when none does)."""
+    sims, oks = [], []
+    for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True):
+        j, best = nearest(sv, qv)
+        sims.append(best)
+        oks.append([right(b, b.answers[k], e) for k, e in zip(j, b.expected, strict=True)])
+    s, o = np.concatenate(sims), np.concatenate(oks).astype(float)
+    order = np.argsort(-s)
+    prec = np.cumsum(o[order]) / np.arange(1, len(s) + 1)
+    good = [k for k in range(min_hits - 1, len(s)) if prec[k] >= target]
+    return round(float(s[order][good[-1]]), 4) if good else 1.0
+
+
+def run_method(t: Traffic, fn: Callable[[FAQWorkload, np.ndarray, np.ndarray], list],
+               reps: int, seed: int) -> dict:
+    served = [fn(b, sv, qv) for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True)]
+    if any(isinstance(s, dict) for s in served):  # GPTCache not importable
+        return next(s for s in served if isinstance(s, dict))
+    hit, ok = t.outcome(served)
+    ins = t.in_scope
+    r = metrics(hit, ok, ins)
+    r["ci95"] = bootstrap(hit, ok, ins, reps, seed)
+    if t.query_kinds is not None:
+        kinds = np.asarray(t.query_kinds)
+        r["oos_hit_rate_by_kind"] = {
+            k: float(hit[kinds == k].mean()) for k in sorted(set(t.query_kinds))
+            if k != "in-scope"}
+    return r
+
+
+def lone_candidates(t: Traffic, floor: float = 0.80, k: int = 8) -> dict:
+    """Per lookup of ``t``: the best stored candidate that passes the lexical guard (what the
+    default policy's lone path scores), its cosine, the shipped cross-encoder's P (cos >=
+    ``floor`` only), whether serving it is right and whether it is the identical text."""
+    from semcomm.semantic import LexicalGuard
+    from semcomm.semantic._cross import default_cross_verifier
+
+    g, xv = LexicalGuard(), default_cross_verifier()
+    sims_all, ps, oks, exact = [], [], [], []
+    for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True):
+        sims = qv @ sv.T
+        top = np.argsort(-sims, axis=1)[:, :k]
+        for i, q in enumerate(b.queries):
+            cos, p, ok, ex = -1.0, 0.0, False, False
+            for j in top[i]:
+                if sims[i, j] < floor:
+                    break
+                c = b.stored[j]
+                if g(q, c):
+                    cos, ok = float(sims[i, j]), right(b, b.answers[j], b.expected[i])
+                    ex = " ".join(c.lower().split()) == " ".join(q.lower().split())
+                    p = 1.0 if ex else xv.score(q, c)
+                    break
+            sims_all.append(cos)
+            ps.append(p)
+            oks.append(ok)
+            exact.append(ex)
+    return {"similarity": sims_all, "score": ps, "right": oks, "exact": exact,
+            "n_positive": int(t.in_scope.sum())}
+
+
+def calibrate(t: Traffic, out: Path, target: float, confidence: float) -> dict:
+    """Choose the default's lone-candidate cut on the validation set ``t`` only."""
+    from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, calibrate_scored_cut
+
+    lc = lone_candidates(t)
+    cut = calibrate_scored_cut(lc["similarity"], lc["score"], lc["right"], lc["n_positive"],
+                               exact=lc["exact"], target_precision=target,
+                               confidence=confidence)
+    old = calibrate_scored_cut(lc["similarity"], lc["score"], lc["right"], lc["n_positive"],
+                               exact=lc["exact"], target_precision=0.5, confidence=0.5,
+                               thresholds=[VERIFIED_THRESHOLD], min_scores=[VERIFIED_MIN_SCORE])
+    res = {"validation": t.name, "target_precision": target, "confidence": confidence,
+           "chosen": {f: getattr(cut, f) for f in cut.__slots__},
+           "current_default": {f: getattr(old, f) for f in old.__slots__}}
+    console.print(f"lone-candidate cut chosen on {t.name}: cos >= {cut.threshold:.2f} and P >= "
+                  f"{cut.min_score:.2f}: {cut.hits} hits, precision {cut.precision:.3f} (lower "
+                  f"bound {cut.lower_bound:.3f} at {confidence:.0%}), recall {cut.recall:.3f}; "
+                  f"the current default ({VERIFIED_THRESHOLD}, {VERIFIED_MIN_SCORE}) there: "
+                  f"{old.precision:.3f} (bound {old.lower_bound:.3f}) at {old.recall:.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "semantic_fresh_calibration.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def workloads(block: int, nblocks: int, seed: int) -> list[Traffic]:
+    cf, kinds = clinc_fresh(seed=seed)
+    mrpc = protocol_from_rows(read_tsv_pairs(DEFAULT_DATA / "pairs" /
+                                             "para_msr_msr-para-train.tsv"), seed=seed)
+    return [
+        Traffic(QUORA_VAL, "pairs",
+                [pairs_workload(2000, name="quora-val")], role="validation"),
+        Traffic("clinc-dev (validation: chose the vote defaults)", "faq",
+                [clinc_faq("train", DEV_FAQ_INTENTS, queries_per_intent=20)],
+                role="validation"),
+        Traffic("clinc-banking (validation: read before)", "faq",
+                [clinc_faq("val", BANKING_INTENTS)], role="validation"),
+        Traffic("clinc-fresh (FRESH)", "faq", [cf], query_kinds=kinds),
+        Traffic(f"quora-fresh (FRESH: pairs 2000-{2000 + block * nblocks - 1})", "pairs",
+                [pairs_workload(block, offset=2000 + k * block, name=f"quora-fresh-{k}")
+                 for k in range(nblocks)]),
+        Traffic("mrpc-train (FRESH, news sentences)", "pairs",
+                [protocol_workload(mrpc, "mrpc-train")]),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--block", type=int, default=2000, help="pairs per quora-fresh cache")
+    ap.add_argument("--blocks", type=int, default=3, help="quora-fresh caches")
+    ap.add_argument("--no-gptcache", action="store_true")
+    ap.add_argument("--json-name", default="semantic_fresh.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only: choose the lone-candidate cut on quora-val (validation) "
+                         "(semantic_fresh_calibration.json)")
+    ap.add_argument("--target", type=float, default=GOAL_PRECISION["pairs"],
+                    help="--calibrate: precision the cut's lower bound must reach")
+    ap.add_argument("--confidence", type=float, default=0.9,
+                    help="--calibrate: one-sided confidence of that lower bound")
+    args = ap.parse_args()
+    js = args.out / args.json_name
+    if args.plot_only:
+        _plot(json.loads(js.read_text()), js.with_suffix(".png"))
+        return
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
+    t0 = time.perf_counter()
+    if args.calibrate:
+        calibrate(Traffic(QUORA_VAL, "pairs", [pairs_workload(2000, name="quora-val")],
+                          role="validation"), args.out, args.target, args.confidence)
+        return
+    wl = workloads(args.block, args.blocks, args.seed)
+    by_name = {t.name: t for t in wl}
+    val_for = {"faq": by_name["clinc-dev (validation: chose the vote defaults)"],
+               "pairs": by_name[QUORA_VAL]}
+    cal = {k: calibrated_cosine_cut(v, GOAL_PRECISION[k]) for k, v in val_for.items()}
+    console.print(f"plain cosine cuts calibrated on validation: {cal}")
+    res: dict = {"seed": args.seed, "bootstrap": args.boot, "calibrated_cosine_cut": cal,
+                 "goal_precision": GOAL_PRECISION, "workloads": {}}
+    tbl = Table(title="fresh held-out check (precision / recall / out-of-scope hits, "
+                      "95 % bootstrap intervals)")
+    for col in ("workload", "method", "precision [95 % CI]", "recall [95 % CI]",
+                "OOS hit rate", "hits", "scored", "p50 ms"):
+        tbl.add_column(col)
+    for t in wl:
+        console.log(f"{t.name}: {sum(len(b.stored) for b in t.blocks)} stored, "
+                    f"{sum(len(b.queries) for b in t.blocks)} lookups")
+        rows: dict[str, dict] = {}
+        for label, kw in (("SemanticCache() default", {}),
+                          ("SemanticCache(cross_encoder=False)", {"cross_encoder": False})):
+            lat: list[float] = []
+            st: dict = {}
+            rows[label] = r = run_method(
+                t, lambda b, sv, qv, kw=kw, lat=lat, st=st: served_semcomm(b, sv, qv, lat, st,
+                                                                            **kw),
+                args.boot, args.seed)
+            r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
+            r["scored_share"] = st.get("scored", 0) / max(1, len(lat))
+        cuts = {0.80: "", 0.92: "", cal[t.kind]: " (cut calibrated on validation)"}
+        for cut, note in cuts.items():
+            rows[f"plain MiniLM cosine >= {cut:.3g}{note}"] = run_method(
+                t, lambda b, sv, qv, cut=cut: served_cosine(b, sv, qv, cut), args.boot,
+                args.seed)
+        if not args.no_gptcache:
+            for cut in (0.80, 0.92):
+                lat = []
+
+                def g(b: FAQWorkload, sv: np.ndarray, qv: np.ndarray, cut: float = cut,
+                      lat: list = lat) -> list | dict:
+                    out = gptcache_served(b, sv, qv, cut)
+                    if isinstance(out, dict):
+                        return out
+                    lat.extend(out[1])
+                    return out[0]
+
+                rows[f"GPTCache 0.1.44 at cos {cut:.2f}"] = r = run_method(t, g, args.boot,
+                                                                         args.seed)
+                if lat:
+                    r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
+        res["workloads"][t.name] = {
+            "role": t.role, "kind": t.kind, "caches": len(t.blocks),
+            "stored": sum(len(b.stored) for b in t.blocks),
+            "lookups": sum(len(b.queries) for b in t.blocks),
+            "in_scope": int(t.in_scope.sum()), "rows": rows}
+        for m, r in rows.items():
+            if "error" in r:
+                console.print(f"[yellow]{m}: {r['error']}")
+                continue
+            c = r["ci95"]
+            tbl.add_row(t.name, m,
+                        f"{r['precision']:.3f} [{c['precision'][0]:.3f}, {c['precision'][1]:.3f}]",
+                        f"{r['recall']:.3f} [{c['recall'][0]:.3f}, {c['recall'][1]:.3f}]",
+                        f"{r['oos_hit_rate']:.3f}", str(r["hits"]),
+                        f"{r['scored_share']:.1%}" if "scored_share" in r else "",
+                        f"{r['lookup_p50_ms']:.2f}" if "lookup_p50_ms" in r else "")
+    console.print(tbl)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps(res, indent=1))
+    _plot(res, js.with_suffix(".png"))
+    console.print(f"wrote {js} and {js.with_suffix('.png').name} ({res['seconds']:.0f} s)")
+
+
+def _plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["workloads"])
+    fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(15, 8.5))
+    colours = {"SemanticCache() default": "red", "SemanticCache(cross_encoder=False)": "green",
+               "GPTCache": "black", "plain": "blue"}
+    for ax, name in zip(axes.flat, names, strict=False):
+        w = res["workloads"][name]
+        for m, r in w["rows"].items():
+            if "precision" not in r:
+                continue
+            col = colours.get(m) or colours["GPTCache" if m.startswith("GPT") else "plain"]
+            c = r["ci95"]
+            ax.errorbar([r["recall"]], [r["precision"]],
+                        xerr=[[r["recall"] - c["recall"][0]], [c["recall"][1] - r["recall"]]],
+                        yerr=[[r["precision"] - c["precision"][0]],
+                              [c["precision"][1] - r["precision"]]],
+                        fmt="o" if col in ("red", "green") else "s", color=col, ms=5,
+                        capsize=2, alpha=0.9 if col == "red" else 0.6)
+            short = (m.replace("plain MiniLM cosine", "cos").replace("GPTCache 0.1.44 at cos",
+                                                                     "GPTCache")
+                     .replace(" (cut calibrated on validation)", " (cal.)")
+                     .replace("SemanticCache", "SC"))
+            ax.annotate(short, (r["recall"], r["precision"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+        goal = res["goal_precision"][w["kind"]]
+        ax.axhline(goal, color="gray", ls=":")
+        ax.axvline(0.50 if w["kind"] == "faq" else 0.30, color="gray", ls=":")
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("recall", fontsize=8)
+        ax.set_ylabel("hit precision", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.suptitle("precision / recall with 95 % bootstrap intervals; red: SemanticCache() "
+                 "default, green: cross_encoder=False, blue: plain cosine, black: GPTCache; "
+                 "dotted: the goal", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
