@@ -4,10 +4,11 @@ Sections (``--sections``, default all), each measured in one run per model:
 
 * ``ttft``: cold TTFT (no store) against warm TTFT from the memory tier and from the disk tier
   after a restart (a new engine over a fresh memory tier and the same directory), at 512 / 2k /
-  8k prompt tokens of real text. The hit path's floor is measured in the same run: a one-token
-  forward over an in-process cache of the same length (what any prefix cache must still
-  compute) plus the restored KV bytes over the measured memcpy bandwidth. Ratios:
-  cold/warm and warm/floor.
+  8k prompt tokens of real text. A whole-prompt hit restores the prompt's stored last logits
+  and runs no forward; the same hit with ``keep_logits=False`` (the last token recomputed) is
+  measured beside it. The hit path's floor is measured in the same run: the restored KV bytes
+  over the measured memcpy bandwidth, plus, for the recomputing hit, a one-token forward over
+  an in-process cache of the same length. Ratios: cold/warm and warm/floor.
 * ``llamacpp``: llama.cpp (``llama-cpp-python`` in its own venv, ``.venv-llamacpp``) on the
   same GGUF file and prompt: cold TTFT, warm in the same process (its own prefix reuse) and
   after a restart from its saved state file (its disk prompt cache).
@@ -151,10 +152,16 @@ def bench_ttft(name: str, model: Any, tok: Any, lengths: list[int], tmp: Path, r
             st = fresh.generate(ids, max_new_tokens=1).stats
             assert st.hit_tiers and st.hit_tiers[0] == "disk", st.hit_tiers
             disk_ms.append(st.ttft_s * 1e3)
+        assert all(s.logits_restored for s in mem), "expected whole hits with their logits"
+        recompute = HFEngine(model, tok, store=eng.store, chunk_size=chunk, keep_logits=False)
+        rec = [recompute.generate(ids, max_new_tokens=1).stats for _ in range(reps)]
+        assert all(s.recomputed_tokens == 1 for s in rec)
         fwd_ms = one_token_forward_ms(model, ids)
         bw = memcpy_gbps(bytes_loaded)
-        floor_ms = fwd_ms + bytes_loaded / (bw * 1e9) * 1e3
+        copy_ms = bytes_loaded / (bw * 1e9) * 1e3
+        floor_ms = copy_ms
         warm_ms = min(s.ttft_s for s in mem) * 1e3
+        rec_ms = min(s.ttft_s for s in rec) * 1e3
         out[str(n)] = {
             "cold_ttft_ms": cold_ms,
             "cold_store_ttft_ms": first.stats.ttft_s * 1e3,
@@ -162,6 +169,10 @@ def bench_ttft(name: str, model: Any, tok: Any, lengths: list[int], tmp: Path, r
             "warm_memory_ttft_ms": warm_ms,
             "warm_memory_ttft_ms_median": median([s.ttft_s * 1e3 for s in mem]),
             "warm_disk_ttft_ms": min(disk_ms),
+            "warm_recompute_ttft_ms": rec_ms,
+            "speedup_recompute": cold_ms / rec_ms,
+            "recompute_floor_ms": fwd_ms + copy_ms,
+            "recompute_over_floor": rec_ms / (fwd_ms + copy_ms),
             "hit_tokens": mem[0].hit_tokens,
             "bytes_loaded": bytes_loaded,
             "one_token_forward_ms": fwd_ms,
@@ -341,16 +352,20 @@ def show(res: dict[str, Any]) -> None:
         if "ttft" in m:
             t = Table(title=f"{name}: TTFT cold vs warm ({res['threads']} threads, fp32)")
             for c in ("tokens", "cold ms", "warm mem ms", "cold/warm", "warm disk ms",
-                      "cold/disk", "floor ms", "warm/floor"):
+                      "cold/disk", "floor ms", "warm/floor", "recompute-1 ms", "cold/recompute",
+                      "recompute/floor"):
                 t.add_column(c, justify="right")
             for n, r in m["ttft"].items():
                 if "skipped" in r:
-                    t.add_row(n, r["skipped"], "", "", "", "", "", "")
+                    t.add_row(n, r["skipped"], *[""] * 10)
                     continue
                 t.add_row(n, f"{r['cold_ttft_ms']:.0f}", f"{r['warm_memory_ttft_ms']:.1f}",
                           f"{r['speedup_memory']:.0f}x", f"{r['warm_disk_ttft_ms']:.1f}",
                           f"{r['speedup_disk']:.0f}x", f"{r['floor_ms']:.1f}",
-                          f"{r['hit_over_floor']:.2f}x")
+                          f"{r['hit_over_floor']:.2f}x",
+                          f"{r.get('warm_recompute_ttft_ms', float('nan')):.1f}",
+                          f"{r.get('speedup_recompute', float('nan')):.0f}x",
+                          f"{r.get('recompute_over_floor', float('nan')):.2f}x")
             console.print(t)
         if "llamacpp" in m and "ttft" in m and "skipped" not in m["llamacpp"]:
             t = Table(title=f"{name}: semcomm against llama.cpp on the same GGUF and prompt")
@@ -404,10 +419,12 @@ def chart(res: dict[str, Any], path: Path) -> None:
     with agg_figure(path, (10, 4.5)) as ax:
         x = np.arange(len(rows))
         labels = [f"{name.split('-')[0]}\n{n}" for name, n, _ in rows]
-        for off, key, lab in ((-0.3, "cold_ttft_ms", "cold"), (-0.1, "warm_disk_ttft_ms",
-                              "warm, disk (restart)"), (0.1, "warm_memory_ttft_ms", "warm, memory"),
-                              (0.3, "floor_ms", "floor")):
-            ax.bar(x + off, [r[key] for _, _, r in rows], 0.2, label=lab)
+        for off, key, lab in ((-0.32, "cold_ttft_ms", "cold"),
+                              (-0.16, "warm_recompute_ttft_ms", "warm, last token recomputed"),
+                              (0.0, "warm_disk_ttft_ms", "warm, disk (restart)"),
+                              (0.16, "warm_memory_ttft_ms", "warm, memory"),
+                              (0.32, "floor_ms", "floor (KV bytes / memcpy)")):
+            ax.bar(x + off, [r.get(key, np.nan) for _, _, r in rows], 0.16, label=lab)
         ax.set_yscale("log")
         ax.set_xticks(x, labels)
         ax.set_ylabel("time to first token (ms, log)")

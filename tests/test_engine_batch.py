@@ -89,7 +89,8 @@ def test_engine_requests_reuse_the_cached_prefix(tiny: tuple[Any, Any], engine: 
     res = dec.generate(reqs)
     assert started == [r.stats.hit_tokens for r in res]
     long = len(reqs[-1].prompt_ids)
-    assert res[-1].stats.hit_tokens == long - 1  # all but the last token, recomputed
+    assert res[-1].stats.hit_tokens == long  # the whole prompt, with its stored last logits
+    assert res[-1].stats.logits_restored and res[-1].stats.recomputed_tokens == 0
 
 
 def test_a_batch_of_one_is_the_engine_generate(tiny: tuple[Any, Any], engine: HFEngine) -> None:

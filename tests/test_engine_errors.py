@@ -60,7 +60,7 @@ def test_bad_prompts_raise_and_leave_the_store_intact(
     with pytest.raises(InvalidInputError, match=match):
         engine.generate(prompt, max_new_tokens=4)
     assert _contents(store) == before
-    assert engine.generate(ids, max_new_tokens=2).stats.hit_tokens == 39  # still served
+    assert engine.generate(ids, max_new_tokens=2).stats.hit_tokens == 40  # still served
 
 
 def test_prompt_plus_new_tokens_over_the_maximum(warm_engine: Any) -> None:

@@ -1,8 +1,10 @@
-"""Invariant 2 (exactness) and 3 (one token recomputed) for every supported family."""
+"""Invariant 2 (exactness) and 3 (a whole hit restores the stored logits or recomputes the last
+token) for every supported family."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from semcomm.engine import HFEngine
 from semcomm.kv import MemoryStore
@@ -13,10 +15,12 @@ CHUNK = 16
 NEW = 8
 
 
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["logits", "recompute"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_cold_warm_partial_equal_generate_without_cache(family: str) -> None:
+def test_cold_warm_partial_equal_generate_without_cache(family: str, keep_logits: bool) -> None:
     model = tiny_model(family)
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                      keep_logits=keep_logits)
     ids = prompt_ids(45)
     ref = reference_greedy(model, ids, NEW)
 
@@ -28,8 +32,11 @@ def test_cold_warm_partial_equal_generate_without_cache(family: str) -> None:
     warm = engine.generate(ids, max_new_tokens=NEW)
     assert warm.token_ids == ref
     assert warm.stats.hit_chunks == 3  # the partial tail hits too
-    assert warm.stats.hit_tokens == 44  # ... but the last token is always recomputed
-    assert warm.stats.recomputed_tokens == 1
+    if keep_logits:  # the whole prompt and its stored last logits: no forward at all
+        assert warm.stats.hit_tokens == 45 and warm.stats.recomputed_tokens == 0
+    else:  # ... or the last token is recomputed
+        assert warm.stats.hit_tokens == 44 and warm.stats.recomputed_tokens == 1
+    assert warm.stats.logits_restored is keep_logits
     assert warm.stats.chunks_stored == 0
 
     ids2 = ids[:37] + prompt_ids(11, seed=7)  # shares two full chunks
@@ -62,13 +69,13 @@ def test_each_lossless_path_is_exact(kind: str, tmp_path) -> None:  # type: igno
     engine = HFEngine(model, store=store, chunk_size=CHUNK, device="cpu")
     assert engine.generate(ids, max_new_tokens=NEW).token_ids == ref
     warm = engine.generate(ids, max_new_tokens=NEW)
-    assert warm.token_ids == ref and warm.stats.hit_tokens == 39
+    assert warm.token_ids == ref and warm.stats.hit_tokens == 40
     assert warm.stats.bytes_loaded > 0
     if reopen is not None:  # a fresh store object over the same directory (restart)
         engine2 = HFEngine(model, store=reopen(), chunk_size=CHUNK, device="cpu")
         again = engine2.generate(ids, max_new_tokens=NEW)
         assert again.token_ids == ref
-        assert again.stats.hit_tokens == 39
+        assert again.stats.hit_tokens == 40 and again.stats.logits_restored
         assert set(again.stats.hit_tiers) == {"disk"}
         if kind == "tiered":  # promoted to memory on that hit
             assert set(engine2.generate(ids, max_new_tokens=NEW).stats.hit_tiers) == {"memory"}
@@ -81,8 +88,8 @@ def test_prefill_returns_full_cache_and_logits() -> None:
     cold = engine.prefill(ids)
     warm = engine.prefill(ids)
     assert cold.cache.get_seq_length() == warm.cache.get_seq_length() == 30
-    assert warm.stats.hit_tokens == 29 and cold.stats.chunks_stored == 2
-    assert int(cold.last_logits.argmax()) == int(warm.last_logits.argmax())
+    assert warm.stats.hit_tokens == 30 and cold.stats.chunks_stored == 2
+    assert torch.equal(cold.last_logits, warm.last_logits)  # the stored logits, bit for bit
     assert int(warm.last_logits.argmax()) == reference_greedy(model, ids, 1)[0]
     for lc, lw in zip(cold.cache.layers, warm.cache.layers):
         assert lc.keys[:, :, :29].equal(lw.keys[:, :, :29])  # restored bits are the stored bits

@@ -46,7 +46,9 @@ def test_disk_store_written_by_another_process_serves_exact_hits(tmp_path: Path)
     ids = prompt_ids(50, seed=9)
     assert [k.hex() for k in engine.chunk_keys(ids)] == theirs["keys"]  # same keys, any process
     ours = engine.generate(ids, max_new_tokens=6)
-    assert ours.stats.hit_tokens == 49 and ours.stats.chunks_stored == 0
+    # the whole prompt, and the last logits the other process stored beside it
+    assert ours.stats.hit_tokens == 50 and ours.stats.logits_restored
+    assert ours.stats.chunks_stored == 0
     assert ours.token_ids == theirs["tokens"] == reference_greedy(model, ids, 6)
 
 
@@ -68,7 +70,7 @@ def test_tenants_never_share_and_same_tenant_hits() -> None:
     assert rb.stats.chunks_stored == 3  # ... and its own chunks under its own keys
     assert engine(None).generate(ids, max_new_tokens=2).stats.hit_tokens == 0  # public != tenant
     again = engine("acme").generate(ids, max_new_tokens=2)
-    assert again.stats.hit_tokens == 39  # the same tenant does hit
+    assert again.stats.hit_tokens == 40  # the same tenant does hit
     assert set(a.chunk_keys(ids)).isdisjoint(b.chunk_keys(ids))
 
 
@@ -113,7 +115,7 @@ def test_two_processes_share_hits_through_redis(redis_url: str) -> None:
     engine = HFEngine(model, store=RedisStore(redis_url), chunk_size=CHUNK, device="cpu")
     ids = prompt_ids(45, seed=12)
     ours = engine.generate(ids, max_new_tokens=6)
-    assert ours.stats.hit_tokens == 44 and set(ours.stats.hit_tiers) == {"redis"}
+    assert ours.stats.hit_tokens == 45 and set(ours.stats.hit_tiers) == {"redis"}
     assert ours.token_ids == theirs["tokens"] == reference_greedy(model, ids, 6)
 
 
@@ -128,7 +130,7 @@ def test_redis_outage_turns_into_misses(own_redis) -> None:  # type: ignore[no-u
     ids = prompt_ids(40, seed=13)
     ref = reference_greedy(model, ids, 4)
     assert engine.generate(ids, max_new_tokens=4).stats.chunks_stored == 3
-    assert engine.generate(ids, max_new_tokens=4).stats.hit_tokens == 39
+    assert engine.generate(ids, max_new_tokens=4).stats.hit_tokens == 40
     own_redis.stop()
     with pytest.warns(BackendDownWarning):
         down = engine.generate(ids, max_new_tokens=4)

@@ -46,19 +46,23 @@ def test_windows_are_read_from_the_config(family: tuple[str, Any]) -> None:
 
 @pytest.mark.parametrize("n", [WINDOW - 1, WINDOW, WINDOW + 1, 2 * CHUNK - 1, 2 * CHUNK,
                                2 * CHUNK + 1, 45])
-def test_cold_warm_partial_equal_generate_without_cache(family: tuple[str, Any], n: int) -> None:
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["logits", "recompute"])
+def test_cold_warm_partial_equal_generate_without_cache(family: tuple[str, Any], n: int,
+                                                        keep_logits: bool) -> None:
     _, model = family
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                      keep_logits=keep_logits)
+    restored = n if keep_logits else n - 1  # a whole hit with its logits, or one recomputed
     ids = prompt_ids(n, seed=n)
     ref = reference_greedy(model, ids, NEW)
     cold = engine.generate(ids, max_new_tokens=NEW)
     assert cold.token_ids == ref and cold.stats.hit_tokens == 0
     warm = engine.generate(ids, max_new_tokens=NEW)
     assert warm.token_ids == ref
-    assert warm.stats.hit_tokens == n - 1 and warm.stats.recomputed_tokens == 1
+    assert warm.stats.hit_tokens == restored and warm.stats.recomputed_tokens == n - restored
     # the logits of the warm prefill match the model's own full forward
     pre = engine.prefill(ids)
-    assert pre.stats.hit_tokens == n - 1
+    assert pre.stats.hit_tokens == restored
     torch.testing.assert_close(pre.last_logits, _full_logits(model, ids), rtol=1e-4, atol=1e-4)
     if n > CHUNK:  # shares the first full chunk, recomputes the rest
         ids2 = ids[:CHUNK] + prompt_ids(n - CHUNK, seed=100 + n)
@@ -67,22 +71,26 @@ def test_cold_warm_partial_equal_generate_without_cache(family: tuple[str, Any],
         assert part.stats.hit_tokens == CHUNK
 
 
-def test_a_hit_restores_only_the_window_of_sliding_layers(family: tuple[str, Any]) -> None:
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["logits", "recompute"])
+def test_a_hit_restores_only_the_window_of_sliding_layers(family: tuple[str, Any],
+                                                          keep_logits: bool) -> None:
     _, model = family
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                      keep_logits=keep_logits)
     ids = prompt_ids(45, seed=2)
     cold = engine.prefill(ids)
     warm = engine.prefill(ids)
-    assert warm.stats.hit_tokens == 44
+    r = 45 if keep_logits else 44  # restored tokens (without the logits, 44 is recomputed)
+    assert warm.stats.hit_tokens == r
     for i, (lc, lw) in enumerate(zip(cold.cache.layers, warm.cache.layers)):
         w = engine.layout.windows[i]
-        # restored up to 44 tokens; a sliding layer holds [44 - (w - 1), 45), a full one [0, 45)
-        first = 0 if w is None else 44 - (w - 1)
+        # restored up to r tokens; a sliding layer holds [r - (w - 1), 45), a full one [0, 45)
+        first = 0 if w is None else r - (w - 1)
         assert lw.start == first and lw.get_seq_length() == 45
         assert lw.keys.shape[2] == 45 - first
-        # the restored bits are the stored bits (position 44 was recomputed)
-        assert lw.keys[:, :, :-1].equal(lc.keys[:, :, first:44])
-        assert lw.values[:, :, :-1].equal(lc.values[:, :, first:44])
+        # the restored bits are the stored bits
+        assert lw.keys[:, :, : r - first].equal(lc.keys[:, :, first:r])
+        assert lw.values[:, :, : r - first].equal(lc.values[:, :, first:r])
 
 
 def test_after_a_restart_from_disk_and_snapshots(family: tuple[str, Any], tmp_path: Path) -> None:
@@ -93,7 +101,7 @@ def test_after_a_restart_from_disk_and_snapshots(family: tuple[str, Any], tmp_pa
     assert first.generate(ids, max_new_tokens=NEW).token_ids == ref
     again = HFEngine(model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, device="cpu")
     r = again.generate(ids, max_new_tokens=NEW)
-    assert r.token_ids == ref and r.stats.hit_tokens == 40 and set(r.stats.hit_tiers) == {"disk"}
+    assert r.token_ids == ref and r.stats.hit_tokens == 41 and set(r.stats.hit_tiers) == {"disk"}
     # a snapshot of the restored prompt carries every layer's K/V (the stored bytes)
     snap = KVSnapshot.from_bytes(again.snapshot(ids[:37]).to_bytes())
     other = HFEngine(model, store=MemoryStore(), chunk_size=8, device="cpu")  # re-chunks it
@@ -107,7 +115,9 @@ def test_decoding_past_the_buffer_compacts_sliding_layers() -> None:
     """``prefill`` sizes the cache for the prompt; decoding on from it grows full layers and
     keeps only the window in sliding ones, token for token as the model."""
     model = tiny_model("gemma3")
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    # without stored logits, so the warm prefill restores a window and recomputes one token
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                      keep_logits=False)
     ids = prompt_ids(30, seed=4)
     ref = reference_greedy(model, ids, 20)
     engine.prefill(ids)
@@ -149,7 +159,7 @@ def test_real_gemma3_270m_over_its_window(tmp_path: Path) -> None:
     assert cold.stats.chunks_stored == 3 and int(cold.last_logits.argmax()) == ref[0]
     again = HFEngine(model, store=DiskStore(tmp_path / "kv"), chunk_size=256, device="cpu")
     warm = again.generate(ids, max_new_tokens=6)
-    assert warm.token_ids[: len(ref)] == ref and warm.stats.hit_tokens == 599
+    assert warm.token_ids[: len(ref)] == ref and warm.stats.hit_tokens == 600
     assert set(warm.stats.hit_tiers) == {"disk"}
     torch.testing.assert_close(again.prefill(ids).last_logits, cold.last_logits,
                                rtol=1e-4, atol=1e-4)

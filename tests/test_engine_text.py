@@ -25,7 +25,7 @@ def test_text_and_chat_prompts_hit_the_cache(engine: HFEngine) -> None:
         msgs, add_generation_prompt=True, tokenize=False))
     cold = engine.generate(msgs, max_new_tokens=6)
     warm = engine.generate(msgs, max_new_tokens=6)
-    assert warm.stats.hit_tokens == len(ids) - 1 and warm.token_ids == cold.token_ids
+    assert warm.stats.hit_tokens == len(ids) and warm.token_ids == cold.token_ids
     assert cold.text == engine.decode(cold.token_ids)
     follow = msgs + [{"role": "assistant", "content": "At home."},
                      {"role": "user", "content": "Thanks"}]
@@ -73,7 +73,7 @@ def test_reference_model_by_path_is_exact() -> None:
     cold = eng.generate(prompt, max_new_tokens=8)
     warm = eng.generate(prompt, max_new_tokens=8)
     assert cold.token_ids == ref and warm.token_ids == ref
-    assert warm.stats.hit_tokens == len(ids) - 1
+    assert warm.stats.hit_tokens == len(ids) and warm.stats.logits_restored
 
 
 def test_stop_string_never_leaks_into_the_stream(engine: HFEngine) -> None:

@@ -3,10 +3,12 @@
 Request path (``generate``): tokenize -> longest cached prefix (``store.lookup``) -> fetch,
 verify and decode those chunks straight into one preallocated ``[L, H, prompt + new, D]``
 buffer (a sliding-window layer gets only the last ``window - 1`` positions it needs) -> the
-engine's cache over that buffer (via the cache adapter) -> prefill the rest (at least one token:
-a fully cached prompt still feeds its last token) -> choose the first token (TTFT) -> store the
-prompt's new chunks (full chunks and the partial tail; chunks already stored are skipped) ->
-decode in place (no per-step copy of the cache), detokenizing incrementally.
+engine's cache over that buffer (via the cache adapter) -> prefill the rest (a fully cached
+prompt whose last-position logits are stored beside its final chunk runs no forward at all;
+otherwise at least its last token is fed) -> choose the first token (TTFT) -> store the
+prompt's new chunks (full chunks and the partial tail; chunks already stored are skipped) and
+its last-position logits -> decode in place (no per-step copy of the cache), detokenizing
+incrementally.
 
 The namespace (model fingerprint, tokenizer fingerprint, dtype, codec spec, tenant salt digest)
 roots every chunk key, so two engines share chunks only when every one of those matches.
@@ -41,6 +43,7 @@ from ..kv import (
     decode_chunk,
     encode_chunk,
     get_codec,
+    logits_key,
 )
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
@@ -60,6 +63,7 @@ the hit path at 256 and grows quickly below 64; larger chunks lose reuse granula
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_POS_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+_LOGITS_CODEC = "logits"  # the codec name in the header of a stored last-position logits entry
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
 
@@ -93,6 +97,10 @@ class HFEngine:
         device: ``"cuda"``/``"cpu"``/a ``torch.device``; default cuda when available.
         dtype: model dtype (casts the model), default the model's own.
         adapter: fingerprint of a LoRA/adapter applied to the model ("" for none).
+        keep_logits: store each prompt's last-position logits beside its final chunk (one
+            ``[vocab]`` entry: 2 bytes a token id for a bfloat16 model, 4 otherwise), so a
+            whole-prompt hit restores them and runs no forward (docs/architecture.md,
+            invariant 3). False: every hit recomputes the prompt's last token.
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class HFEngine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         adapter: str = "",
+        keep_logits: bool = True,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -141,6 +150,9 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.store = store
         self.chunk_size = chunk_size
+        if not isinstance(keep_logits, bool):
+            raise InvalidInputError(f"keep_logits must be True or False, got {keep_logits!r}")
+        self.keep_logits = keep_logits
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
@@ -311,6 +323,63 @@ class HFEngine:
             raw.append(fetched.value)
         return chunks, tiers, raw
 
+    def _fetch_logits(self, prompt_key: ChunkKey) -> torch.Tensor | None:
+        """The stored last-position logits of a whole cached prompt; None: recompute instead."""
+        lk = logits_key(prompt_key)
+        try:
+            fetched = self.store.fetch(lk)
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store fetch of the prompt's logits failed (%s); recomputing", exc)
+            return None
+        if fetched is None:
+            return None
+        try:
+            entry = decode_chunk(fetched.value, expect_key=lk,
+                                 expect_namespace=self.namespace_digest, verify=False)
+        except (CorruptEntryError, NamespaceMismatchError) as exc:
+            logger.warning("the prompt's stored logits are unusable (%s); recomputing", exc)
+            return None
+        h, arr = entry.header, entry.arrays.get("logits")
+        if (h.codec != _LOGITS_CODEC or h.parent != bytes(prompt_key).hex() or arr is None
+                or arr.ndim != 1 or arr.shape[0] < self.vocab_size):
+            logger.warning("entry %s is not this prompt's logits; recomputing", h.key[:16])
+            return None
+        if "logits" in h.codec_params.get("bf16", ()):
+            t = torch.from_numpy(np.array(arr, dtype="<u2").view("<i2")).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(np.array(arr, dtype="<f4"))
+        return t.to(self.device, torch.float32)
+
+    def _store_logits(self, pre: PrefillResult, prompt_key: ChunkKey) -> None:
+        """Store the prompt's last-position logits beside its final chunk (once per prompt).
+
+        A bfloat16 model's logits are kept as their 16 bits (exact: they were bfloat16 before
+        the float32 cast); anything else as float32.
+        """
+        lg = pre.last_logits
+        if lg.ndim != 1 or lg.numel() == 0:  # e.g. a re-chunked snapshot: no logits computed
+            return
+        lk = logits_key(prompt_key)
+        x = lg.detach().to("cpu", torch.float32).contiguous()
+        b = x.to(torch.bfloat16)
+        if torch.equal(b.float(), x):
+            arr, names = b.view(torch.int16).numpy().view("<u2"), frozenset({"logits"})
+        else:
+            arr, names = x.numpy(), frozenset()
+        data = encode_chunk(
+            namespace=self.namespace_digest, key=lk, parent=prompt_key, num_tokens=0,
+            start=len(pre.input_ids), dtype=self.namespace.dtype, codec=_LOGITS_CODEC,
+            codec_params={"bf16": sorted(names)}, arrays={"logits": arr}, bf16_names=names,
+            meta={"kind": "logits"},
+        )
+        try:
+            if not self.store.contains(lk):
+                self.store.put(lk, data)
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store put of the prompt's logits failed (%s)", exc)
+            return
+        pre.stats.bytes_stored += len(data)
+
     def _gather_from_snapshot(
         self, ids: list[int], snap: KVSnapshot
     ) -> tuple[list[Chunk], list[str], list[bytes]]:
@@ -426,11 +495,18 @@ class HFEngine:
             chunks, tiers, raw = self._gather_from_snapshot(ids, snapshot)
         else:
             chunks, tiers, raw = self._gather_from_store(ids, keys, stats)
+        # invariant 3: a whole cached prompt is restored only together with the logits its
+        # prefill computed (stored beside its final chunk); otherwise the last token is
+        # recomputed (restore at most len - 1)
+        logits: torch.Tensor | None = None
+        if (self.keep_logits and snapshot is None and chunks
+                and sum(c.header.num_tokens for c in chunks) == len(ids)):
+            logits = self._fetch_logits(keys[-1])
         with torch.no_grad():
-            # invariant 3: recompute at least the last token (restore at most len - 1)
             # a snapshot's chunks may be cut for other keys (another chunk size, a shorter
             # prompt): they are re-encoded from the cache, so every layer keeps them all
-            cache, _ = self._restore(chunks, len(ids) - 1, max(capacity, len(ids)),
+            upto = len(ids) if logits is not None else len(ids) - 1
+            cache, _ = self._restore(chunks, upto, max(capacity, len(ids)),
                                      full=snapshot is not None)
             stats.load_ms = (time.perf_counter() - t0) * 1e3
             kept = ca.cache_length(cache)
@@ -439,15 +515,18 @@ class HFEngine:
             stats.hit_tiers = tuple(tiers)
             stats.bytes_loaded = sum(c.nbytes for c in chunks)
             stats.recomputed_tokens = len(ids) - kept
+            stats.logits_restored = logits is not None
             t1 = time.perf_counter()
-            rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
-            sched = self.prefill_scheduler
-            # cut only where a cut prefill is bit-identical to one forward: one intra-op thread
-            # (with more, CPU matmuls split rows differently by shape) and no sliding layers
-            cut = not self.layout.sliding and torch.get_num_threads() == 1
-            logits = (self._runner.forward(rest, cache) if sched is None
-                      else sched.run(self._runner, rest, cache,
-                                     align=self.chunk_size if cut else 0))
+            if logits is None:
+                rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
+                sched = self.prefill_scheduler
+                # cut only where a cut prefill is bit-identical to one forward: one intra-op
+                # thread (with more, CPU matmuls split rows differently by shape) and no
+                # sliding layers
+                cut = not self.layout.sliding and torch.get_num_threads() == 1
+                logits = (self._runner.forward(rest, cache) if sched is None
+                          else sched.run(self._runner, rest, cache,
+                                         align=self.chunk_size if cut else 0))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             stats.prefill_ms = (time.perf_counter() - t1) * 1e3
@@ -469,11 +548,12 @@ class HFEngine:
         ids = pre.input_ids
         spans = chunk_spans(len(ids), self.chunk_size)
         first = stats.hit_chunks if not stats.hit_tiers or stats.hit_tiers[0] != "snapshot" else 0
+        complete = True  # every chunk is in the store (then its logits go beside it)
         try:
             todo = [i for i in range(first, len(keys)) if not self.store.contains(keys[i])]
         except (StoreError, BackendUnavailableError) as exc:
             logger.warning("KV store unavailable (%s); the prompt's chunks are not stored", exc)
-            todo = []
+            todo, complete = [], False
         # restored chunks (a snapshot's) are stored as the bytes they came in; computed ones
         # are encoded from the cache, where every layer holds them (they follow the restored
         # prefix, and a restored sliding layer holds only its last window)
@@ -493,9 +573,12 @@ class HFEngine:
                 except (StoreError, BackendUnavailableError) as exc:
                     logger.warning("KV store put failed (%s); stopping the store of this prompt",
                                    exc)
+                    complete = False
                     break
                 stats.bytes_stored += len(data)
                 stats.chunks_stored += 1
+        if complete and self.keep_logits and keys and not stats.logits_restored:
+            self._store_logits(pre, keys[-1])  # beside the final chunk, so a whole hit needs no forward
         stats.store_ms = (time.perf_counter() - t0) * 1e3
 
     def _encode(

@@ -19,7 +19,8 @@ class GenerationStats:
     hit_tokens: int = 0  # prompt tokens whose KV was restored (not recomputed)
     hit_chunks: int = 0  # chunks restored
     hit_tiers: tuple[str, ...] = ()  # tier that served each restored chunk, in order
-    recomputed_tokens: int = 0  # prompt tokens run through the model (always >= 1)
+    recomputed_tokens: int = 0  # prompt tokens run through the model (0: whole-prompt hit)
+    logits_restored: bool = False  # a whole-prompt hit: its stored last logits, no forward
     bytes_loaded: int = 0  # encoded chunk bytes read from the store or snapshot
     bytes_stored: int = 0  # encoded chunk bytes written
     chunks_stored: int = 0  # new chunks written (already stored chunks are skipped)
@@ -57,6 +58,7 @@ class GenerationStats:
             "hit_chunks": self.hit_chunks,
             "hit_tiers": list(self.hit_tiers),
             "recomputed_tokens": self.recomputed_tokens,
+            "logits_restored": self.logits_restored,
             "bytes_loaded": self.bytes_loaded,
             "bytes_stored": self.bytes_stored,
             "chunks_stored": self.chunks_stored,

@@ -28,6 +28,7 @@ from ._keys import (
     chunk_key,
     chunk_keys,
     chunk_spans,
+    logits_key,
 )
 from ._memory import MemoryStore
 from ._redis import RedisStore
@@ -72,6 +73,7 @@ __all__ = [
     "chunk_key",
     "chunk_keys",
     "chunk_spans",
+    "logits_key",
     "decode_chunk",
     "encode_chunk",
     "get_codec",

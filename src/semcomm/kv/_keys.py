@@ -28,6 +28,7 @@ __all__ = [
     "chunk_key",
     "chunk_keys",
     "chunk_spans",
+    "logits_key",
 ]
 
 ChunkKey = NewType("ChunkKey", bytes)
@@ -96,3 +97,15 @@ def chunk_keys(
         parent = chunk_key(parent, arr[start:end])
         keys.append(ChunkKey(parent))
     return keys
+
+
+_LOGITS_TAG = b"semcomm.logits/1"
+
+
+def logits_key(prompt_key: bytes) -> ChunkKey:
+    """Key of the last-position logits stored beside a prompt whose final chunk is ``prompt_key``.
+
+    Derived from the chain key, so it names the whole prompt in its namespace (tenant included)
+    and can never equal a chunk key (a chunk key hashes a parent key and u32 token ids).
+    """
+    return ChunkKey(hashlib.blake2b(_LOGITS_TAG + bytes(prompt_key), digest_size=_DIGEST_SIZE).digest())
