@@ -29,10 +29,12 @@ against the precision measured with the labels).
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -183,6 +185,9 @@ def gptcache_served(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray,
     # GPTCache commits to SQLite on every get: keep its files in memory where the box allows
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     tmp = tempfile.mkdtemp(prefix="gptcache-traffic-", dir=shm)
+    # GPTCache writes its index when the process exits (its own atexit hook, registered by
+    # init below); exit hooks run last-registered first, so this removal runs after that write
+    atexit.register(shutil.rmtree, tmp, True)
     c = Cache()
     dm = get_data_manager(CacheBase("sqlite", sql_url=f"sqlite:///{tmp}/g.db"),
                           VectorBase("faiss", dimension=sv.shape[1],
@@ -199,9 +204,6 @@ def gptcache_served(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray,
         t = time.perf_counter()
         served.append(get(q, cache_obj=c))
         lat.append(time.perf_counter() - t)
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
     return served, lat
 
 
