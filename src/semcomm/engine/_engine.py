@@ -49,6 +49,7 @@ from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -64,6 +65,8 @@ the hit path at 256 and grows quickly below 64; larger chunks lose reuse granula
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_POS_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 _LOGITS_CODEC = "logits"  # the codec name in the header of a stored last-position logits entry
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
 
@@ -101,6 +104,9 @@ class HFEngine:
             ``[vocab]`` entry: 2 bytes a token id for a bfloat16 model, 4 otherwise), so a
             whole-prompt hit restores them and runs no forward (docs/architecture.md,
             invariant 3). False: every hit recomputes the prompt's last token.
+        kv_pool_bytes: on the CPU, idle K/V buffer bytes kept for the next request, so a
+            restore writes into memory that is already mapped (engine/_pool.py); 0: none.
+            ``engine.kv_pool`` may be set to a pool shared by several engines.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class HFEngine:
         dtype: str | torch.dtype | None = None,
         adapter: str = "",
         keep_logits: bool = True,
+        kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -153,6 +160,11 @@ class HFEngine:
         if not isinstance(keep_logits, bool):
             raise InvalidInputError(f"keep_logits must be True or False, got {keep_logits!r}")
         self.keep_logits = keep_logits
+        try:
+            pool = KVBufferPool(kv_pool_bytes)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
+        self.kv_pool: KVBufferPool | None = pool if kv_pool_bytes > 0 else None
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
@@ -415,8 +427,11 @@ class HFEngine:
             raise CorruptEntryError("snapshot chunk count does not match its tokens")
 
     def _restore(self, chunks: list[Chunk], upto: int, capacity: int,
-                 full: bool = False) -> tuple[Any, int]:
-        """Decode chunks into the cache's preallocated buffer; returns ``(cache, tokens)``.
+                 full: bool = False) -> tuple[Any, int, _Pair | None]:
+        """Decode chunks into the cache's preallocated buffer.
+
+        Returns ``(cache, tokens, buffers)``: ``buffers`` is the CPU key/value pair behind the
+        cache when it came from (and may go back to) ``kv_pool``, else None.
 
         At most ``upto`` tokens are restored. Each sliding-window layer gets only the positions
         it needs to continue (``KVLayout.first_needed``) unless ``full`` (re-chunking needs
@@ -426,17 +441,23 @@ class HFEngine:
         total = min(upto, stored)
         lay = self.layout
         cap = max(capacity, stored, 1)  # whole chunks fit (a position past ``total`` is
-        if total == 0:                  # overwritten by the recomputed token)
-            return ca.buffer_cache(lay, cap, self.device), 0
+        on_cpu = self.device.type == "cpu"  # overwritten by the recomputed token)
+        pool = self.kv_pool if on_cpu else None
+        if total == 0:
+            bufs = None if pool is None else self._pooled(pool, cap)
+            return ca.buffer_cache(lay, cap, self.device, 0, bufs), 0, bufs
         lo = [0 if full else lay.first_needed(i, total) for i in range(lay.num_layers)]
-        on_cpu = self.device.type == "cpu"
-        # the cache's own buffer on the CPU; a pinned staging buffer for an accelerator
+        # the cache's own buffer on the CPU (from the pool when it has one); a pinned staging
+        # buffer for an accelerator
         width = cap if on_cpu else stored
         pin = self.device.type == "cuda"
-        out_k = torch.empty((lay.num_layers, lay.kv_heads, width, lay.k_dim), dtype=self.dtype,
-                            pin_memory=pin)
-        out_v = torch.empty((lay.num_layers, lay.kv_heads, width, lay.v_dim), dtype=self.dtype,
-                            pin_memory=pin)
+        if pool is not None:
+            out_k, out_v = self._pooled(pool, width)
+        else:
+            out_k = torch.empty((lay.num_layers, lay.kv_heads, width, lay.k_dim),
+                                dtype=self.dtype, pin_memory=pin)
+            out_v = torch.empty((lay.num_layers, lay.kv_heads, width, lay.v_dim),
+                                dtype=self.dtype, pin_memory=pin)
         pos = 0
         for c in chunks:
             n = c.header.num_tokens
@@ -446,14 +467,20 @@ class HFEngine:
                 self._decode_layers(c, out_k, out_v, pos, n, lo)
             pos += n
         if on_cpu:
-            return ca.buffer_cache(lay, cap, self.device, total, (out_k, out_v), full), total
+            return (ca.buffer_cache(lay, cap, self.device, total, (out_k, out_v), full), total,
+                    (out_k, out_v) if pool is not None else None)
         bk = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.k_dim), dtype=self.dtype,
                          device=self.device)
         bv = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.v_dim), dtype=self.dtype,
                          device=self.device)
         bk[:, :, :stored].copy_(out_k, non_blocking=True)
         bv[:, :, :stored].copy_(out_v, non_blocking=True)
-        return ca.buffer_cache(lay, cap, self.device, total, (bk, bv), full), total
+        return ca.buffer_cache(lay, cap, self.device, total, (bk, bv), full), total, None
+
+    def _pooled(self, pool: KVBufferPool, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.layout
+        return pool.take(lay.num_layers, lay.kv_heads, width, lay.k_dim, lay.v_dim, self.dtype,
+                         self.device)
 
     def _decode_layers(self, chunk: Chunk, out_k: torch.Tensor, out_v: torch.Tensor, pos: int,
                        n: int, lo: list[int]) -> None:
@@ -506,8 +533,8 @@ class HFEngine:
             # a snapshot's chunks may be cut for other keys (another chunk size, a shorter
             # prompt): they are re-encoded from the cache, so every layer keeps them all
             upto = len(ids) if logits is not None else len(ids) - 1
-            cache, _ = self._restore(chunks, upto, max(capacity, len(ids)),
-                                     full=snapshot is not None)
+            cache, _, bufs = self._restore(chunks, upto, max(capacity, len(ids)),
+                                           full=snapshot is not None)
             stats.load_ms = (time.perf_counter() - t0) * 1e3
             kept = ca.cache_length(cache)
             stats.hit_tokens = kept
@@ -533,7 +560,7 @@ class HFEngine:
         stats.ttft_s = time.perf_counter() - t_start
         assert ca.cache_length(cache) == len(ids)
         result = PrefillResult(
-            cache=cache, last_logits=logits, input_ids=ids, stats=stats,
+            cache=cache, last_logits=logits, input_ids=ids, stats=stats, buffers=bufs,
             chunk_bytes=[raw[i] if i < len(raw) and chunks[i].header.key == keys[i].hex() else None
                          for i in range(len(keys))],
         )
@@ -697,7 +724,8 @@ class HFEngine:
             on_prefill(stats)
         seq = DecodeState(self.tokenizer, params, self.device, max_new_tokens=max_new,
                           stop=stop_strs, stop_ids=stop_ids, eos_ids=self.eos_token_ids)
-        cache = pre.cache
+        cache, bufs = pre.cache, pre.buffers
+        pre.buffers = None
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
@@ -715,6 +743,9 @@ class HFEngine:
             if isinstance(piece, int) or piece:
                 yield piece  # a text piece, or the token id without a tokenizer
         dt = time.perf_counter() - t_dec
+        if self.kv_pool is not None and bufs is not None:
+            # the decode loop is over: nothing reads the buffers behind its cache any more
+            self.kv_pool.give(bufs)
         out = seq.token_ids
         stats.new_tokens = len(out)
         stats.decode_tokens_per_s = (len(out) - 1) / dt if len(out) > 1 and dt > 0 else 0.0
@@ -778,7 +809,7 @@ class HFEngine:
             return added
         # another chunking: restore and re-chunk with ours
         with torch.no_grad():
-            cache, _ = self._restore(chunks, len(ids), len(ids), full=True)
+            cache, _, _ = self._restore(chunks, len(ids), len(ids), full=True)
         pre = PrefillResult(cache=cache, last_logits=torch.empty(0), input_ids=ids,
                             stats=GenerationStats(prompt_tokens=len(ids)))
         self._store_chunks(pre, self.chunk_keys(ids))

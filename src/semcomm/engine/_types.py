@@ -100,6 +100,8 @@ class PrefillResult:
     input_ids: list[int]
     stats: GenerationStats
     chunk_bytes: list[bytes | None] = field(default_factory=list)  # fetched encoded chunks (hits)
+    # the CPU key/value buffers behind ``cache`` when they came from the engine's buffer pool
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TokenStream:

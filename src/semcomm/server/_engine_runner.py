@@ -126,10 +126,12 @@ class EngineRunner:
         with self._lock:
             eng = self._engines.get((tenant, isolate))
             if eng is None:
+                # no idle K/V buffers kept between requests: the server's memory plan counts
+                # live and cached KV only (engine/_pool.py)
                 eng = self.engine_cls(self.model, self.tokenizer,
                                       store=None if isolate else self.store,
                                       chunk_size=self.chunk_size, codec=self.codec,
-                                      tenant=tenant, salter=self.salter)
+                                      tenant=tenant, salter=self.salter, kv_pool_bytes=0)
                 eng.prefill_scheduler = self.scheduler
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:
