@@ -3,7 +3,9 @@
 Modes:
     disk PATH SEED N CAPACITY GO write chain(N, seed=SEED) into DiskStore(PATH, CAPACITY) once
                                  the file GO exists (prints "ready" first: a start barrier)
-    big PATH                     write ever larger chunks into DiskStore(PATH) until killed
+    big PATH [DURABILITY]        write 32 MiB chunks into DiskStore(PATH) until killed
+    behind PATH SEED N           put chain(N, seed=SEED) into a write-behind DiskStore(PATH) and
+                                 exit without close() or flush() (the atexit hook writes them)
     redis URL SEED N             write chain(N, seed=SEED) into RedisStore(URL)
     redis-read URL SEED N        print how many of chain(N, seed=SEED) it reads back intact
 """
@@ -33,8 +35,14 @@ def main(argv: list[str]) -> int:
         for key, value in items:
             store.put(key, value)
         return 0
+    if mode == "behind":
+        store = DiskStore(argv[1], durability="write-behind")
+        for key, value in chain(int(argv[3]), seed=int(argv[2]), payload=4096):
+            store.put(key, value)
+        print("queued", flush=True)
+        return 0  # no close(): what is still queued is written at interpreter exit
     if mode == "big":
-        store = DiskStore(argv[1])
+        store = DiskStore(argv[1], durability=argv[2] if len(argv) > 2 else "flush")
         ns = Namespace(model="big", tokenizer="", dtype="float32", codec="none", tenant="t")
         keys = chunk_keys(ns.digest, list(range(10_000)), 1)
         rng = np.random.default_rng(0)

@@ -295,6 +295,7 @@ def syncs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 @pytest.mark.parametrize(("kwargs", "expect"), [
     ({}, "flush"), ({"durability": "fsync"}, "fsync"), ({"fsync": True}, "fsync"),
     ({"fsync": False}, "flush"), ({"durability": "flush"}, "flush"),
+    ({"durability": "write-behind"}, "write-behind"),
 ])
 def test_durability_setting(tmp_path: Path, kwargs: dict[str, object], expect: str) -> None:
     assert DiskStore(tmp_path, **kwargs).durability == expect  # type: ignore[arg-type]

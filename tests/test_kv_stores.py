@@ -22,7 +22,7 @@ from semcomm.kv import (
 
 from ._kvchunks import chain
 
-KINDS = ["memory", "disk", "redis", "tiered"]
+KINDS = ["memory", "disk", "disk-write-behind", "redis", "tiered"]
 
 
 @pytest.fixture(params=KINDS)
@@ -32,6 +32,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChunkStore
         s: ChunkStore = MemoryStore()
     elif kind == "disk":
         s = DiskStore(tmp_path / "kv")
+    elif kind == "disk-write-behind":  # the same contract while writes are still queued
+        s = DiskStore(tmp_path / "kv", durability="write-behind")
     elif kind == "redis":
         s = RedisStore(request.getfixturevalue("redis_url"))
     else:
@@ -149,15 +151,17 @@ def test_defaults_work(tmp_path: Path) -> None:
     d.close()
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk"])
+@pytest.mark.parametrize("kind", ["memory", "disk", "disk-write-behind"])
 def test_threads_share_a_store_within_budget(kind: str, tmp_path: Path) -> None:
     import threading
 
     items = [kv for s in range(4) for kv in chain(6, seed=s)]
     size = max(len(v) for _, v in items)
     cap = 8 * size
-    store: MemoryStore | DiskStore = (MemoryStore(capacity_bytes=cap) if kind == "memory"
-                                      else DiskStore(tmp_path / "kv", capacity_bytes=cap))
+    store: MemoryStore | DiskStore = (
+        MemoryStore(capacity_bytes=cap) if kind == "memory"
+        else DiskStore(tmp_path / "kv", capacity_bytes=cap,
+                       durability="write-behind" if kind == "disk-write-behind" else "flush"))
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:

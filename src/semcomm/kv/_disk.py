@@ -6,6 +6,10 @@ Layout::
     <root>/.lock                       fcntl lock taken by eviction sweeps
     <root>/<hh>/<64 hex>.sckv          one encoded chunk; <hh> = first two hex digits of the key
     <root>/<hh>/.<64 hex>.<pid>.<rand>.tmp   a write in progress (renamed into place when done)
+
+What a returned ``put`` promises is the store's ``durability`` (:data:`DURABILITY`); every
+setting writes a temporary file and renames it into place, so none can leave a torn chunk
+under a chunk's name, and every read verifies the checksum whatever the setting.
 """
 
 from __future__ import annotations
@@ -41,15 +45,20 @@ from ._store import (
     parent_of,
     validate_chunk,
 )
+from ._writeback import WriteQueue
 
-__all__ = ["DEFAULT_DISK_CAPACITY", "DURABILITY", "DiskStore"]
+__all__ = ["DEFAULT_DISK_CAPACITY", "DEFAULT_MAX_PENDING_BYTES", "DURABILITY", "DiskStore"]
 
 logger = logging.getLogger("semcomm.kv")
 
 DEFAULT_DISK_CAPACITY = 10 << 30  # 10 GiB
-DURABILITY = frozenset({"flush", "fsync"})
-"""What a returned ``DiskStore.put`` promises: ``"flush"`` survives a process crash,
-``"fsync"`` also power loss (see :class:`DiskStore`)."""
+DURABILITY = frozenset({"flush", "fsync", "write-behind"})
+"""What a returned ``DiskStore.put`` promises (see :class:`DiskStore`): ``"flush"`` the chunk is
+written (it survives the process crashing), ``"fsync"`` also synced (it survives power loss),
+``"write-behind"`` only accepted (validated and queued; written within the queue's bound, and
+by ``flush()``/``close()``)."""
+DEFAULT_MAX_PENDING_BYTES = 256 << 20  # write-behind: bytes queued before put waits
+DEFAULT_WRITER_THREADS = 2  # write-behind: threads writing the queue
 _SUFFIX = ".sckv"
 _TMP_SUFFIX = ".tmp"
 _MARKER = ".semcomm-kv"
@@ -194,6 +203,15 @@ class DiskStore(StoreBase, LruPinning):
       that comes back torn fails its checksum and is a miss, never served).
       ``"fsync"``: the chunk survives power loss too (file data synced before the rename, the
       directory after it); :meth:`put_many` syncs once per batch instead of once per chunk.
+      ``"write-behind"``: the chunk is validated (a bad one raises in ``put``), room is made
+      for it and it is queued; ``writer_threads`` threads write the queue (temporary file and
+      rename, as ``"flush"``). This store serves a queued chunk from memory at once (``get``,
+      ``contains``, ``lookup``, ``scan``); other processes see it once it is written, which
+      :meth:`flush` and :meth:`close` wait for (and an ``atexit`` hook, for stores still open
+      at a normal interpreter exit). A process killed before that loses the queued chunks
+      (misses later, never a wrong or torn chunk). At most ``max_pending_bytes`` are queued:
+      beyond it ``put`` waits for the writers (backpressure). A write that fails is counted in
+      ``stats().errors`` and the chunk is absent.
     * **Verified reads.** Every ``get`` checks header, key and XXH3 checksum. A truncated,
       bit-flipped or swapped file (content naming another key) is counted in
       ``stats().corrupt``, deleted and reported as a miss.
@@ -219,6 +237,8 @@ class DiskStore(StoreBase, LruPinning):
         durability: str = "flush",
         fsync: bool | None = None,
         sealer: ChunkSealer | None = None,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        writer_threads: int = DEFAULT_WRITER_THREADS,
     ):
         super().__init__()
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -229,6 +249,11 @@ class DiskStore(StoreBase, LruPinning):
             durability = "fsync" if fsync else "flush"
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
+        # raises ValueError for bad values before anything touches the directory
+        queue: WriteQueue[_Job] | None = None
+        if durability == "write-behind":
+            queue = WriteQueue(self._write_queued, max_bytes=max_pending_bytes,
+                               threads=writer_threads)
         root = Path(path).expanduser()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"DiskStore path {str(root)!r} exists and is not a directory")
@@ -243,6 +268,12 @@ class DiskStore(StoreBase, LruPinning):
         self.capacity_bytes = capacity_bytes
         self.durability = durability
         self._fsync = durability == "fsync"
+        self._behind = durability == "write-behind"
+        self._queue = queue  # write-behind: the threads writing accepted chunks
+        # write-behind: the newest accepted job of each key not yet written; an entry leaves
+        # in _finish in the same hold of _lock that indexes the file (or drops the chunk),
+        # so a key is always in one of the two, and its bytes are reserved while it is here
+        self._queued: dict[ChunkKey, _Job] = {}
         self._root_s = str(root) + os.sep
         self._shard_dirs: set[str] = set()  # shard directories known to exist (skips mkdir)
         self._tmp_seq = itertools.count(secrets.randbelow(1 << 30))
@@ -290,8 +321,23 @@ class DiskStore(StoreBase, LruPinning):
             raise RuntimeError("DiskStore is closed")
         return DiskStore._FLock(self._lock_fd)
 
+    def flush(self) -> None:
+        """Wait until every accepted chunk is written (write-behind; else nothing to wait for).
+
+        After it returns, every chunk this store accepted before the call is a file that other
+        processes and a reopened store find."""
+        if self._queue is not None:
+            self._queue.flush()
+
+    @property
+    def queue_depth(self) -> tuple[int, int]:
+        """(chunks, bytes) accepted but not yet written (write-behind; else always (0, 0))."""
+        return (0, 0) if self._queue is None else self._queue.queued
+
     def close(self) -> None:
-        """Release the lock file descriptor; the directory stays as it is."""
+        """Write what is queued, then release the lock file; the directory stays as it is."""
+        if self._queue is not None:
+            self._queue.close()
         with self._lock:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
@@ -447,6 +493,10 @@ class DiskStore(StoreBase, LruPinning):
     # ---- primitives --------------------------------------------------------------------
     def get(self, key: ChunkKey) -> bytes | None:
         key = check_key(key)
+        if self._behind:
+            queued = self._queued_value(key)
+            if queued is not None:
+                return queued
         path = self._path(key)
         value = self._accept(key, path, self._load(key, path))
         assert value is None or isinstance(value, bytes)  # read into new memory, not a view
@@ -466,9 +516,33 @@ class DiskStore(StoreBase, LruPinning):
             raise TypeError("get_into needs a writable, contiguous buffer (a bytearray)")
         if out.format != "B" or out.ndim != 1:
             out = out.cast("B")
+        if self._behind:
+            queued = self._queued_value(key)
+            if queued is not None:
+                if self.sealer is not None or len(queued) > len(out):
+                    return memoryview(queued)
+                out[: len(queued)] = queued
+                return out[: len(queued)]
         path = self._path(key)
         value = self._accept(key, path, self._load(key, path, out))
         return None if value is None else memoryview(value)
+
+    def _queued_value(self, key: ChunkKey) -> bytes | None:
+        """A chunk accepted but not yet written: served from the write queue (a hit)."""
+        job = self._queued.get(key)  # one dict read: no lock needed
+        if job is None:
+            return None
+        stored = job.value
+        if self.sealer is not None:
+            try:  # queued bytes are sealed like the file will be: open (and verify) them
+                stored, _ = open_stored(key, stored, self.sealer)
+            except CorruptEntryError as exc:  # pragma: no cover - sealed by this process
+                logger.warning("DiskStore: queued chunk %s does not open: %s", key.hex()[:16],
+                               exc)
+                return None
+        with self._lock:
+            self._hits += 1
+        return stored
 
     def _load(self, key: ChunkKey, path: str,
               into: memoryview | None = None) -> tuple[bytes | memoryview, int] | None:
@@ -523,16 +597,43 @@ class DiskStore(StoreBase, LruPinning):
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
         value, parent = validate_chunk(key, value)
+        if self._behind:
+            self._put_behind(key, value, parent)
+            return
         job = self._admit(key, value, parent)
         if job is None:
             return
         self._finish(job, self._write(job, sync=self._fsync))
 
+    def _put_behind(self, key: ChunkKey, value: bytes, parent: ChunkKey | None) -> None:
+        """Queue a validated chunk (write-behind); readable from ``_queued`` until written."""
+        assert self._queue is not None
+        queued = self._queued.get(key)
+        if queued is not None and self.sealer is None and (
+                queued.value is value or queued.value == value):
+            return  # the same chunk is already on its way
+        job = self._admit(key, value, parent)
+        if job is None:
+            return
+        with self._lock:
+            self._queued[key] = job
+        try:
+            self._queue.submit(job)
+        except BaseException:  # closed: the chunk is not stored after all
+            self._finish(job, False)
+            raise
+
+    def _write_queued(self, job: _Job) -> None:
+        """A writer thread's work for one queued chunk (``WriteQueue`` calls it)."""
+        self._finish(job, self._write(job, sync=False))
+
     def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
-        """``put`` of each (key, value); with ``durability="fsync"`` one sync for the batch.
+        """``put`` of each (key, value), with the store's durability for the whole batch.
 
         Every value is validated before anything is written: a malformed one raises
-        ``InvalidInputError`` and none of the batch is stored.
+        ``InvalidInputError`` and none of the batch is stored. ``"flush"``: written one after
+        the other, as ``put``; ``"write-behind"``: queued, as ``put``; ``"fsync"``: every
+        temporary file, one filesystem sync, the renames, one sync per directory.
         """
         checked = []
         for k, v in items:
@@ -540,6 +641,9 @@ class DiskStore(StoreBase, LruPinning):
             checked.append((k, *validate_chunk(k, v)))
         if not self._fsync:
             for k, v, parent in checked:
+                if self._behind:
+                    self._put_behind(k, v, parent)
+                    continue
                 job = self._admit(k, v, parent)
                 if job is not None:
                     self._finish(job, self._write(job, sync=False))
@@ -594,13 +698,18 @@ class DiskStore(StoreBase, LruPinning):
         return _Job(key, value, parent, existed, pins)
 
     def _finish(self, job: _Job, written: bool) -> None:
-        with self._lock:
-            self._reserved -= len(job.value)
         if not written:
+            with self._lock:
+                self._reserved -= len(job.value)
+                if self._queued.get(job.key) is job:
+                    del self._queued[job.key]
             if job.existed:  # the old file was not replaced
                 self._forget_or_keep(job.key)
             return
-        with self._lock:
+        with self._lock:  # reservation to index in one step: the bytes are never uncounted
+            self._reserved -= len(job.value)
+            if self._queued.get(job.key) is job:  # the newest write of the key: readable now
+                del self._queued[job.key]
             self._lru.add(job.key, len(job.value), job.parent)
             for _ in range(job.pins):
                 self._lru.pin(job.key)
@@ -697,10 +806,13 @@ class DiskStore(StoreBase, LruPinning):
             os.close(fd)
 
     def contains(self, key: ChunkKey) -> bool:
-        return os.path.exists(self._path(check_key(key)))
+        key = check_key(key)
+        return key in self._queued or os.path.exists(self._path(key))
 
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)
+        if key in self._queued:
+            self.flush()  # its queued write lands first, then it is deleted
         try:
             os.unlink(self._path(key))
             existed = True
@@ -714,6 +826,9 @@ class DiskStore(StoreBase, LruPinning):
 
     def scan(self) -> Iterator[ChunkKey]:
         """Keys of every chunk file in the directory (all processes' writes)."""
+        # queued keys first: a write that lands during the listing is in one list or the other
+        with self._lock:
+            queued = list(self._queued)
         keys: list[ChunkKey] = []
         for shard in self._shards():
             try:
@@ -724,17 +839,25 @@ class DiskStore(StoreBase, LruPinning):
                 key = _key_from_name(name)
                 if key is not None:
                     keys.append(key)
+        if queued:  # accepted, not yet written
+            on_disk = set(keys)
+            keys += [k for k in queued if k not in on_disk]
         return iter(keys)
 
     def clear(self) -> None:
-        """Delete every chunk file (pinned ones included)."""
+        """Delete every chunk file (pinned ones included; queued writes land first)."""
+        self.flush()
         for key in list(self.scan()):
             self.delete(key)
 
     def stats(self) -> StoreStats:
+        """Counters; ``entries`` and ``bytes`` include accepted chunks still queued, ``puts``
+        counts chunks written."""
         with self._lock:
+            queued = [len(j.value) for k, j in self._queued.items() if k not in self._lru]
             return StoreStats(
-                name=self.name, entries=len(self._lru), bytes=self._lru.bytes,
+                name=self.name, entries=len(self._lru) + len(queued),
+                bytes=self._lru.bytes + sum(queued),
                 capacity_bytes=self.capacity_bytes, hits=self._hits, misses=self._misses,
                 puts=self._puts, rejected=self._rejected, evictions=self._evictions,
                 corrupt=self._corrupt, errors=self._errors, pinned=self._lru.pinned,
@@ -743,7 +866,8 @@ class DiskStore(StoreBase, LruPinning):
     # pinning (this process's view): pin / unpin / eviction_order come from LruPinning
 
     def __len__(self) -> int:
-        return len(self._lru)
+        with self._lock:
+            return len(self._lru) + sum(k not in self._lru for k in self._queued)
 
     def __repr__(self) -> str:
         return (f"DiskStore({str(self.path)!r}, entries={len(self._lru)}, "

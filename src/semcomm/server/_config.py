@@ -228,6 +228,11 @@ class KVConfig(_Section):
     memory_eviction: Literal["fair", "lru"] = "fair"
     disk_path: str | None = None  # default: <state_dir>/kv
     disk_bytes: int = Field(2 * 2**30, ge=0)
+    # what a stored chunk has reached when the request goes on (DiskStore durability): "flush"
+    # written, "fsync" also synced, "write-behind" queued (at most disk_max_pending_bytes, in
+    # memory and in the memory plan) and written by background threads; docs/kv.md
+    disk_durability: Literal["flush", "fsync", "write-behind"] = "flush"
+    disk_max_pending_bytes: int = Field(64 * 2**20, ge=1)
     redis_url: str | None = None
     chunk_size: int | None = Field(None, ge=1)
     codec: str | None = None

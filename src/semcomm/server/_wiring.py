@@ -98,6 +98,16 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     return model, tok, model_id or path
 
 
+def _kv_memory_bytes(config: ServerConfig) -> int:
+    """KV store memory the plan counts: the memory tier's budget and a write-behind queue."""
+    kv = config.kv
+    if not kv.enabled:
+        return 0
+    queue = kv.disk_max_pending_bytes if kv.disk_durability == "write-behind" else 0
+    return ((kv.memory_bytes if "memory" in kv.tiers else 0)
+            + (queue if "disk" in kv.tiers else 0))
+
+
 def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
     """The ChunkStore shared by in-process engines (None when unavailable), and a note."""
     kv = config.kv
@@ -117,7 +127,9 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
         elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
             path = Path(kv.disk_path) if kv.disk_path else config.state_dir() / "kv"
             path.mkdir(parents=True, exist_ok=True)
-            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer))
+            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer,
+                                         durability=kv.disk_durability,
+                                         max_pending_bytes=kv.disk_max_pending_bytes))
         elif tier == "redis" and hasattr(kvpkg, "RedisStore"):
             tiers.append(kvpkg.RedisStore(url=str(kv.redis_url), sealer=sealer))
         else:
@@ -410,7 +422,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
                                  pinned=mcfg.pin,
                                  keep_alive_s=None if mcfg.pin else mcfg.keep_alive_s,
                                  max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
-    mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
+    mem_tier = _kv_memory_bytes(config)
     return build_plan(facts, limit_bytes=config.server.memory_bytes,
                       prefix_cache_bytes=mem_tier, baseline_bytes=DEFAULT_BASELINE_BYTES)
 
@@ -450,7 +462,7 @@ def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_st
             max_batch=(mcfg.max_batch or config.server.max_batch) * len(local))
         del runner, model
         members[name] = local
-    mem_tier = config.kv.memory_bytes if config.kv.enabled and "memory" in config.kv.tiers else 0
+    mem_tier = _kv_memory_bytes(config)
     plan = build_plan(facts, limit_bytes=config.server.memory_bytes, prefix_cache_bytes=mem_tier,
                       baseline_bytes=baseline)
     plan.check()
