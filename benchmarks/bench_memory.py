@@ -2,28 +2,37 @@
 
 One in-process server (``create_app`` under uvicorn on a loopback port, in a child process so
 each run's peak RSS is its own) serves SmolLM2-135M-Instruct ("small") and
-Qwen2.5-Coder-0.5B-Instruct ("coder"), two workers each, KV in a memory tier that is too small
-for everything. The workload: short requests (one of two system prompts per model plus a short
-question, 8 tokens out) and, in the middle phase, one long session per model (two turns over a
-1.5k-token context, 16 tokens out per turn). Two runs:
+Qwen2.5-Coder-0.5B-Instruct ("coder"), ``--workers`` in-process workers each (default two; a
+long session holds one of them while it runs), KV in a memory tier that is too small for
+everything. The workload: short requests (one of two system prompts per model plus a short
+question, 8 tokens out, two at a time) and, in the middle phase, one long session per model
+(``--quick``: one turn over a 1.5k-token context; else two turns, 16 tokens out per turn).
+Four runs:
 
 * ``plan``: ``[server] memory_bytes`` with per-model ``kv_bytes`` sized for one long session
   plus four short requests, KV admission, fair eviction in the memory tier, KV headroom in the
-  replica router;
+  replica router, and the prefill scheduler at its defaults (docs/server.md, "Prefill
+  scheduling": one long prefill at a time on two cores, in pieces of 256 tokens, pausing
+  while a short request is in flight on another worker, each pause at most 500 ms, then
+  100 ms of compute before the next);
+* ``plan-noyield``: ``plan`` with ``long_prefill_yield = false``: the scheduler's slots,
+  pieces and niceness, but long prefills do not step aside for short requests in flight;
+* ``plan-nosched``: ``plan`` with the prefill scheduler off (``long_prefill_slots = 0``):
+  every long prefill one forward, both at once;
 * ``fixed``: no plan, the same fixed memory-tier budget under plain LRU, no KV term in routing,
-  no prefill scheduler (``long_prefill_slots = 0``);
-* ``plan-nosched``: the ``plan`` run with the prefill scheduler off (``long_prefill_slots =
-  0``): every long prefill one forward, both at once (``plan`` runs the default scheduler: one
-  long prefill at a time on two cores, in pieces of 256 tokens, docs/server.md).
+  no prefill scheduler.
 
-Measured in each run: short requests' TTFT alone, during the long sessions and after them (p50
-and p99), the shared system prompts' prefix hit rate in the same three phases (cached prompt
-tokens / prompt tokens), every status (a refusal must be a 429 with Retry-After), and the
-process's peak RSS against the plan's ``planned_bytes``. A third run measures keep-alive: the
-small model unloaded when idle (RSS before and after), then a request that waits for the
-reload (its TTFT against a warm one, the reload seconds, and that the answer is the same).
+Measured in each run: short requests' TTFT alone (8 rounds of four with ``--quick``, 12
+without), during the long sessions (until they end) and after them (p50 and p99), the shared
+system prompts' prefix hit rate in the same three phases (cached prompt tokens / prompt
+tokens), every status (a refusal must be a 429 with Retry-After), the long sessions' TTFT and
+answers, the scheduler's counters, and the process's peak RSS against the plan's
+``planned_bytes``. A last run measures keep-alive: the small model unloaded when idle (RSS
+before and after), then a request that waits for the reload (its TTFT against a warm one, the
+reload seconds, and that the answer is the same).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py [--quick] [--out benchmarks/results/memory.json]
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py [--quick] [--workers 3]
+        [--replica-policy least-loaded] [--out benchmarks/results/memory.json]
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ MODELS = {"small": "smollm2-135m-instruct", "coder": "qwen2.5-coder-0.5b-instruc
 CHUNK = 64  # KV chunk tokens (the system prompts span several chunks)
 TIER_BYTES = 96 * 2**20  # the memory tier: holds the system prompts, not the long sessions too
 SHORT_OUT = 8
-MODES = ("plan", "plan-nosched", "fixed")
+MODES = ("plan", "plan-noyield", "plan-nosched", "fixed")
 LONG_OUT = 16
 
 
@@ -74,15 +83,17 @@ def _text(passages: list[str], start: int, words: int) -> str:
 
 
 def _config(mode: str, state: Path, kv_bytes: dict[str, int] | None, *,
-            keep_alive: bool = False) -> Any:
+            keep_alive: bool = False, workers: int = 2, policy: str = "default") -> Any:
     from semcomm.server import load_config
 
-    sched = mode == "plan"  # the prefill scheduler (server defaults) in the plan run only
-    mode = "plan" if mode == "plan-nosched" else mode
+    sched = mode in ("plan", "plan-noyield")  # the prefill scheduler (server defaults)
+    noyield = mode == "plan-noyield"
+    mode = "plan" if mode in ("plan-nosched", "plan-noyield") else mode
 
     models: dict[str, Any] = {}
     for name, path in MODELS.items():
-        m: dict[str, Any] = {"path": path, "workers": 2, "max_batch": 4, "max_context": 2048}
+        m: dict[str, Any] = {"path": path, "workers": workers, "max_batch": 4,
+                             "max_context": 2048}
         if mode == "plan" and kv_bytes is not None:
             m["kv_bytes"] = kv_bytes[name]
         if keep_alive:
@@ -95,13 +106,15 @@ def _config(mode: str, state: Path, kv_bytes: dict[str, int] | None, *,
                               "max_tokens_limit": 2000, "kv_wait_s": 2.0}
     if not sched:
         server["long_prefill_slots"] = 0
+    if noyield:
+        server["long_prefill_yield"] = False
     if mode == "plan":
         server["memory_bytes"] = 8 * 2**30
     return load_config(None, overrides={
         "server": server, "models": models,
         "kv": {"tiers": ["memory"], "memory_bytes": TIER_BYTES, "chunk_size": CHUNK,
                "memory_eviction": "fair" if mode == "plan" else "lru"},
-        "routing": {"replica_policy": "default"},
+        "routing": {"replica_policy": policy},
         "semantic": {"enabled": False}}, defaults=False, environ={})
 
 
@@ -312,29 +325,34 @@ def _on_long_worker(during: list[dict[str, Any]], longs: list[dict[str, Any]]) -
             "on_long_worker": sum(r.get("replica") == lg.get("replica") for r, lg in live)}
 
 
-async def child_main(mode: str, quick: bool) -> dict[str, Any]:
+async def child_main(mode: str, quick: bool, workers: int = 2, policy: str = "default"
+                     ) -> dict[str, Any]:
     import httpx
 
     from semcomm.server._memplan import current_rss_bytes, peak_rss_bytes
 
     passages = _passages()
     rounds = 2 if quick else 4
+    # the baseline's p99 needs samples too: the "during" phase runs until the long sessions
+    # end (dozens of requests), and a p99 over 8 would be their max
+    alone_rounds = 8 if quick else 12
     # quick: one turn of ~1.5k tokens; full: two turns of ~800 tokens each (1.6k at the second)
     words, turns = (1100, 1) if quick else (600, 2)
     state = Path(tempfile.mkdtemp(prefix=f"bench-memory-{mode}-"))
-    planned = mode in ("plan", "plan-nosched")
+    planned = mode in ("plan", "plan-noyield", "plan-nosched")
     kv = _kv_budgets(quick) if planned else None
     t_load = time.perf_counter()
-    srv = Server(_config(mode, state, kv))
+    srv = Server(_config(mode, state, kv, workers=workers, policy=policy))
     load_s = time.perf_counter() - t_load
     gw = srv.gateway
-    res: dict[str, Any] = {"mode": mode, "load_s": load_s}
+    res: dict[str, Any] = {"mode": mode, "load_s": load_s, "workers": workers,
+                           "replica_policy": policy}
     try:
         async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
             shorts = _shorts(passages)
             # warm-up: every system prompt cached and read by a few requests (shared)
             await run_shorts(client, shorts, passages, 3, 10_000)
-            alone = await run_shorts(client, shorts, passages, rounds, 0)
+            alone = await run_shorts(client, shorts, passages, alone_rounds, 0)
             longs_task = asyncio.ensure_future(asyncio.gather(*(
                 long_session(client, m, passages, 200 + 60 * i, words, turns)
                 for i, m in enumerate(MODELS))))
@@ -426,8 +444,9 @@ async def keepalive_main(quick: bool) -> dict[str, Any]:
             "weight_bytes": srv.gateway.memory.plan.models["small"].weight_bytes}
 
 
-def _child(mode: str, quick: bool, out: Path) -> None:
-    res = asyncio.run(keepalive_main(quick) if mode == "keepalive" else child_main(mode, quick))
+def _child(mode: str, quick: bool, out: Path, workers: int, policy: str) -> None:
+    res = asyncio.run(keepalive_main(quick) if mode == "keepalive"
+                      else child_main(mode, quick, workers, policy))
     out.write_text(json.dumps(res, indent=2, default=float))
 
 
@@ -468,7 +487,10 @@ def show(res: dict[str, Any]) -> None:
         pre = r.get("prefill")
         console.print(f"{mode}: long sessions' TTFT {r['long']['ttft_s']} s; prefill scheduler "
                       + (f"{pre['slots']} slot(s), {pre['pieces']} pieces, {pre['waits']} waits "
-                         f"({pre['wait_s']:.1f} s), nice {pre['nice']}" if pre else "off")
+                         f"({pre['wait_s']:.1f} s), nice {pre['nice']}, yield {pre['yield']}: "
+                         f"{pre['yields']} pieces yielded ({pre['yield_s']:.1f} s), "
+                         f"{pre['forced']} forced by the {pre['yield_max_ms']:.0f} ms bound"
+                         if pre else "off")
                       + f"; CPU seconds by thread during the long sessions: "
                       f"{r.get('during_cpu_s')}")
     k = res["keepalive"]
@@ -514,38 +536,52 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and shorter sessions")
     p.add_argument("--out", type=Path, default=RESULTS / "memory.json")
+    p.add_argument("--workers", type=int, default=2,
+                   help="in-process workers per model (a long session holds one of them)")
+    p.add_argument("--replica-policy", default="default",
+                   help="[routing] replica_policy (least-loaded: in-process workers share one "
+                   "KV store, so only load tells them apart)")
     p.add_argument("--child", choices=[*MODES, "keepalive"], help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        _child(args.child, args.quick, args.child_out)
+        _child(args.child, args.quick, args.child_out, args.workers, args.replica_policy)
         return 0
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     res: dict[str, Any] = {"quick": args.quick, "machine": f"{os.cpu_count()} CPUs, loaded "
                            "(shared with other jobs)", "models": MODELS,
-                           "tier_bytes": TIER_BYTES, "chunk_tokens": CHUNK}
+                           "tier_bytes": TIER_BYTES, "chunk_tokens": CHUNK,
+                           "workers": args.workers, "replica_policy": args.replica_policy}
+    res["loadavg_before"] = os.getloadavg()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for mode in (*MODES, "keepalive"):
             out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, "--child", mode, "--child-out", str(out)]
+            cmd = [sys.executable, __file__, "--child", mode, "--child-out", str(out),
+                   "--workers", str(args.workers), "--replica-policy", args.replica_policy]
             if args.quick:
                 cmd.append("--quick")
             subprocess.run(cmd, check=True, env=env)
             res[mode] = json.loads(out.read_text())
             print(f"{mode}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     res["wall_s"] = time.perf_counter() - t0
+    res["loadavg_after"] = os.getloadavg()
     plan, fixed = res["plan"], res["fixed"]
     res["goals"] = {
         "peak_rss_within_10pct_of_plan": abs(plan["peak_rss_over_plan"] - 1) <= 0.10,
         "plan_p99_during_over_alone": plan["during"]["ttft_p99_s"] / plan["alone"]["ttft_p99_s"],
         "fixed_p99_during_over_alone": fixed["during"]["ttft_p99_s"]
         / fixed["alone"]["ttft_p99_s"],
+        "plan_noyield_p99_during_over_alone": res["plan-noyield"]["during"]["ttft_p99_s"]
+        / res["plan-noyield"]["alone"]["ttft_p99_s"],
         "plan_nosched_p99_during_over_alone": res["plan-nosched"]["during"]["ttft_p99_s"]
         / res["plan-nosched"]["alone"]["ttft_p99_s"],
+        "plan_p99_during_at_most_1_5x_alone": plan["during"]["ttft_p99_s"]
+        <= 1.5 * plan["alone"]["ttft_p99_s"],
         "long_texts_identical_with_and_without_scheduler":
-            plan["long"]["texts"] == res["plan-nosched"]["long"]["texts"],
+            plan["long"]["texts"] == res["plan-nosched"]["long"]["texts"]
+            == res["plan-noyield"]["long"]["texts"],
         "plan_hit_during_over_alone": plan["during"]["hit_rate"] / plan["alone"]["hit_rate"],
         "plan_hit_after_over_alone": plan["after"]["hit_rate"] / plan["alone"]["hit_rate"],
         "fixed_hit_after_over_alone": fixed["after"]["hit_rate"] / fixed["alone"]["hit_rate"],
