@@ -243,3 +243,45 @@ def test_serve_check_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path:
     bad = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert bad.returncode == 2
     assert "memory_bytes = 100.0 MiB cannot hold" in bad.stderr.replace("\n", " ")
+
+
+_VERIFIER_PROBE = r"""
+import json, sys
+from semcomm.server import create_app, load_config
+from semcomm.server._memplan import current_rss_bytes
+
+cfg = load_config(None, overrides={
+    "server": {"state_dir": sys.argv[1], "torch_threads": 1},
+    "models": {"tiny": {"path": "tiny"}},
+    "kv": {"tiers": ["memory"], "memory_bytes": 2**20, "chunk_size": 8},
+    "semantic": {"enabled": True, "backend": "memory"}}, defaults=False, environ={})
+gw = create_app(cfg).state.gateway
+scorer = gw.semantic.cache.policy.scorer
+calls_at_build = scorer.calls
+rss_built = current_rss_bytes()
+import asyncio
+asyncio.run(gw.startup())
+print(json.dumps({"verifier": type(scorer).__name__, "calls_at_build": calls_at_build,
+                  "baseline": gw.memory.plan.baseline_bytes, "rss_built": rss_built,
+                  "rss_warm": current_rss_bytes(), "up": gw.semantic.up}))
+"""
+
+
+def test_the_plan_baseline_counts_the_semantic_embedder_and_cross_encoder(tmp_path: Path
+                                                                         ) -> None:
+    """The embedder and the verifier (about 90 MB each) are loaded before the baseline is
+    measured, so the gateway's warm-up adds next to nothing the plan did not count (a fresh
+    process: nothing cached)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _VERIFIER_PROBE, str(tmp_path)], check=True,
+                         capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["verifier"] == "CrossEncoderVerifier" and got["up"]
+    assert got["calls_at_build"] >= 1  # loaded (and run once) before the plan was made
+    # warm-up loads nothing big the plan did not count (it added 105 MiB when both loaded there)
+    assert got["rss_warm"] - got["rss_built"] < 24 * 2**20

@@ -111,11 +111,22 @@ class SemanticLayer:
                 kw: dict[str, Any] = {"scope": self._scope_cls(name="__warmup__", tenant=None)
                                       if self._scope_cls else "__warmup__"}
                 self.cache.lookup("warm up", **kw)
-            scorer = getattr(getattr(self.cache, "policy", None), "scorer", None)
-            if scorer is not None and hasattr(scorer, "scores"):  # the cross-encoder
-                scorer.scores("warm up", ["warm up"])
+            self.load_models()
         except Exception as exc:
             self._down(exc)
+
+    def load_models(self) -> None:
+        """Load the embedder and the policy's cross-encoder verifier (MiniLM each, about 90 MB
+        apiece) now, without a lookup (nothing counted as traffic).
+
+        The server calls it before it measures the memory plan's baseline, so the plan counts
+        them instead of warm-up adding them after the plan was made."""
+        embedder = getattr(self.cache, "embedder", None)
+        if embedder is not None:
+            embedder.embed(["warm up"])
+        scorer = getattr(getattr(self.cache, "policy", None), "scorer", None)
+        if scorer is not None and hasattr(scorer, "scores"):  # the cross-encoder
+            scorer.scores("warm up", ["warm up"])
 
     def usable(self) -> bool:
         """Up, or down long enough ago that one request may probe it again."""

@@ -369,9 +369,11 @@ def build_gateway(config: ServerConfig, *,
     notes: dict[str, str] = {}
     kv_store, notes["kv"] = build_kv_store(config)
     semantic, notes["semantic"] = build_semantic(config, salter)
+    _load_semantic_models(semantic)
     from ._memplan import current_rss_bytes
 
-    baseline = current_rss_bytes()  # the process before any model is loaded (embedder included)
+    # the process before any model is loaded (the semantic embedder and verifier included)
+    baseline = current_rss_bytes()
     models = build_models(config, kv_store, salter, notes, given=backends)
     memory = build_memory(config, models, kv_store, baseline, notes)
     fusions = FusionRegistry(dict(models), notes)
@@ -384,6 +386,19 @@ def build_gateway(config: ServerConfig, *,
     router = build_model_router(config, semantic, models, notes)
     return Gateway(config, backends=every, semantic=semantic, kv_store=kv_store, guard=guard,
                    model_router=router, salter=salter, notes=notes, memory=memory)
+
+
+def _load_semantic_models(semantic: Any) -> None:
+    """Load the semantic cache's embedder and cross-encoder verifier before the plan's baseline
+    is measured (startup's warm-up would load them after the plan was made: about 90 MB each
+    it did not count). A failure is left to the warm-up, which marks the layer down."""
+    if semantic is None:
+        return
+    try:
+        semantic.load_models()
+    except Exception as exc:
+        log.warning("semantic models not loaded before the memory plan (%s); warm-up tries "
+                    "again", exc)
 
 
 def plan_config(config: ServerConfig) -> MemoryPlan:
