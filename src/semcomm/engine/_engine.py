@@ -238,11 +238,15 @@ class HFEngine:
                 out = out["input_ids"]
             ids = list(out)
         elif isinstance(prompt, Sequence):
-            ids = []
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise InvalidInputError(f"token ids must be integers, got {t!r}")
-                ids.append(int(t))
+            arr = np.asarray(prompt) if prompt else np.empty(0, dtype=np.int64)
+            if arr.ndim == 1 and arr.dtype.kind in "iu":  # integers (no bools, floats, text)
+                ids = arr.tolist()
+            else:  # name the first bad element
+                ids = []
+                for t in prompt:
+                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                        raise InvalidInputError(f"token ids must be integers, got {t!r}")
+                    ids.append(int(t))
         else:
             raise InvalidInputError(
                 f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}"
@@ -253,7 +257,8 @@ class HFEngine:
     def _validate_ids(self, ids: Sequence[int], max_new_tokens: int = 0) -> None:
         if not ids:
             raise InvalidInputError("the prompt is empty")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        bad = ([t for t in ids if t < 0 or t >= self.vocab_size]
+               if min(ids) < 0 or max(ids) >= self.vocab_size else [])
         if bad:
             raise InvalidInputError(
                 f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}"
