@@ -22,10 +22,16 @@ every chunk once) runs back to back with the matching semcomm pass, so both see 
 of a shared machine; the figures are medians of the per-pair ratios. Every put round writes new
 chunks into a fresh store on both sides (the previous round's files deleted); gets read and drop
 each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool); the
-DiskStore at both durabilities (``flush``: one ``put`` per chunk; ``fsync``: ``put_many`` per
-batch of ``--batch`` chunks, run last in each round); each round's puts start from a synced
-filesystem (``os.sync`` after the previous round's files are deleted). Then a restart (a new store on the same
-directory: chunks found) and a tamper test (one payload byte flipped: served or rejected).
+DiskStore at its three durabilities (``flush``: one ``put`` per chunk; ``write-behind``: one
+``put`` per chunk, then ``flush()``, timed to the point LMCache's put is timed to, every file
+written and indexed, with the time until every ``put`` returned beside LMCache's time until every
+``submit_put_task`` returned; ``fsync``: ``put_many`` per batch of ``--batch`` chunks, run last
+in each round). Every put pass starts from a synced filesystem (``os.sync`` before it: no pass
+pays for another's dirty pages, deleted files or new directories); LMCache's goes first in even
+rounds and last in odd ones, and the order of semcomm's two passes alternates too. CPU seconds
+of each put pass (all threads of the process) are kept beside the wall times. Then a restart (a
+new store on the same directory: chunks found) and a tamper test (one payload byte flipped:
+served or rejected).
 Writes a table, ``--json`` (every sample kept) and ``--png`` (ratios semcomm / LMCache).
 """
 
@@ -62,6 +68,7 @@ from semcomm.kv import (
     chunk_keys,
     encode_chunk,
 )
+from semcomm.kv._disk import DEFAULT_WRITER_THREADS
 
 MiB = 1 << 20
 
@@ -247,10 +254,26 @@ class LMCacheServer:
             self.proc.wait(timeout=120)
 
 
+def empty_chunk_dir(path: Path) -> None:
+    """Delete a DiskStore directory's chunk files, keeping its shard directories."""
+    for shard in path.iterdir():
+        if shard.is_dir():
+            for f in shard.iterdir():
+                f.unlink()
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _timed_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds of every thread of this process (writer threads too)."""
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
@@ -280,27 +303,64 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     stores: list[DiskStore] = []
     flush = fsync = None
     for r in range(args.rounds):
-        for st in stores:  # the previous round's files go, and LMCache's
+        for st in stores:  # the previous round's chunk files go, and LMCache's
             st.close()
-            shutil.rmtree(st.path, ignore_errors=True)
+            empty_chunk_dir(st.path)
         lm("clear")
-        # every put pair starts from a synced filesystem: neither side's writes pay for the
-        # other's dirty pages or deleted files (the journal's work is done before timing)
-        os.sync()
-        flush = DiskStore(work / f"p{tokens}-flush-{r}", capacity_bytes=8 << 30)
-        fsync = DiskStore(work / f"p{tokens}-fsync-{r}", capacity_bytes=8 << 30,
+        # each store is new but its directory is not: the 256 shard directories stay, as
+        # they do for a store in use (a fresh set of 256 per store and round, deleted the
+        # next round, made every file creation scan thousands of recently deleted inodes)
+        flush = DiskStore(work / f"p{tokens}-flush", capacity_bytes=8 << 30)
+        fsync = DiskStore(work / f"p{tokens}-fsync", capacity_bytes=8 << 30,
                           durability="fsync")
-        stores = [flush, fsync]
-        first_lm = r % 2 == 0  # alternate who goes first
-        t_lm = lm("put")["s"] if first_lm else None
+        behind = DiskStore(work / f"p{tokens}-behind", capacity_bytes=8 << 30,
+                           durability="write-behind", writer_threads=args.writer_threads)
+        stores = [flush, fsync, behind]
         f, g = flush, fsync
-        t_flush = _timed(lambda f=f: [f.put(k, v) for k, v in items])
-        if t_lm is None:
-            t_lm = lm("put")["s"]
+
+        def put_flush(f: DiskStore = flush) -> None:
+            for k, v in items:
+                f.put(k, v)
+
+        accepted: list[float] = []
+
+        def put_behind(b: DiskStore = behind, acc: list[float] = accepted) -> None:
+            t0 = time.perf_counter()
+            for k, v in items:
+                b.put(k, v)
+            acc.append(time.perf_counter() - t0)  # every put returned (LMCache: submitted)
+            b.flush()  # timed to the same point as LMCache's: every file written and indexed
+
+        ours = [("semcomm disk flush", put_flush), ("semcomm disk write-behind", put_behind)]
+        if r % 2:
+            ours.reverse()
+        timed: dict[str, float] = {}
+        cpus: dict[str, float] = {}  # CPU seconds of the pass (all of our threads)
+        # every put pass starts from a synced filesystem: no pass pays for another's dirty
+        # pages, deleted files or new directories (the journal's work is done before timing)
+        first_lm = r % 2 == 0  # alternate whether LMCache goes first or last
+        if first_lm:
+            os.sync()
+            lm_put = lm("put")
+        for label, fn in ours:
+            os.sync()
+            timed[label], cpus[label] = _timed_cpu(fn)
+        if not first_lm:
+            os.sync()
+            lm_put = lm("put")
+        t_lm = lm_put["s"]
         t_lm_put = t_lm
         add("lmcache-disk", "put", t_lm)
-        add("semcomm disk flush", "put", t_flush)
-        pair("semcomm disk flush", "lmcache-disk", "put", t_flush, t_lm)
+        add("lmcache-disk", "put_accept", lm_put["submit_s"])
+        add("lmcache-disk", "put_cpu", lm_put["cpu_s"])
+        add("semcomm disk write-behind", "put_accept", accepted[0])
+        pair("semcomm disk write-behind", "lmcache-disk", "put_accept", accepted[0],
+             lm_put["submit_s"])
+        for label, t in timed.items():
+            add(label, "put", t)
+            pair(label, "lmcache-disk", "put", t, t_lm)
+            add(label, "put_cpu", cpus[label])
+            pair(label, "lmcache-disk", "put_cpu", cpus[label], lm_put["cpu_s"])
         for j in range(args.repeat):
             t_lm = lm("get")["s"]
             if j % 2 == 0:
@@ -342,8 +402,9 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     checks = lm("checks")
     assert flush is not None
     mine = {}
-    for st in stores:
-        st.close()
+    labels = ("semcomm disk flush", "semcomm disk fsync (put_many)", "semcomm disk write-behind")
+    for label, st in zip(labels, stores):
+        st.close()  # write-behind: writes what is still queued (flush() already did)
         reopened = DiskStore(st.path, capacity_bytes=8 << 30)
         found = len(reopened)
         k0 = items[0][0]
@@ -351,12 +412,13 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 0x40
         path.write_bytes(bytes(raw))
-        mine[st.durability] = (found, reopened.get(k0) is not None)
+        mine[label] = (found, reopened.get(k0) is not None)
         reopened.close()
         shutil.rmtree(st.path, ignore_errors=True)
     rows: list[dict[str, Any]] = []
     for backend in ("lmcache-disk", "lmcache-cpu", "semcomm disk flush",
-                    "semcomm disk fsync (put_many)", "semcomm memory"):
+                    "semcomm disk write-behind", "semcomm disk fsync (put_many)",
+                    "semcomm memory"):
         cb = theirs_bytes if backend.startswith("lmcache") else one
         row: dict[str, Any] = {"backend": backend, "tokens": tokens, "chunk_bytes": cb,
                                "chunks": n, "samples_us": {}}
@@ -371,7 +433,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
             row["found_after_restart"] = checks["found_after_restart"]
             row["tampered_chunk_served"] = checks["tampered_chunk_served"]
         elif backend.startswith("semcomm disk"):
-            found, served = mine["fsync" if "fsync" in backend else "flush"]
+            found, served = mine[backend]
             row["found_after_restart"] = found
             row["tampered_chunk_served"] = served
         rows.append(row)
@@ -397,6 +459,7 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     ratios: list[dict[str, Any]] = []
     for t in tokens:
         for ours, theirs in (("semcomm disk flush", "lmcache-disk"),
+                             ("semcomm disk write-behind", "lmcache-disk"),
                              ("semcomm disk fsync (put_many)", "lmcache-disk"),
                              ("semcomm memory", "lmcache-cpu")):
             q: dict[str, Any] = {"semcomm": ours, "lmcache": theirs, "tokens": t}
@@ -412,7 +475,8 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     table = Table(title=f"semcomm vs LMCache {version} storage backends (one run; medians of "
                         "back-to-back pass ratios; > 1: semcomm faster)")
     for col in ("semcomm store", "LMCache backend", "tokens", "put us/chunk (ours / theirs)",
-                "put ratio", "get us/chunk (ours / theirs)", "get ratio", "get_into us/chunk",
+                "put ratio", "puts returned ratio", "get us/chunk (ours / theirs)", "get ratio",
+                "get_into us/chunk",
                 "get_into ratio", "batched get us/chunk", "batched ratio"):
         table.add_column(col, justify="left" if "store" in col or "backend" in col else "right")
 
@@ -428,7 +492,7 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     for q in ratios:
         a, b = by[(q["semcomm"], q["tokens"])], by[(q["lmcache"], q["tokens"])]
         table.add_row(q["semcomm"], q["lmcache"], str(q["tokens"]), us(a, b, "put"),
-                      ratio(q, "put"), us(a, b, "get"), ratio(q, "get"),
+                      ratio(q, "put"), ratio(q, "put_accept"), us(a, b, "get"), ratio(q, "get"),
                       us(a, None, "get_into"), ratio(q, "get_into"), us(a, b, "batched_get"),
                       ratio(q, "batched_get"))
     console.print(table)
@@ -450,22 +514,25 @@ def draw_ratios(ratios: list[dict[str, Any]], path: Path, version: str) -> None:
 
     labels = sorted({q["semcomm"] for q in ratios})
     tokens = sorted({q["tokens"] for q in ratios})
-    with agg_figure(path, (9, 4.2)) as ax:
-        width = 0.8 / (4 * len(labels))
-        for i, label in enumerate(labels):
-            for j, op in enumerate(("put", "get", "get_into", "batched_get")):
-                xs = [ti + (4 * i + j) * width - 0.4 + width / 2 for ti in range(len(tokens))]
-                ys = [next((q.get(f"{op}_ratio", 0.0) for q in ratios
-                            if q["semcomm"] == label and q["tokens"] == t), 0.0) for t in tokens]
-                if not any(ys):
-                    continue
-                ax.bar(xs, ys, width, label=f"{label}: {op.replace('_', ' ')}",
-                       hatch={"put": "", "get": "//", "get_into": "xx", "batched_get": ".."}[op])
+    ops = ("put", "put_accept", "get", "get_into", "batched_get")
+    hatch = {"put": "", "put_accept": "--", "get": "//", "get_into": "xx", "batched_get": ".."}
+    series = [(label, op) for label in labels for op in ops
+              if any(q.get(f"{op}_ratio") for q in ratios if q["semcomm"] == label)]
+    with agg_figure(path, (10, 5.6)) as ax:
+        width = 0.84 / len(series)
+        for j, (label, op) in enumerate(series):
+            xs = [ti + j * width - 0.42 + width / 2 for ti in range(len(tokens))]
+            ys = [next((q.get(f"{op}_ratio", 0.0) for q in ratios
+                        if q["semcomm"] == label and q["tokens"] == t), 0.0) for t in tokens]
+            name = "puts returned" if op == "put_accept" else op.replace("_", " ")
+            ax.bar(xs, ys, width, label=f"{label}: {name}", hatch=hatch[op])
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(tokens)), [f"{t} tokens" for t in tokens])
         ax.set_yscale("log")
         ax.set_ylabel(f"throughput ratio semcomm / LMCache {version}")
-        ax.legend(fontsize=7, ncol=2)
+        ax.set_title("> 1: semcomm faster (medians of back-to-back pass ratios, one run)",
+                     fontsize=9)
+        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --lmcache-python: skip the floors and the per-store table")
     ap.add_argument("--batch", type=int, default=16, help="chunks per put_many (fsync)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved LMCache/semcomm rounds")
+    ap.add_argument("--writer-threads", type=int, default=DEFAULT_WRITER_THREADS,
+                    help="writer threads of the write-behind DiskStore (its default)")
     ap.add_argument("--png", default=None, help="with --lmcache-python: ratio chart here")
     args = ap.parse_args(argv)
     console = Console(width=150)
@@ -502,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "head_dim": args.head_dim, "dtype": "float16"},
                            "repeat": args.repeat, "batch": args.batch,
                            "rounds": args.rounds, "mib": args.mib,
+                           "writer_threads": args.writer_threads,
                            # glibc's allocator settings of both processes (fresh memory per
                            # get is page faults unless freed memory is kept: docs/BENCHMARKS.md)
                            "malloc_env": {k: os.environ.get(k) for k in
