@@ -733,13 +733,17 @@ class DiskStore(StoreBase, LruPinning):
         return evicted
 
     def _forget_or_keep(self, key: ChunkKey) -> None:
-        # the old file is still on disk: re-index it so the budget stays truthful
+        # the old file is still on disk: re-index it so the budget stays truthful (other writes
+        # may have taken the room its removal freed meanwhile: enforce the budget again)
         try:
             header, size, _ = self._read_header(self._path(key), key)
         except (OSError, CorruptEntryError):
             return
         with self._lock:
             self._lru.add(key, size, parent_of(header))
+            evicted = self._enforce_budget(key)
+        for k in evicted:
+            self._emit("evict", k, "evict")
 
     def _write(self, job: _Job, *, sync: bool) -> bool:
         tmp = self._stage(job, sync=sync)
