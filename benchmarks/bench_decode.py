@@ -205,7 +205,7 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
                                    "generate_static": []}
     for _ in range(rounds):
         warm = engine.generate(ids, max_new_tokens=n_new)
-        assert warm.stats.hit_tokens == len(ids) - 1
+        assert warm.stats.hit_tokens >= len(ids) - 1  # a whole hit (with its stored logits)
         tps["engine_warm"].append(warm.stats.decode_tokens_per_s)
         row["engine_warm_ttft_s"] = warm.stats.ttft_s
         caches = prefix_caches(model, keys, values, n_new)

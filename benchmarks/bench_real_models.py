@@ -230,14 +230,17 @@ def bench_codecs(name: str, model: Any, tok: Any, n: int, chunk: int) -> dict[st
     """KL of the next token, greedy agreement over 32 tokens, perplexity change per codec."""
     ids = _prompt(tok, n + 64)
     prefix, cont = ids[:n], ids[n:n + 64]
-    base = HFEngine(model, tok, store=MemoryStore(_BIG), chunk_size=chunk)
+    # keep_logits=False: a hit recomputes the last token, so the next-token distribution is
+    # computed over the restored (lossy) prefix, which is what the codec's error changes
+    base = HFEngine(model, tok, store=MemoryStore(_BIG), chunk_size=chunk, keep_logits=False)
     ref_pre = base.prefill(prefix)
     ref_lp = _log_probs(ref_pre.last_logits)
     ref_greedy = base.generate(prefix, max_new_tokens=32).token_ids
     ref_ppl = _ppl(base, prefix, cont)
     out: dict[str, Any] = {"prefix_tokens": n, "lossless_ppl": ref_ppl}
     for codec in CODECS:
-        eng = HFEngine(model, tok, store=MemoryStore(_BIG), chunk_size=chunk, codec=codec)
+        eng = HFEngine(model, tok, store=MemoryStore(_BIG), chunk_size=chunk, codec=codec,
+                       keep_logits=False)
         eng.prefill(prefix)  # stores the prefix with this codec
         pre = eng.prefill(prefix)  # restores it (lossy) and feeds the last token
         assert pre.stats.hit_tokens == n - 1
