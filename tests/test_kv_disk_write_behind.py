@@ -72,6 +72,24 @@ def test_queued_chunks_are_served_at_once_and_flush_makes_them_visible(
     assert store.stats().puts == 3 and store.stats().errors == 0
 
 
+def test_a_tiered_store_flushes_its_write_behind_tier(tmp_path: Path) -> None:
+    from semcomm.kv import MemoryStore, TieredStore
+
+    disk = DiskStore(tmp_path / "kv", durability="write-behind", writer_threads=1)
+    gate = Gate(disk)
+    store = TieredStore([MemoryStore(), disk])
+    items = chain(2)
+    try:
+        store.put_many(items)
+        assert gate.waiting.acquire(timeout=10) and chunk_files(tmp_path / "kv") == []
+        gate.open.set()
+        store.flush()
+        assert all(DiskStore(tmp_path / "kv").get(k) == v for k, v in items)
+    finally:
+        gate.open.set()
+        store.close()
+
+
 def test_a_full_queue_makes_put_wait(tmp_path: Path) -> None:
     items = chain(3, payload=4096)
     size = len(items[0][1])

@@ -188,6 +188,13 @@ class TieredStore(StoreBase):
         """Chunks copied into faster tiers after a hit in a slower one."""
         return self._promotions
 
+    def flush(self) -> None:
+        """Wait until every tier has written what it accepted (a write-behind DiskStore)."""
+        for t in self.tiers:
+            flush = getattr(t, "flush", None)
+            if flush is not None:
+                flush()
+
     def close(self) -> None:
         for t in self.tiers:
             close = getattr(t, "close", None)
