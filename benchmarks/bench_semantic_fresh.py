@@ -197,13 +197,20 @@ def calibrated_cosine_cut(t: Traffic, target: float, confidence: float = 0.9) ->
 
 
 def run_method(t: Traffic, fn: Callable[[FAQWorkload, np.ndarray, np.ndarray], list],
-               reps: int, seed: int) -> dict:
+               reps: int, seed: int, wrong_hits: int = 0) -> dict:
     served = [fn(b, sv, qv) for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True)]
     if any(isinstance(s, dict) for s in served):  # GPTCache not importable
         return next(s for s in served if isinstance(s, dict))
     hit, ok = t.outcome(served)
     ins = t.in_scope
     r = metrics(hit, ok, ins)
+    if wrong_hits:  # to read: every wrong hit (at most ``wrong_hits``), query and answers
+        qs = [(q, e, a) for b, sb in zip(t.blocks, served, strict=True)
+              for q, e, a in zip(b.queries, b.expected, sb, strict=True)]
+        kinds = t.query_kinds or ["in-scope" if e is not None else "oos" for _, e, _ in qs]
+        r["wrong_hits"] = [{"query": q, "kind": k, "expected": e, "served": a}
+                           for (q, e, a), h, o, k in zip(qs, hit, ok, kinds, strict=True)
+                           if h and not o][:wrong_hits]
     r["ci95"] = bootstrap(hit, ok, ins, reps, seed)
     if t.query_kinds is not None:
         kinds = np.asarray(t.query_kinds)
@@ -400,7 +407,7 @@ def main() -> None:
             rows[label] = r = run_method(
                 t, lambda b, sv, qv, kw=kw, lat=lat, st=st: served_semcomm(b, sv, qv, lat, st,
                                                                             **kw),
-                args.boot, args.seed)
+                args.boot, args.seed, wrong_hits=100 if label.endswith("default") else 0)
             r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
             r["scored_share"] = st.get("scored", 0) / max(1, len(lat))
         cuts = {0.80: "", 0.92: "", cal[t.kind]: " (cut calibrated on validation)"}
