@@ -68,7 +68,7 @@ from semcomm.kv import (
     chunk_keys,
     encode_chunk,
 )
-from semcomm.kv._disk import DEFAULT_WRITER_THREADS
+from semcomm.kv._disk import DEFAULT_MAX_PENDING_BYTES, DEFAULT_WRITER_THREADS
 
 MiB = 1 << 20
 
@@ -314,7 +314,8 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         fsync = DiskStore(work / f"p{tokens}-fsync", capacity_bytes=8 << 30,
                           durability="fsync")
         behind = DiskStore(work / f"p{tokens}-behind", capacity_bytes=8 << 30,
-                           durability="write-behind", writer_threads=args.writer_threads)
+                           durability="write-behind", writer_threads=args.writer_threads,
+                           max_pending_bytes=args.max_pending_mib << 20)
         stores = [flush, fsync, behind]
         f, g = flush, fsync
 
@@ -555,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved LMCache/semcomm rounds")
     ap.add_argument("--writer-threads", type=int, default=DEFAULT_WRITER_THREADS,
                     help="writer threads of the write-behind DiskStore (its default)")
+    ap.add_argument("--max-pending-mib", type=int, default=DEFAULT_MAX_PENDING_BYTES >> 20,
+                    help="queue bound of the write-behind DiskStore, MiB (its default)")
     ap.add_argument("--png", default=None, help="with --lmcache-python: ratio chart here")
     args = ap.parse_args(argv)
     console = Console(width=150)
@@ -572,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                            "repeat": args.repeat, "batch": args.batch,
                            "rounds": args.rounds, "mib": args.mib,
                            "writer_threads": args.writer_threads,
+                           "max_pending_mib": args.max_pending_mib,
                            # glibc's allocator settings of both processes (fresh memory per
                            # get is page faults unless freed memory is kept: docs/BENCHMARKS.md)
                            "malloc_env": {k: os.environ.get(k) for k in
