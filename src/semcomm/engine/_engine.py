@@ -735,7 +735,9 @@ class HFEngine:
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
-            with torch.no_grad():
+            # inference mode: no version counters or view tracking (a few percent a step here);
+            # the cache's buffers stay ordinary tensors written in place
+            with torch.inference_mode():
                 return self._runner.forward(step, cache)[None]
 
         t_dec = time.perf_counter()
