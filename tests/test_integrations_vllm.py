@@ -35,6 +35,7 @@ from semcomm.integrations._vllm_core import (
     model_dir_fingerprint,
     ordered_layers,
     scatter_chunk,
+    spec_slice,
     tenant_of,
 )
 from semcomm.kv import DiskStore, MemoryStore, chunk_keys, get_codec
@@ -246,10 +247,43 @@ def test_plan_matches_stored_chunks_and_keeps_the_last_token() -> None:
     tokens = list(range(3 * CS))  # exactly three chunks
     stored_chain(store, ns, tokens, 3)
     plan = RequestPlan.new("r", ns, tokens, CS, BS, store)
-    assert plan.hit_chunks == 2  # the third would leave no token to compute
-    assert plan.matched_tokens(0) == 2 * CS
-    assert plan.matched_tokens(BS) == 2 * CS - BS  # vLLM's own cache holds one block
-    assert plan.matched_tokens(2 * CS) == 0
+    assert plan.hit_chunks == 2  # the third holds the last token ...
+    assert plan.tail_blocks == 1  # ... so only its first block is loaded, vLLM computes one
+    assert plan.matched_tokens(0) == 2 * CS + BS == len(tokens) - BS
+    assert plan.matched_tokens(BS) == 2 * CS  # vLLM's own cache holds one block
+    assert plan.matched_tokens(2 * CS + BS) == 0
+    # a prompt ending inside the third chunk's first block: nothing of that chunk is loaded
+    short = tokens[: 2 * CS + 2]
+    p2 = RequestPlan.new("s", ns, short, CS, BS, store)
+    assert p2.hit_chunks == 2 and p2.tail_blocks == 0 and p2.matched_tokens(0) == 2 * CS
+    # a prompt whose last chunk is partial: that chunk has no key, nothing of it is loaded
+    p3 = RequestPlan.new("p", ns, tokens + [1], CS, BS, store)
+    assert (p3.hit_chunks, p3.tail_blocks) == (3, 0) and p3.matched_tokens(0) == 3 * CS
+
+
+def test_the_last_chunk_is_loaded_up_to_the_last_tokens_block(tmp_path: Path,
+                                                              caches: list[torch.Tensor]) -> None:
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
+    tokens = list(range(2 * CS))  # two chunks; the last token sits in chunk 2's second block
+    codec = get_codec("lossless")
+    writer = RequestPlan.new("w", ns, tokens, CS, BS, DiskStore(tmp_path))
+    writer.block_ids = [4, 1, 8, 6]
+    saver = ChunkSaver(DiskStore(tmp_path), codec=codec, dtype="bfloat16")
+    saver.submit(ns, [(s, *gather_chunk(caches, s.block_ids)) for s in writer.take_saves(2 * CS)])
+    saver.close()
+    plan = RequestPlan.new("r", ns, tokens, CS, BS, DiskStore(tmp_path))
+    assert (plan.hit_chunks, plan.tail_blocks) == (1, 1)
+    plan.load_tokens = plan.matched_tokens(0)
+    plan.block_ids = [0, 2, 3, 9]
+    spec = plan.take_load()
+    assert spec is not None and spec.partial_last and spec.block_ids == ((0, 2), (3,))
+    fresh = [torch.zeros_like(c) for c in caches]
+    got = load_chunks(DiskStore(tmp_path), spec, chunk_size=CS, dtype="bfloat16", codec=codec)
+    for j, (blocks, (k, v)) in enumerate(zip(spec.block_ids, got)):
+        scatter_chunk(fresh, blocks, *spec_slice(spec, j, k, v, BS))
+    for c, f in zip(caches, fresh):
+        assert torch.equal(f[[0, 2, 3]], c[[4, 1, 8]])  # every block before the last token's
+        assert not f[9].any()  # the last token's block is left for vLLM to compute
 
 
 def test_plan_load_and_saves(caches: list[torch.Tensor]) -> None:

@@ -65,6 +65,7 @@ __all__ = [
     "model_dir_fingerprint",
     "ordered_layers",
     "scatter_chunk",
+    "spec_slice",
     "tenant_of",
     "tokenizer_dir_fingerprint",
 ]
@@ -325,6 +326,9 @@ class LoadSpec:
     first_chunk: int
     block_ids: tuple[tuple[int, ...], ...]  # the vLLM blocks of each of those chunks
     skip_blocks: int  # leading blocks of the first chunk already valid (vLLM's own cache)
+    # the last chunk holds the prompt's last token: only its first ``len(block_ids[-1])``
+    # blocks are written (vLLM computes the rest)
+    partial_last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +357,9 @@ class RequestPlan:
     block_size: int
     num_prompt_tokens: int
     hit_chunks: int  # leading chunks the store holds (never the prompt's last token)
+    # whole blocks of the next stored chunk (the one holding the prompt's last token) that
+    # come before the last token's block: loaded too, so vLLM computes one block at most
+    tail_blocks: int = 0
     load_tokens: int = 0  # tokens vLLM agreed to take from us (0: nothing to load)
     next_save: int = 0  # first chunk not yet saved or known stored
     block_ids: list[int] = field(default_factory=list)
@@ -368,13 +375,22 @@ class RequestPlan:
                 stored = store.lookup(keys).num_chunks
             except Exception as exc:  # any backend trouble is a miss, never an error
                 logger.warning("semcomm KV lookup failed (%s); treating as a miss", exc)
+        hit = min(stored, loadable)
+        tail = 0
+        if stored > hit == loadable:  # the chunk holding the last token is stored too
+            tail = (len(token_ids) - 1 - hit * chunk_size) // block_size
         return cls(req_id=req_id, namespace=namespace, keys=keys, chunk_size=chunk_size,
                    block_size=block_size, num_prompt_tokens=len(token_ids),
-                   hit_chunks=min(stored, loadable), next_save=stored)
+                   hit_chunks=hit, tail_blocks=tail, next_save=stored)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens the store can supply (whole blocks, never the last token's block)."""
+        return self.hit_chunks * self.chunk_size + self.tail_blocks * self.block_size
 
     def matched_tokens(self, num_computed_tokens: int) -> int:
         """Tokens beyond vLLM's own prefix cache that the store can supply."""
-        return max(0, self.hit_chunks * self.chunk_size - num_computed_tokens)
+        return max(0, self.hit_tokens - num_computed_tokens)
 
     def _blocks_of(self, chunk: int) -> tuple[int, ...] | None:
         per = self.chunk_size // self.block_size
@@ -385,18 +401,24 @@ class RequestPlan:
         """The load of the agreed tokens (once), or None."""
         if self.load_tokens <= 0:
             return None
-        end = self.hit_chunks * self.chunk_size
+        end = self.hit_tokens
         first_token = end - self.load_tokens
         first = first_token // self.chunk_size
+        last = self.hit_chunks + (1 if self.tail_blocks else 0)  # chunks [first, last)
         blocks = [self._blocks_of(c) for c in range(first, self.hit_chunks)]
+        if self.tail_blocks:
+            per = self.chunk_size // self.block_size
+            ids = self.block_ids[self.hit_chunks * per : self.hit_chunks * per + self.tail_blocks]
+            blocks.append(tuple(ids) if len(ids) == self.tail_blocks else None)
         self.load_tokens = 0
         if any(b is None for b in blocks):  # vLLM allocated fewer blocks than promised
             return None
         return LoadSpec(
             req_id=self.req_id, namespace=self.namespace,
-            keys=tuple(self.keys[first : self.hit_chunks]), first_chunk=first,
+            keys=tuple(self.keys[first:last]), first_chunk=first,
             block_ids=tuple(b for b in blocks if b is not None),
             skip_blocks=(first_token - first * self.chunk_size) // self.block_size,
+            partial_last=bool(self.tail_blocks),
         )
 
     def take_saves(self, computed_tokens: int) -> list[SaveSpec]:
@@ -614,6 +636,16 @@ def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: st
             if kv is None:
                 return
             yield kv
+
+
+def spec_slice(spec: LoadSpec, j: int, k: torch.Tensor, v: torch.Tensor, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part of chunk ``j`` of ``spec`` to write: all of it, or for a partial last chunk
+    (the one holding the prompt's last token) the positions of its blocks in the spec."""
+    if spec.partial_last and j == len(spec.keys) - 1:
+        n = len(spec.block_ids[j]) * block_size
+        return k[:, :, :n], v[:, :, :n]
+    return k, v
 
 
 def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,

@@ -63,6 +63,7 @@ from ._vllm_core import (
     model_dir_fingerprint,
     ordered_layers,
     scatter_chunk,
+    spec_slice,
     tenant_of,
     tokenizer_dir_fingerprint,
 )
@@ -243,6 +244,8 @@ class SemcommConnector(KVConnectorBase_V1):
             done = 0
             for k, v in iter_chunks(self.store, spec, chunk_size=self.chunk_size,
                                     dtype=self.dtype, codec=self.codec, buffer=buffer):
+                # the chunk holding the prompt's last token: only the blocks before it
+                k, v = spec_slice(spec, done, k, v, self.block_size)
                 # straight from the chunk's bytes into its blocks, one chunk at a time
                 scatter_chunk(caches, spec.block_ids[done], k, v,
                               skip_blocks=spec.skip_blocks if done == 0 else 0,
