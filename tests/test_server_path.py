@@ -204,6 +204,31 @@ def test_an_isolated_request_reuses_no_kv(tmp_path: Path, detect: bool) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["logits", "recompute"])
+def test_a_whole_prompt_hit_restores_its_logits_unless_turned_off(tmp_path: Path,
+                                                                  keep: bool) -> None:
+    """``[kv] keep_logits``: a repeated prompt restores every token (no forward) by default,
+    all but the last with it off; the answer is the same either way."""
+    gw = build_gateway(_config(tmp_path, kv={"tiers": ["memory"], "chunk_size": 32,
+                                             "keep_logits": keep}))
+
+    async def main() -> None:
+        await gw.startup()
+        try:
+            cold = await _run(gw, LONG + " Summarise it.", max_tokens=4, no_cache=True)
+            warm = await _run(gw, LONG + " Summarise it.", max_tokens=4, no_cache=True)
+            n = warm.started.prompt_tokens
+            assert cold.started.hit_tokens == 0
+            assert warm.started.hit_tokens == (n if keep else n - 1)
+            assert warm.deltas == cold.deltas
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(main())
+    with pytest.raises(ConfigError, match="keep_logits"):
+        _config(tmp_path, kv={"tiers": ["memory"], "keep_logits": "sometimes"})
+
+
 def test_the_admitted_digest_reaches_the_kv_namespace(gateway: Gateway) -> None:
     async def main() -> None:
         await _run(gateway, "hello from acme", max_tokens=2)

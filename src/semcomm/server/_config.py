@@ -236,6 +236,9 @@ class KVConfig(_Section):
     redis_url: str | None = None
     chunk_size: int | None = Field(None, ge=1)
     codec: str | None = None
+    # store each prompt's last-position logits beside its final chunk, so a whole-prompt hit
+    # runs no forward (HFEngine(keep_logits=...), docs/architecture.md invariant 3)
+    keep_logits: bool = True
 
     @model_validator(mode="after")
     def _check_redis(self) -> KVConfig:

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salter: Any,
                   chunk_size: int | None, codec: str | None,
-                  scheduler: PrefillScheduler | None = None) -> tuple[Any, str]:
+                  scheduler: PrefillScheduler | None = None,
+                  keep_logits: bool = True) -> tuple[Any, str]:
     """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model."""
     try:
         from ..engine import DEFAULT_CHUNK_SIZE, HFEngine
@@ -39,7 +40,8 @@ def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salt
     try:
         runner = EngineRunner(HFEngine, model, tokenizer, model_id=model_id, store=store,
                               salter=salter, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
-                              codec=codec or "lossless", scheduler=scheduler)
+                              codec=codec or "lossless", scheduler=scheduler,
+                              keep_logits=keep_logits)
     except Exception as exc:  # unsupported model family etc.: serve it plainly, say why
         log.warning("model %s served without KV reuse: %s", model_id, exc)
         return None, f"HFEngine refused the model ({exc}); plain batched decoding"
@@ -99,7 +101,7 @@ class EngineRunner:
 
     def __init__(self, engine_cls: Any, model: Any, tokenizer: Any, *, model_id: str, store: Any,
                  salter: Any, chunk_size: int, codec: str,
-                 scheduler: PrefillScheduler | None = None) -> None:
+                 scheduler: PrefillScheduler | None = None, keep_logits: bool = True) -> None:
         self.engine_cls = engine_cls
         self.scheduler = scheduler
         self.model = model
@@ -109,6 +111,7 @@ class EngineRunner:
         self.salter = salter
         self.chunk_size = chunk_size
         self.codec = codec
+        self.keep_logits = keep_logits
         self._engines: dict[tuple[str | None, bool], Any] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
@@ -131,7 +134,8 @@ class EngineRunner:
                 eng = self.engine_cls(self.model, self.tokenizer,
                                       store=None if isolate else self.store,
                                       chunk_size=self.chunk_size, codec=self.codec,
-                                      tenant=tenant, salter=self.salter, kv_pool_bytes=0)
+                                      tenant=tenant, salter=self.salter, kv_pool_bytes=0,
+                                      keep_logits=self.keep_logits)
                 eng.prefill_scheduler = self.scheduler
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:

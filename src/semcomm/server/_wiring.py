@@ -246,7 +246,8 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
         runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=salter,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
-                                    scheduler=scheduler_for(config.server))
+                                    scheduler=scheduler_for(config.server),
+                                    keep_logits=config.kv.keep_logits)
         kv_reuse = runner is not None
         notes[f"model:{name}"] = why
     if runner is None:
