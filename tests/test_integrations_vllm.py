@@ -261,16 +261,23 @@ def test_plan_matches_stored_chunks_and_keeps_the_last_token() -> None:
     assert (p3.hit_chunks, p3.tail_blocks) == (3, 0) and p3.matched_tokens(0) == 3 * CS
 
 
+def _saved_from_blocks(tmp_path: Path, caches: list[torch.Tensor], tokens: list[int]
+                       ) -> tuple[bytes, RequestPlan]:
+    """Save the first two chunks of ``tokens`` from blocks 4, 1, 8, 6 of ``caches`` to disk."""
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
+    plan = RequestPlan.new("w", ns, tokens, CS, BS, DiskStore(tmp_path))
+    plan.block_ids = [4, 1, 8, 6]
+    saver = ChunkSaver(DiskStore(tmp_path), codec=get_codec("lossless"), dtype="bfloat16")
+    saver.submit(ns, [(s, *gather_chunk(caches, s.block_ids)) for s in plan.take_saves(2 * CS)])
+    saver.close()
+    return ns, plan
+
+
 def test_the_last_chunk_is_loaded_up_to_the_last_tokens_block(tmp_path: Path,
                                                               caches: list[torch.Tensor]) -> None:
-    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
     tokens = list(range(2 * CS))  # two chunks; the last token sits in chunk 2's second block
+    ns, _ = _saved_from_blocks(tmp_path, caches, tokens)
     codec = get_codec("lossless")
-    writer = RequestPlan.new("w", ns, tokens, CS, BS, DiskStore(tmp_path))
-    writer.block_ids = [4, 1, 8, 6]
-    saver = ChunkSaver(DiskStore(tmp_path), codec=codec, dtype="bfloat16")
-    saver.submit(ns, [(s, *gather_chunk(caches, s.block_ids)) for s in writer.take_saves(2 * CS)])
-    saver.close()
     plan = RequestPlan.new("r", ns, tokens, CS, BS, DiskStore(tmp_path))
     assert (plan.hit_chunks, plan.tail_blocks) == (1, 1)
     plan.load_tokens = plan.matched_tokens(0)
@@ -326,14 +333,8 @@ def _spec(ns: bytes, tokens: list[int], n: int) -> LoadSpec:
 
 def test_load_round_trip_is_exact_in_bf16(tmp_path: Path, caches: list[torch.Tensor]) -> None:
     """One 'process' saves from its caches, another loads into fresh caches: equal bits."""
-    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
-    tokens = list(range(2 * CS + 1))
+    ns, plan = _saved_from_blocks(tmp_path, caches, list(range(2 * CS + 1)))
     codec = get_codec("lossless")
-    plan = RequestPlan.new("r", ns, tokens, CS, BS, DiskStore(tmp_path))
-    plan.block_ids = [4, 1, 8, 6]
-    saver = ChunkSaver(DiskStore(tmp_path), codec=codec, dtype="bfloat16")
-    saver.submit(ns, [(s, *gather_chunk(caches, s.block_ids)) for s in plan.take_saves(2 * CS)])
-    saver.close()
     fresh = [torch.zeros_like(c) for c in caches]
     spec = LoadSpec("r2", ns, tuple(plan.keys[:2]), 0, ((0, 2), (3, 9)), 0)
     got = load_chunks(DiskStore(tmp_path), spec, chunk_size=CS, dtype="bfloat16", codec=codec)
