@@ -229,6 +229,22 @@ def test_a_whole_prompt_hit_restores_its_logits_unless_turned_off(tmp_path: Path
         _config(tmp_path, kv={"tiers": ["memory"], "keep_logits": "sometimes"})
 
 
+def test_in_process_workers_share_one_store_so_load_decides(gateway: Gateway) -> None:
+    """Workers of one model restore prefixes from the same store: a request goes to the idle
+    worker even though the busy one served its prefix; upstream replicas keep prefix affinity."""
+    multi, ups = gateway.backends["multi"], gateway.backends["ups"]
+    assert multi.router.policy.name == "least-loaded"  # type: ignore[attr-defined]
+    assert ups.router.policy.name == "default"  # type: ignore[attr-defined]
+    req = GenRequest(model="multi", messages=[{"role": "user", "content": LONG}], prompt=None,
+                     max_tokens=4, stop=[], stream=False)
+    keys, n = multi.keys(req)  # type: ignore[attr-defined]
+    first = multi.router.route(keys=keys, num_tokens=n)  # type: ignore[attr-defined]
+    second = multi.router.route(keys=keys, num_tokens=n)  # type: ignore[attr-defined]
+    assert first.replica != second.replica  # the first is still in flight
+    for d in (first, second):
+        multi.router.complete(d)  # type: ignore[attr-defined]
+
+
 def test_the_admitted_digest_reaches_the_kv_namespace(gateway: Gateway) -> None:
     async def main() -> None:
         await _run(gateway, "hello from acme", max_tokens=2)

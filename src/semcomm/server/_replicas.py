@@ -142,8 +142,16 @@ def _named_namespace(name: str) -> Callable[[TenantContext], bytes]:
 
 def local_replicas(name: str, workers: Sequence[LocalBackend], *, chunk_size: int,
                    policy: str) -> ReplicatedBackend:
-    """In-process workers of one model (same weights, same KV store)."""
+    """In-process workers of one model (same weights, same KV store).
+
+    Every worker restores a prefix from the one shared store, so no worker holds a prefix the
+    others lack: the "default" policy (which prices each replica's own cached prefix) is
+    least-loaded here, and the router still sends a request only to a worker with KV headroom
+    for it. Upstream replicas keep "default": each has its own cache.
+    """
     first = workers[0]
+    if policy == "default":
+        policy = "least-loaded"
     return ReplicatedBackend(
         name, workers, [f"worker-{i}" for i in range(len(workers))],
         prompt_ids=lambda req: render_prompt(first.tokenizer, req),
