@@ -51,6 +51,10 @@ class SimConfig:
     slo_ttft_s: float = 2.0  # TTFT objective, used by SLO-aware policies and capacity search
     cost: CostModel = field(default_factory=CostModel)
     policy_options: tuple[tuple[str, Any], ...] = ()  # extra policy kwargs as (name, value) pairs
+    # live KV per replica, in tokens (0: unlimited). A request holds prompt + output tokens of
+    # KV from its prefill to its last token and starts only when they fit (it waits otherwise).
+    kv_tokens: int = 0
+    kv_aware: bool = True  # the router is told each replica's KV headroom (token-aware balancing)
 
 
 @dataclass(slots=True)
@@ -77,6 +81,9 @@ class SimResult:
     decision_p99_us: float
     decision_cpu_p99_us: float  # router decision thread CPU time (excludes preemption by other processes)
     wall_s: float  # wall time of the simulation
+    memory_waits: int = 0  # requests that waited at their replica for KV room (kv_tokens > 0)
+    memory_wait_p99_s: float = 0.0  # p99 of those waits
+    kv_peak_fraction: float = 0.0  # highest live KV on any replica / kv_tokens
     ttft_s: list[float] = field(default_factory=list, repr=False)  # per request, trace order
 
     def to_json(self, *, with_samples: bool = False) -> dict[str, Any]:
@@ -109,6 +116,8 @@ def simulate(
         raise ConfigError(f"rate_scale must be a positive number, got {config.rate_scale}")
     if config.capacity_blocks <= 0:
         raise ConfigError(f"capacity_blocks must be positive, got {config.capacity_blocks}")
+    if config.kv_tokens < 0:
+        raise ConfigError(f"kv_tokens must be 0 (unlimited) or positive, got {config.kv_tokens}")
     n_rep = config.replicas
     cost = config.cost
     bs = config.block_size
@@ -131,6 +140,12 @@ def simulate(
     decoding = [0] * n_rep
     busy_s = [0.0] * n_rep
     slowdown = cost.prefill_slowdown_per_decode
+    kv_cap = config.kv_tokens
+    kv_used = [0] * n_rep  # live KV (tokens) of prefilling and decoding requests
+    kv_queued = [0] * n_rep  # KV the queued requests will need
+    kv_peak = 0
+    mem_wait: dict[int, float] = {}  # request -> when it first waited for KV room
+    mem_waited: list[float] = []
 
     n = len(trace)
     t0 = trace[0].arrival_s if n else 0.0
@@ -152,10 +167,29 @@ def simulate(
         if on_event is not None:
             on_event(now, kind, i)
 
+    def need(i: int) -> int:  # KV a request holds (at most the whole replica's)
+        return min(trace[i].input_length + trace[i].output_length, kv_cap)
+
+    def try_start(r: int) -> None:
+        """Start the next queued prefill on an idle replica if its KV fits (else it waits)."""
+        if busy[r] or not queues[r]:
+            return
+        i = queues[r][0]
+        if kv_cap and kv_used[r] + need(i) > kv_cap:
+            mem_wait.setdefault(i, now)
+            return
+        if i in mem_wait:
+            mem_waited.append(now - mem_wait.pop(i))
+        start_prefill(r)
+
     def start_prefill(r: int) -> None:
-        nonlocal tie
+        nonlocal tie, kv_peak
         i = queues[r].popleft()
         req = trace[i]
+        if kv_cap:
+            kv_used[r] += need(i)
+            kv_queued[r] -= need(i)
+            kv_peak = max(kv_peak, kv_used[r])
         cache = caches[r]
         hit = 0
         for k in req.hash_ids:
@@ -203,10 +237,12 @@ def simulate(
             dur = trace[i].output_length * cost.decode_step(decoding[r])
             tie += 1
             heapq.heappush(heap, (now + dur, tie, _DECODE_DONE, r, i))
-            if queues[r]:
-                start_prefill(r)
+            try_start(r)
         else:
             decoding[r] -= 1
+            if kv_cap:
+                kv_used[r] -= need(i)
+                try_start(r)  # its KV is free: a request waiting for room may start
             router.complete(d)
             assert done[i] == 0, f"request {i} completed twice"
             done[i] = 1
@@ -233,13 +269,18 @@ def simulate(
             req = trace[i]
             emit("arrival", i)
             s, c = perf(), cpu()
-            d = router.route(keys=req.hash_ids, num_tokens=req.input_length)
+            kv = None
+            if kv_cap and config.kv_aware:
+                router.set_kv_free([kv_cap - kv_used[r] - kv_queued[r] for r in range(n_rep)])
+                kv = need(i)
+            d = router.route(keys=req.hash_ids, num_tokens=req.input_length, kv_bytes=kv)
             dec_cpu_ns[i] = cpu() - c
             dec_ns[i] = perf() - s
             decisions[i] = d
             queues[d.slot].append(i)
-            if not busy[d.slot]:
-                start_prefill(d.slot)
+            if kv_cap:
+                kv_queued[d.slot] += need(i)
+            try_start(d.slot)
             if progress is not None and (i + 1) % 1000 == 0:
                 progress(i + 1)
         while heap:
@@ -278,6 +319,9 @@ def simulate(
         decision_p99_us=_q(dec_us, 0.99),
         decision_cpu_p99_us=_q(dec_cpu_ns / 1000.0, 0.99),
         wall_s=wall,
+        memory_waits=len(mem_waited),
+        memory_wait_p99_s=_q(np.asarray(mem_waited), 0.99),
+        kv_peak_fraction=kv_peak / kv_cap if kv_cap else 0.0,
         ttft_s=ttft.tolist(),
     )
 
