@@ -73,9 +73,9 @@ __all__ = [
     "chunk_key",
     "chunk_keys",
     "chunk_spans",
-    "logits_key",
     "decode_chunk",
     "encode_chunk",
     "get_codec",
+    "logits_key",
     "read_header",
 ]
