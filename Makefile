@@ -55,7 +55,7 @@ $(VLLM_STAMP):
 vllm-check: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/bench_vllm.py --quiet --vllm-python $(VLLM_VENV)/bin/python \
 		--model "$$($(BIN)/python -c 'from semcomm.models import model_path; print(model_path("smollm2-135m-instruct"))')" \
-		--out vllm_check.json --png benchmarks/results/vllm_check.png
+		--block-size 32 --chunk-size 128 --out vllm_check.json --png benchmarks/results/vllm_check.png
 
 # the connector's end-to-end tests with real vLLM (disk and Redis; several minutes)
 vllm-test: $(STAMP) $(VLLM_STAMP)

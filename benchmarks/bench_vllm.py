@@ -75,9 +75,10 @@ def make_llm(args: argparse.Namespace) -> Any:
     extra: dict[str, Any] = {"store": args.store}
     if args.chunk_size:
         extra["chunk_size"] = args.chunk_size
+    kw: dict[str, Any] = {"block_size": args.block_size} if args.block_size else {}
     return LLM(
         model=args.model, dtype=args.dtype, max_model_len=4096, enable_prefix_caching=True,
-        disable_log_stats=False, seed=0,
+        disable_log_stats=False, seed=0, **kw,
         kv_transfer_config=KVTransferConfig(
             kv_connector="SemcommConnector",
             kv_connector_module_path="semcomm.integrations.vllm",
@@ -204,6 +205,8 @@ def child(args: argparse.Namespace, which: str, redis: PrivateRedis | None) -> d
            "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens)]
     if args.chunk_size:
         cmd += ["--chunk-size", str(args.chunk_size)]
+    if args.block_size:
+        cmd += ["--block-size", str(args.block_size)]
     if which == "load" and redis is not None:
         cmd.append("--restart-redis")
     env = {**os.environ, **ENV}
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24, help="greedy tokens compared")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk-size", type=int, default=None, help="connector chunk size")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's KV block size (default: vLLM's, 128 on the CPU build; a "
+                         "multiple of 32 there); vLLM computes at least the prompt's last block")
     ap.add_argument("--chunk-tokens", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=["save", "load"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--restart-redis", action="store_true", help=argparse.SUPPRESS)
@@ -259,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         raise SystemExit("--model DIR is required (make vllm-check passes SmolLM2-135M's)")
-    args.chunk_tokens = args.chunk_size or 128  # vLLM CPU block size: the default chunk
+    # the connector's default chunk is one vLLM block (128 tokens on the CPU build)
+    args.chunk_tokens = args.chunk_size or args.block_size or 128
     redis = PrivateRedis() if args.redis else None
     tmp = None
     if redis is not None:
