@@ -62,7 +62,8 @@ class RouteView:
         return int(self.inflight.shape[0])
 
     def cached_tokens(self, replica: int) -> int:
-        """Tokens the replica can restore; at least one token is always recomputed."""
+        """Tokens the replica can restore, priced with at least one token recomputed (a replica
+        may lack the prompt's stored last logits; vLLM always computes one block)."""
         m = self.match.get(replica, 0)
         return min(m * self.chunk_size, max(self.num_tokens - 1, 0))
 
