@@ -112,6 +112,25 @@ def train(
     intermediate_mult: Annotated[
         float, typer.Option(help="Fuser MLP inner width as a multiple of --hidden.")
     ] = 2.0,
+    objective: Annotated[
+        str,
+        typer.Option(
+            help="answer: cross-entropy on the answer ({'shared','answer'} data); choice: "
+            "cross-entropy over the choices' summed log-probabilities (multiple-choice data, "
+            "the loglik rule of `fusion eval --data`)."
+        ),
+    ] = "answer",
+    gate_lr: Annotated[
+        float, typer.Option(help="Peak learning rate of the gate logits (0: --lr).")
+    ] = 0.0,
+    answer_weight: Annotated[
+        float,
+        typer.Option(help="--objective choice: add this x the correct choice's token loss."),
+    ] = 0.0,
+    init: Annotated[
+        Path | None,
+        typer.Option(help="Start a fresh run from this fuser folder's weights (same shapes)."),
+    ] = None,
 ) -> None:
     """Train a fuser with both models frozen (receiver next-token loss on answer tokens).
 
@@ -131,7 +150,9 @@ def train(
     r_side = load_side(
         receiver, add_special_tokens=not no_special_tokens, template=receiver_template
     )
-    examples = read_examples(data)
+    from ..fusion import read_mcqa
+
+    examples: Any = read_mcqa(data) if objective == "choice" else read_examples(data)
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -145,6 +166,9 @@ def train(
         eval_every=eval_every if val_data is not None else 0,
         bf16=bf16,
         max_prompt_tokens=max_prompt_tokens,
+        objective=objective,
+        gate_lr=gate_lr,
+        answer_weight=answer_weight,
         fuser={
             "hidden_dim": hidden,
             "num_blocks": blocks,
@@ -160,6 +184,10 @@ def train(
         f"--mapping {mapping} --weight-decay {weight_decay} --max-prompt-tokens {max_prompt_tokens}"
         f" --checkpoint-every {checkpoint_every} --threads {threads}"
         + (" --bf16" if bf16 else "")
+        + (f" --objective {objective}" if objective != "answer" else "")
+        + (f" --gate-lr {gate_lr}" if gate_lr else "")
+        + (f" --answer-weight {answer_weight}" if answer_weight else "")
+        + (f" --init {init}" if init is not None else "")
         + (f" --val-data {val_data} --eval-every {eval_every}" if val_data is not None else "")
         + (f" --sharer-template '{sharer_template}'" if sharer_template != "{shared}" else "")
         + (f" --receiver-template '{receiver_template}'" if receiver_template != "{shared}" else "")
@@ -171,7 +199,7 @@ def train(
             (ln for ln in val_data.read_text(encoding="utf-8").splitlines() if ln.strip()), ""
         )
         if '"choices"' in first:
-            from ..fusion import c2c_mcqa_metric, read_mcqa
+            from ..fusion import c2c_mcqa_metric
 
             val_metric = c2c_mcqa_metric(s_side, r_side, read_mcqa(val_data), bf16=bf16)
         elif '"options"' in first:
@@ -195,6 +223,7 @@ def train(
         },
         val_examples=val_examples,
         val_metric=val_metric,
+        init=init,
     )
     n_r = sum(p.numel() for p in r_side.model.parameters())
     n_s = sum(p.numel() for p in s_side.model.parameters())
@@ -212,7 +241,8 @@ def train(
         result = trainer.train(on_step)
     after = trainer.evaluate_loss()
     console.print(
-        f"done: {result.steps} steps in {result.seconds:.0f}s; answer loss receiver alone {base:.3f}, "
+        f"done: {result.steps} steps in {result.seconds:.0f}s; {objective} loss receiver alone "
+        f"{base:.3f}, "
         f"fused {after:.3f}; gates {trainer.fuser.gates()}; saved to {out}"
     )
 
@@ -272,13 +302,30 @@ def data_mcqa(
         Path | None, typer.Option(help="Instruction JSONL ({'prompt', 'completion'}) to mix in.")
     ] = None,
     instruction_limit: Annotated[int, typer.Option(help="Most instruction rows to add.")] = 1000,
+    choices: Annotated[
+        bool,
+        typer.Option(
+            help="Write multiple-choice rows ({'question', 'choices', 'answer'}) for "
+            "`fusion train --objective choice` or --val-data, instead of answer rows."
+        ),
+    ] = False,
+    take: Annotated[
+        int, typer.Option(help="With --choices: items per file after --skip (0: all).")
+    ] = 0,
 ) -> None:
     """Write fuser training rows for a real pair from multiple-choice tails (+ instructions)."""
-    from ..fusion import build_training_rows
+    from ..errors import InvalidInputError
+    from ..fusion import build_choice_rows, build_training_rows
 
-    rows = build_training_rows(
-        list(mcqa), skip=skip, instruction_file=instructions, instruction_limit=instruction_limit
-    )
+    rows: list[dict[str, Any]]
+    if choices:
+        if instructions is not None:
+            raise InvalidInputError("--choices writes multiple-choice rows only; drop --instructions")
+        rows = build_choice_rows(list(mcqa), skip=skip, take=take or None)
+    else:
+        rows = build_training_rows(
+            list(mcqa), skip=skip, instruction_file=instructions, instruction_limit=instruction_limit
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
         for row in rows:

@@ -62,6 +62,7 @@ __all__ = [
     "RULES",
     "MCQuestion",
     "McqaSettings",
+    "build_choice_rows",
     "evaluate_mcqa",
     "load_pair_side",
     "mcqa_training_examples",
@@ -551,6 +552,26 @@ def build_training_rows(
         for src in sources:
             if i < len(src):
                 out.append(src[i])
+    return out
+
+
+def build_choice_rows(
+    mcqa_files: list[Path], *, skip: int, take: int | None = None
+) -> list[dict[str, Any]]:
+    """Multiple-choice rows (``{"question", "choices", "answer"}``, the evaluated form) for
+    the ``choice`` training objective or for validation: items ``[skip, skip + take)`` of
+    each file (``take=None``: to the end), minus questions whose text equals one of the first
+    ``skip`` items of that file; interleaved by file."""
+    sources: list[list[dict[str, Any]]] = []
+    for f in mcqa_files:
+        held = {q.question for q in read_mcqa(f, limit=skip)} if skip else set()
+        qs = [q for q in read_mcqa(f, skip=skip, limit=take) if q.question not in held]
+        sources.append(
+            [{"question": q.question, "choices": list(q.choices), "answer": q.answer} for q in qs]
+        )
+    out: list[dict[str, Any]] = []
+    for i in range(max((len(x) for x in sources), default=0)):
+        out.extend(src[i] for src in sources if i < len(src))
     return out
 
 
