@@ -49,6 +49,7 @@ from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+from ._greedy_head import GreedyHead
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
@@ -107,6 +108,11 @@ class HFEngine:
         kv_pool_bytes: on the CPU, idle K/V buffer bytes kept for the next request, so a
             restore writes into memory that is already mapped (engine/_pool.py); 0: none.
             ``engine.kv_pool`` may be set to a pool shared by several engines.
+        greedy_head: on the CPU with a float32 LM head, greedy decode steps find the exact
+            argmax from an int8 copy of the head plus an error bound, recomputing only the
+            rows that can hold the maximum in float32 (engine/_greedy_head.py: a quarter of the
+            head's bytes a step, same tokens; the copy costs a quarter of the head's memory,
+            made at the first greedy decode). False: every step runs the full float32 head.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class HFEngine:
         adapter: str = "",
         keep_logits: bool = True,
         kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
+        greedy_head: bool = True,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -165,6 +172,10 @@ class HFEngine:
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
         self.kv_pool: KVBufferPool | None = pool if kv_pool_bytes > 0 else None
+        if not isinstance(greedy_head, bool):
+            raise InvalidInputError(f"greedy_head must be True or False, got {greedy_head!r}")
+        self.greedy_head = greedy_head
+        self._ghead: GreedyHead | None | Literal[False] = None  # None: not tried; False: unusable
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
@@ -732,12 +743,15 @@ class HFEngine:
         cache, bufs = pre.cache, pre.buffers
         pre.buffers = None
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        head = self._greedy_head() if params.greedy and max_new > 1 else None
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
             # inference mode: no version counters or view tracking (a few percent a step here);
             # the cache's buffers stay ordinary tensors written in place
             with torch.inference_mode():
+                if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
+                    return head.logits(self._runner.hidden(step, cache))[None]
                 return self._runner.forward(step, cache)[None]
 
         t_dec = time.perf_counter()
@@ -762,6 +776,36 @@ class HFEngine:
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(token_ids=out, text=seq.text, stats=stats, prompt_ids=ids)
+
+    def _greedy_head(self) -> GreedyHead | None:
+        """The model's LM head as a :class:`GreedyHead`, made once; None where it does not
+        apply (not on the CPU, not a float32 linear head without bias, a model whose logits
+        are not ``lm_head(base model's last hidden state)`` bit for bit, or a machine where the
+        head's own checks fail)."""
+        if self._ghead is None:
+            self._ghead = self._make_greedy_head() or False
+        return self._ghead if isinstance(self._ghead, GreedyHead) else None
+
+    def _make_greedy_head(self) -> GreedyHead | None:
+        lm = self.model.get_output_embeddings()
+        if (not self.greedy_head or self.device.type != "cpu"
+                or not isinstance(lm, torch.nn.Linear) or lm.bias is not None
+                or lm.weight.dtype != torch.float32 or self._runner.base_model() is None):
+            return None
+        probe = torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
+        with torch.inference_mode():  # the split call gives the causal LM's logits bit for bit
+            full = self._runner.forward(probe, ca.new_cache())
+            h = self._runner.hidden(probe, ca.new_cache())
+            split = torch.nn.functional.linear(h, lm.weight).reshape(-1)
+        if not torch.equal(full, split):
+            logger.info("greedy head off: the model's logits are not its head on the hidden state")
+            return None
+        head = GreedyHead(lm.weight.detach())
+        if not head.verified():
+            logger.info("greedy head off: its checks fail on this machine")
+            return None
+        logger.info("greedy head on: %.0f MB beside the float32 head", head.nbytes / 2**20)
+        return head
 
     # -------------------------------------------------------------- snapshots
     def snapshot(self, prompt: Prompt) -> KVSnapshot:
