@@ -58,6 +58,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,12 @@ from rich.console import Console
 from rich.table import Table
 
 from semcomm import SemanticCache
-from semcomm.semantic import ClusterVotePolicy, default_embedder
+from semcomm.semantic import (
+    VERIFIED_MIN_SCORE,
+    VERIFIED_THRESHOLD,
+    ClusterVotePolicy,
+    default_embedder,
+)
 from semcomm.semantic._cross import default_cross_verifier
 
 console = Console(width=180)
@@ -155,7 +161,7 @@ def served_semcomm(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, lat: list[flo
     cache = SemanticCache(embedder=default_embedder(), max_entries=None, **kw)
     cache.store_many(w.stored, w.answers, embeddings=list(sv))
     xv = getattr(cache.policy, "scorer", None)
-    calls0 = getattr(xv, "calls", 0)
+    calls0, secs0 = getattr(xv, "calls", 0), getattr(xv, "seconds", 0.0)
     out: list[str | None] = []
     for q, v in zip(w.queries, qv, strict=True):
         t = time.perf_counter()
@@ -163,6 +169,7 @@ def served_semcomm(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, lat: list[flo
         lat.append(time.perf_counter() - t)
         out.append(None if h is None else h.answer)
     stats["scored"] = stats.get("scored", 0) + getattr(xv, "calls", 0) - calls0
+    stats["scored_s"] = stats.get("scored_s", 0.0) + getattr(xv, "seconds", 0.0) - secs0
     return out
 
 
@@ -220,13 +227,13 @@ def run_method(t: Traffic, fn: Callable[[FAQWorkload, np.ndarray, np.ndarray], l
     return r
 
 
-def lone_candidates(t: Traffic, floor: float = 0.80, k: int = 8) -> dict:
+def lone_candidates(t: Traffic, floor: float = 0.80, k: int = 8, xv: Any = None) -> dict:
     """Per lookup of ``t``: the best stored candidate that passes the lexical guard (what the
     default policy's lone path scores), its cosine, the shipped cross-encoder's P (cos >=
     ``floor`` only), whether serving it is right and whether it is the identical text."""
     from semcomm.semantic import LexicalGuard
 
-    g, xv = LexicalGuard(), default_cross_verifier()
+    g, xv = LexicalGuard(), xv or default_cross_verifier()
     sims_all, ps, oks, exact = [], [], [], []
     for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True):
         sims = qv @ sv.T
@@ -250,12 +257,10 @@ def lone_candidates(t: Traffic, floor: float = 0.80, k: int = 8) -> dict:
             "n_positive": int(t.in_scope.sum())}
 
 
-def band_auc(t: Traffic, lc: dict, band: float = 0.88) -> dict:
+def band_auc(t: Traffic, lc: dict, band: float = 0.88, xv: Any = None) -> dict:
     """How well the cross-encoder's P separates right from wrong lone candidates at cos >=
     ``band`` on ``t``: AUC of P as given (query first) and of P averaged over both orders."""
-    from semcomm.semantic._cross import default_cross_verifier
-
-    xv = default_cross_verifier()
+    xv = xv or default_cross_verifier()
     texts = [(q, b.stored[j]) for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True)
              for q, j in zip(b.queries, nearest_guarded(b, sv, qv), strict=True)]
     sim = np.asarray(lc["similarity"])
@@ -284,12 +289,14 @@ def nearest_guarded(b: FAQWorkload, sv: np.ndarray, qv: np.ndarray, k: int = 8) 
             for i, q in enumerate(b.queries)]
 
 
-def calibrate(t: Traffic, out: Path, target: float, confidence: float) -> dict:
-    """Choose the default's lone-candidate cut on the validation set ``t`` only."""
+def calibrate(t: Traffic, out: Path, target: float, confidence: float, xv: Any = None,
+              json_name: str = "semantic_fresh_calibration.json") -> dict:
+    """Choose the default's lone-candidate cut on the validation set ``t`` only (``xv``: the
+    cross-encoder to score with; default the shipped one)."""
     from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, calibrate_scored_cut
 
-    lc = lone_candidates(t)
-    auc = band_auc(t, lc)
+    lc = lone_candidates(t, xv=xv)
+    auc = band_auc(t, lc, xv=xv)
     cut = calibrate_scored_cut(lc["similarity"], lc["score"], lc["right"], lc["n_positive"],
                                exact=lc["exact"], target_precision=target,
                                confidence=confidence)
@@ -300,7 +307,8 @@ def calibrate(t: Traffic, out: Path, target: float, confidence: float) -> dict:
                                  exact=lc["exact"], target_precision=1e-9,
                                  confidence=confidence, thresholds=[t0], min_scores=[p0])
         at[name] = {f: getattr(c, f) for f in c.__slots__ if f != "reached"}
-    res = {"validation": t.name, "target_precision": target, "confidence": confidence,
+    res = {"validation": t.name, "verifier": str((xv or default_cross_verifier()).path),
+           "target_precision": target, "confidence": confidence,
            "chosen": {f: getattr(cut, f) for f in cut.__slots__}, **at, "band_auc": auc}
     console.print(f"lone-candidate cut chosen on {t.name}: cos >= {cut.threshold:.2f} and P >= "
                   f"{cut.min_score:.2f}: {cut.hits} hits, precision {cut.precision:.3f} (lower "
@@ -313,7 +321,7 @@ def calibrate(t: Traffic, out: Path, target: float, confidence: float) -> dict:
                   f"{auc['band']}): {auc['forward']:.3f}; both input orders averaged: "
                   f"{auc['both_orders']:.3f}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "semantic_fresh_calibration.json").write_text(json.dumps(res, indent=1))
+    (out / json_name).write_text(json.dumps(res, indent=1))
     return res
 
 
@@ -327,20 +335,25 @@ def with_unstored_oos(w: FAQWorkload, seed: int) -> tuple[FAQWorkload, list[str]
                         w.expected + [None] * len(oos)), kinds + ["unstored-intent"] * len(oos))
 
 
-def workloads(block: int, nblocks: int, seed: int) -> list[Traffic]:
-    cf, kinds = clinc_fresh(seed=seed)
+def workloads(block: int, nblocks: int, seed: int, fresh: bool = True) -> list[Traffic]:
+    """The validation workloads, then (``fresh``) the fresh ones."""
     dev, dev_kinds = with_unstored_oos(
         clinc_faq("train", DEV_FAQ_INTENTS, queries_per_intent=20), seed)
     bank, bank_kinds = with_unstored_oos(clinc_faq("val", BANKING_INTENTS), seed)
-    mrpc = protocol_from_rows(read_tsv_pairs(DEFAULT_DATA / "pairs" /
-                                             "para_msr_msr-para-train.tsv"), seed=seed)
-    return [
+    val = [
         Traffic(QUORA_VAL, "pairs",
                 [pairs_workload(2000, name="quora-val")], role="validation"),
         Traffic("clinc-dev (validation: chose the vote defaults)", "faq", [dev],
                 query_kinds=dev_kinds, role="validation"),
         Traffic("clinc-banking (validation: read before)", "faq", [bank],
                 query_kinds=bank_kinds, role="validation"),
+    ]
+    if not fresh:
+        return val
+    cf, kinds = clinc_fresh(seed=seed)
+    mrpc = protocol_from_rows(read_tsv_pairs(DEFAULT_DATA / "pairs" /
+                                             "para_msr_msr-para-train.tsv"), seed=seed)
+    return val + [
         Traffic("clinc-fresh (FRESH)", "faq", [cf], query_kinds=kinds),
         Traffic(f"quora-fresh (FRESH: pairs 2000-{2000 + block * nblocks - 1})", "pairs",
                 [pairs_workload(block, offset=2000 + k * block, name=f"quora-fresh-{k}")
@@ -367,6 +380,17 @@ def main() -> None:
                     help="--calibrate: precision the cut's lower bound must reach")
     ap.add_argument("--confidence", type=float, default=0.9,
                     help="--calibrate: one-sided confidence of that lower bound")
+    ap.add_argument("--verifier", type=Path, default=None,
+                    help="a cross-encoder adapter folder: --calibrate scores with it, and (with "
+                         "--cut) a row runs the default policy with it")
+    ap.add_argument("--cut", type=float, nargs=2, metavar=("COS", "P"), default=None,
+                    help="the lone-candidate cut of the --verifier row")
+    ap.add_argument("--previous-verifier", type=Path, default=None,
+                    help="adapter folder of the previous default (default: the shipped one)")
+    ap.add_argument("--previous-cut", type=float, nargs=2, metavar=("COS", "P"),
+                    default=list(PREVIOUS_CUT), help="lone-candidate cut of the previous default")
+    ap.add_argument("--validation-only", action="store_true",
+                    help="run the validation workloads only (no fresh set is built)")
     args = ap.parse_args()
     js = args.out / args.json_name
     if args.plot_only:
@@ -376,32 +400,52 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("SEMCOMM_BENCH_THREADS", "1")))
     t0 = time.perf_counter()
+    from semcomm.semantic import CrossEncoderVerifier
+
+    cand = None if args.verifier is None else CrossEncoderVerifier(args.verifier)
     if args.calibrate:
         calibrate(Traffic(QUORA_VAL, "pairs", [pairs_workload(2000, name="quora-val")],
-                          role="validation"), args.out, args.target, args.confidence)
+                          role="validation"), args.out, args.target, args.confidence, xv=cand,
+                  json_name=args.json_name if args.json_name != "semantic_fresh.json"
+                  else "semantic_fresh_calibration.json")
         return
-    wl = workloads(args.block, args.blocks, args.seed)
+    prev_xv = (default_cross_verifier() if args.previous_verifier is None
+               else CrossEncoderVerifier(args.previous_verifier))
+    pt, pp = args.previous_cut
+    prev_label = (f"previous default (lone cut {pt:g} / {pp:g})" if args.previous_verifier is None
+                  else f"previous default ({args.previous_verifier.name} verifier, lone cut "
+                       f"{pt:g} / {pp:g})")
+    wl = workloads(args.block, args.blocks, args.seed, fresh=not args.validation_only)
     by_name = {t.name: t for t in wl}
     val_for = {"faq": by_name["clinc-dev (validation: chose the vote defaults)"],
                "pairs": by_name[QUORA_VAL]}
     cal = {k: calibrated_cosine_cut(v, GOAL_PRECISION[k]) for k, v in val_for.items()}
     console.print(f"plain cosine cuts calibrated on validation: {cal}")
     res: dict = {"seed": args.seed, "bootstrap": args.boot, "calibrated_cosine_cut": cal,
-                 "goal_precision": GOAL_PRECISION, "workloads": {}}
+                 "goal_precision": GOAL_PRECISION, "verified_cut": [VERIFIED_THRESHOLD,
+                                                                    VERIFIED_MIN_SCORE],
+                 "shipped_verifier": default_cross_verifier().config.get("train", {}),
+                 "previous": prev_label, "workloads": {}}
     tbl = Table(title="fresh held-out check (precision / recall / out-of-scope hits, "
                       "95 % bootstrap intervals)")
     for col in ("workload", "method", "precision [95 % CI]", "recall [95 % CI]",
-                "OOS hit rate", "hits", "scored", "p50 ms"):
+                "OOS hit rate", "hits", "scored", "p50 ms", "ms / scored"):
         tbl.add_column(col)
     for t in wl:
         console.log(f"{t.name}: {sum(len(b.stored) for b in t.blocks)} stored, "
                     f"{sum(len(b.queries) for b in t.blocks)} lookups")
         rows: dict[str, dict] = {}
-        prev = ClusterVotePolicy(PREVIOUS_CUT[0], scorer=default_cross_verifier(),
-                                 min_score=PREVIOUS_CUT[1])
-        for label, kw in (("SemanticCache() default", {}),
-                          ("previous default (lone cut 0.88 / 0.7)", {"policy": prev}),
-                          ("SemanticCache(cross_encoder=False)", {"cross_encoder": False})):
+        prev = ClusterVotePolicy(pt, scorer=prev_xv, min_score=pp)
+        methods: list[tuple[str, dict]] = [("SemanticCache() default", {}),
+                                           (prev_label, {"policy": prev}),
+                                           ("SemanticCache(cross_encoder=False)",
+                                            {"cross_encoder": False})]
+        if cand is not None and args.cut is not None:
+            methods.insert(1, (f"verifier {args.verifier} at lone cut {args.cut[0]:g} / "
+                               f"{args.cut[1]:g}",
+                               {"policy": ClusterVotePolicy(args.cut[0], scorer=cand,
+                                                            min_score=args.cut[1])}))
+        for label, kw in methods:
             lat: list[float] = []
             st: dict = {}
             rows[label] = r = run_method(
@@ -410,6 +454,8 @@ def main() -> None:
                 args.boot, args.seed, wrong_hits=100 if label.endswith("default") else 0)
             r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
             r["scored_share"] = st.get("scored", 0) / max(1, len(lat))
+            if st.get("scored"):  # the hit-path cost: one cross-encoder forward per scored lookup
+                r["verifier_ms_per_call"] = 1e3 * st["scored_s"] / st["scored"]
         cuts = {0.80: "", 0.92: "", cal[t.kind]: " (cut calibrated on validation)"}
         for cut, note in cuts.items():
             rows[f"plain MiniLM cosine >= {cut:.3g}{note}"] = run_method(
@@ -446,7 +492,8 @@ def main() -> None:
                         f"{r['recall']:.3f} [{c['recall'][0]:.3f}, {c['recall'][1]:.3f}]",
                         f"{r['oos_hit_rate']:.3f}", str(r["hits"]),
                         f"{r['scored_share']:.1%}" if "scored_share" in r else "",
-                        f"{r['lookup_p50_ms']:.2f}" if "lookup_p50_ms" in r else "")
+                        f"{r['lookup_p50_ms']:.2f}" if "lookup_p50_ms" in r else "",
+                        f"{r['verifier_ms_per_call']:.0f}" if "verifier_ms_per_call" in r else "")
     console.print(tbl)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -471,19 +518,22 @@ def _plot(res: dict, path: Path) -> None:
         for m, r in w["rows"].items():
             if "precision" not in r:
                 continue
-            col = colours.get(m) or colours["GPTCache" if m.startswith("GPT") else "plain"]
+            col = colours.get(m) or ("orange" if m.startswith("previous default") else
+                                     "purple" if m.startswith("verifier ") else
+                                     colours["GPTCache" if m.startswith("GPT") else "plain"])
             c = r["ci95"]
             ax.errorbar([r["recall"]], [r["precision"]],
                         xerr=[[r["recall"] - c["recall"][0]], [c["recall"][1] - r["recall"]]],
                         yerr=[[r["precision"] - c["precision"][0]],
                               [c["precision"][1] - r["precision"]]],
-                        fmt="o" if col in ("red", "green", "orange") else "s", color=col, ms=5,
+                        fmt="o" if col in ("red", "green", "orange", "purple") else "s", color=col, ms=5,
                         capsize=2, alpha=0.9 if col == "red" else 0.6)
             short = (m.replace("plain MiniLM cosine", "cos").replace("GPTCache 0.1.44 at cos",
                                                                      "GPTCache")
                      .replace(" (cut calibrated on validation)", " (cal.)")
                      .replace("SemanticCache", "SC")
-                     .replace("previous default (lone cut 0.88 / 0.7)", "prev. 0.88/0.7"))
+                     .replace("previous default (lone cut 0.88 / 0.7)", "prev. 0.88/0.7")
+                     .replace("previous default", "prev."))
             # GPTCache serves what plain cosine at its cut serves: its label goes below
             ax.annotate(short, (r["recall"], r["precision"]), fontsize=6,
                         xytext=(3, -9 if m.startswith("GPT") else 3),
