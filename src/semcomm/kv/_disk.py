@@ -66,6 +66,11 @@ _LOCK = ".lock"
 _HEX = frozenset("0123456789abcdef")
 _STALE_TMP_S = 900.0  # a tmp file this old is abandoned even if its pid looks alive (pid reuse)
 _REFRESH_S = 1.0  # how often a writer re-lists the directory to see other processes' files
+# a chunk file at least this large gets its blocks allocated in one fallocate before the write:
+# ext4's delayed allocation otherwise reserves and tracks every 4 KiB block as the bytes are
+# copied in (measured alone here: 3 MiB written in 450 instead of 650 us, 0.75 MiB 180 instead
+# of 215 us; below 256 KiB no difference)
+_PREALLOCATE_MIN = 256 << 10
 
 
 def _pid_alive(pid: int) -> bool:
@@ -181,6 +186,22 @@ def _load_libc() -> Any:
 _LIBC = _load_libc()
 
 
+def _load_fallocate() -> Any:
+    """libc's ``fallocate`` (Linux), or None. Not ``os.posix_fallocate``: where a filesystem
+    cannot preallocate, glibc emulates that one by writing zeros over the whole range."""
+    fn = getattr(_LIBC, "fallocate", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
+# errnos saying this filesystem does not preallocate: stop asking (the write works without it)
+_NO_PREALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
+
+
 def _same_file(path: str, ino: int) -> bool:
     """True when ``path`` still names the file whose inode is ``ino``."""
     try:
@@ -276,6 +297,9 @@ class DiskStore(StoreBase, LruPinning):
         self._queued: dict[ChunkKey, _Job] = {}
         self._root_s = str(root) + os.sep
         self._shard_dirs: set[str] = set()  # shard directories known to exist (skips mkdir)
+        # preallocate large chunk files (see _PREALLOCATE_MIN); turned off for good the first
+        # time the filesystem says it cannot (only the writer threads and put change it)
+        self._preallocate = _FALLOCATE is not None
         self._tmp_seq = itertools.count(secrets.randbelow(1 << 30))
         self.sealer = sealer
         self._lock = threading.RLock()
@@ -771,6 +795,9 @@ class DiskStore(StoreBase, LruPinning):
                 self._shard_dirs.discard(shard)
                 os.makedirs(shard, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            size = len(job.value)
+            if self._preallocate and size >= _PREALLOCATE_MIN:
+                self._allocate(fd, size)
             view = memoryview(job.value)
             while view:
                 n = os.write(fd, view)
@@ -785,6 +812,19 @@ class DiskStore(StoreBase, LruPinning):
                 os.close(fd)
             self._write_failed(job.key, tmp, exc)
             return None
+
+    def _allocate(self, fd: int, size: int) -> None:
+        """Allocate a new file's blocks in one call; ``OSError`` when the disk is full."""
+        if _FALLOCATE(fd, 0, 0, size) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.ENOSPC:
+            raise OSError(err, os.strerror(err))
+        if err in _NO_PREALLOCATE:
+            self._preallocate = False
+            logger.debug("DiskStore %s: the filesystem does not preallocate (%s)", self.path,
+                         os.strerror(err))
+        # anything else (EINTR, ...): the write below allocates as it goes
 
     def _rename(self, job: _Job, tmp: str) -> bool:
         try:

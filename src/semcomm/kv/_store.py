@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, overload, runtime_checkable
 
 from ..errors import CorruptEntryError, InvalidInputError
-from ._format import ChunkHeader, verify_chunk
+from ._format import ChunkHeader, verify_chunk, verify_put
 from ._keys import ChunkKey
 
 __all__ = [
@@ -139,14 +139,17 @@ def validate_chunk(key: ChunkKey, value: object) -> tuple[bytes, ChunkKey | None
     """Check that ``value`` is a complete, intact chunk whose header names ``key``.
 
     Returns the value as ``bytes`` and its parent key; raises :class:`InvalidInputError`
-    (a ``ValueError``) naming the key and the defect otherwise.
+    (a ``ValueError``) naming the key and the defect otherwise. The very object
+    ``encode_chunk`` returned is checked without hashing it again (its checksum was computed
+    over these immutable bytes, :func:`~semcomm.kv._format.verify_put`); anything else is
+    checked completely.
     """
     if isinstance(value, (bytearray, memoryview)):
         value = bytes(value)
     if not isinstance(value, bytes):
         raise TypeError(f"chunk value must be bytes from encode_chunk, got {type(value).__name__}")
     try:
-        info = verify_chunk(value, expect_key=key)
+        info = verify_put(value, expect_key=key)
     except CorruptEntryError as exc:
         raise InvalidInputError(
             f"value for chunk key {key.hex()[:16]} is not a valid semcomm chunk: {exc}"

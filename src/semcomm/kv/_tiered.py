@@ -6,10 +6,25 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from ..errors import ConfigError
+from ._disk import DiskStore
+from ._format import hand_over, withdraw
 from ._keys import ChunkKey
-from ._store import ChunkStore, Fetched, PrefixMatch, StoreBase, StoreEvent, StoreStats, check_key
+from ._memory import MemoryStore
+from ._redis import RedisStore
+from ._store import (
+    ChunkStore,
+    Fetched,
+    PrefixMatch,
+    StoreBase,
+    StoreEvent,
+    StoreStats,
+    check_key,
+    validate_chunk,
+)
 
 __all__ = ["TieredStore"]
+
+_VERIFIED_READS = (MemoryStore, DiskStore, RedisStore)  # tiers whose get returns verified bytes
 
 
 class TieredStore(StoreBase):
@@ -71,8 +86,14 @@ class TieredStore(StoreBase):
     def _promote(self, key: ChunkKey, value: bytes, found_at: int) -> None:
         if found_at == 0:
             return
+        # semcomm's own stores serve only bytes they verified (the checksum of what they read,
+        # or a value validated by their put): the faster tiers need not hash it again
+        verified = isinstance(self.tiers[found_at], _VERIFIED_READS)
         for faster in self.tiers[:found_at]:
+            if verified:
+                hand_over(value)
             faster.put(key, value)
+        withdraw(value)
         with self._lock:
             self._promotions += 1
 
@@ -143,19 +164,31 @@ class TieredStore(StoreBase):
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: ChunkKey, value: bytes) -> None:
         key = check_key(key)
-        for tier in self.tiers:  # the first tier validates; a bad value raises before any write
+        value, _ = validate_chunk(key, value)  # once: a bad value raises before any write
+        for tier in self.tiers:
+            hand_over(value)  # verified above: each tier checks it without a second hash
             tier.put(key, value)
+        withdraw(value)
 
     def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
-        """Write a batch through to every tier (each tier's own ``put_many`` where it has one)."""
-        batch = [(check_key(k), v) for k, v in items]
+        """Write a batch through to every tier (each tier's own ``put_many`` where it has one).
+
+        Every value is validated first: a bad one raises before any tier is written."""
+        batch = []
+        for k, v in items:
+            k = check_key(k)
+            batch.append((k, validate_chunk(k, v)[0]))
         for tier in self.tiers:
+            for _, v in batch:
+                hand_over(v)
             many = getattr(tier, "put_many", None)
             if many is not None:
                 many(batch)
             else:
                 for k, v in batch:
                     tier.put(k, v)
+        for _, v in batch:
+            withdraw(v)
 
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)

@@ -43,17 +43,21 @@ class WriteQueue(Generic[J]):
 
     * **Bounded.** The bytes of queued and in-flight jobs never exceed ``max_bytes``, except
       one job larger than that, which is admitted alone (when nothing else is queued).
-    * **Per-key order.** Every job of one key goes to the same thread (chosen by the key's
-      first byte), so jobs of a key are written in the order they were submitted: the last
-      ``put`` of a key is the one left on disk.
+    * **Per-key order.** Every job of one key goes to the same lane (chosen by the key's
+      first byte), and a lane's jobs are written one at a time, in the order they were
+      submitted: the last ``put`` of a key is the one left on disk.
+    * **Waiting callers write.** A caller that would only wait (``flush``, ``close``, a
+      ``submit`` held back by the bound) takes the next job of a lane nobody is writing and
+      writes it itself, instead of sleeping until a writer thread gets the CPU (each lane is
+      still written by one thread at a time: ``_busy``).
     * ``flush`` returns once nothing is queued or in flight; ``close`` flushes, then stops the
       threads (later ``submit`` calls raise ``RuntimeError``). Queues still open when the
       interpreter exits are flushed by an ``atexit`` hook.
 
-    The queue never calls ``write`` (or anything of its owner) while it holds its own lock,
-    so the owner may call its methods under the owner's lock. ``write`` runs in the writer
-    threads and must not raise (an exception is logged and the
-    job is dropped: the chunk is then simply absent, a miss).
+    The queue never calls ``write`` while it holds its own lock. ``write`` runs in the writer
+    threads, and in a caller of ``flush``, ``close`` or a held-back ``submit`` (so the owner
+    must not call those holding a lock that ``write`` takes); it must not raise (an exception
+    is logged and the job is dropped: the chunk is then simply absent, a miss).
     """
 
     def __init__(self, write: Callable[[J], None], *, max_bytes: int, threads: int,
@@ -66,7 +70,8 @@ class WriteQueue(Generic[J]):
         self._write = write
         self._name = name
         self._cond = threading.Condition()
-        self._queues: list[deque[J]] = [deque() for _ in range(threads)]
+        self._queues: list[deque[J]] = [deque() for _ in range(threads)]  # one per lane
+        self._busy = [False] * threads  # lane i has a job being written (by any thread)
         self._bytes = 0  # queued and in-flight bytes; guarded by _cond
         self._jobs = 0  # queued and in-flight jobs; guarded by _cond
         self._threads: list[threading.Thread | None] = [None] * threads  # started on demand
@@ -81,7 +86,7 @@ class WriteQueue(Generic[J]):
         with self._cond:
             while (not self._closed and self._jobs
                    and self._bytes + size > self.max_bytes):
-                self._cond.wait()
+                self._help_or_wait()
             if self._closed:
                 raise RuntimeError("the store's write queue is closed")
             self._bytes += size
@@ -104,15 +109,17 @@ class WriteQueue(Generic[J]):
             return
         with self._cond:
             while self._jobs:
-                self._cond.wait()
+                self._help_or_wait()
 
     def close(self) -> None:
         """Flush, then stop the writer threads (idempotent)."""
+        if threading.get_ident() in self._writers:
+            raise RuntimeError("a store's write queue cannot be closed from its own writer")
         with self._cond:
             if self._closed:
                 return
             while self._jobs:
-                self._cond.wait()
+                self._help_or_wait()
             self._closed = True
             self._cond.notify_all()
             threads = [t for t in self._threads if t is not None]
@@ -127,35 +134,61 @@ class WriteQueue(Generic[J]):
             return self._jobs, self._bytes
 
     # ---- writer side -------------------------------------------------------------------
+    def _help_or_wait(self) -> None:
+        """Write one job of a lane nobody is writing, else wait for a change (holds _cond)."""
+        for i, q in enumerate(self._queues):
+            if q and not self._busy[i]:
+                self._write_one(i, q.popleft())
+                return
+        self._cond.wait()
+
+    def _write_one(self, i: int, job: J) -> None:
+        """Write ``job`` of lane ``i`` in this thread (called holding _cond; released meanwhile)."""
+        self._busy[i] = True
+        me = threading.get_ident()
+        helper = me not in self._writers  # a waiting caller: a writer while it writes
+        if helper:
+            self._writers.add(me)  # a flush() from a store event it triggers returns at once
+        self._cond.release()
+        try:
+            self._write(job)
+        except Exception:  # the callback is meant not to raise: keep the thread
+            logger.exception("semcomm KV write-behind: writing chunk %s failed",
+                             bytes(job.key).hex()[:16])
+        finally:
+            self._cond.acquire()
+            if helper:
+                self._writers.discard(me)
+            self._busy[i] = False
+            self._bytes -= len(job.value)
+            self._jobs -= 1
+            self._cond.notify_all()
+
     def _run(self, i: int) -> None:
-        """Writer thread ``i``: its queue's jobs in order; exits after ``_IDLE_S`` idle.
+        """Writer thread ``i``: its lane's jobs in order; exits after ``_IDLE_S`` idle.
 
         An idle exit drops the thread's reference to the store, so a store nobody closes is
         still garbage collected once its writes are done; ``submit`` starts a new thread."""
         q = self._queues[i]
+        me = threading.get_ident()
+
+        def work() -> bool:  # a job to write, or closed and drained (holds _cond)
+            return bool(q) and not self._busy[i] or self._closed and not q
+
         with self._cond:
-            self._writers.add(threading.get_ident())
-        try:
-            while True:
-                with self._cond:
-                    if not q and not self._closed:
-                        self._cond.wait_for(lambda: q or self._closed, timeout=_IDLE_S)
-                    if not q:  # closed and drained, or idle: the next submit restarts it
-                        self._threads[i] = None
-                        return
-                    job = q.popleft()
-                try:
-                    self._write(job)
-                except Exception:  # the callback is meant not to raise: keep the thread
-                    logger.exception("semcomm KV write-behind: writing chunk %s failed",
-                                     bytes(job.key).hex()[:16])
-                with self._cond:
-                    self._bytes -= len(job.value)
-                    self._jobs -= 1
-                    self._cond.notify_all()
-        finally:
-            with self._cond:
-                self._writers.discard(threading.get_ident())
+            self._writers.add(me)
+            try:
+                while True:
+                    if q and not self._busy[i]:
+                        self._write_one(i, q.popleft())
+                        continue
+                    if self._closed and not q:
+                        break
+                    if not self._cond.wait_for(work, timeout=_IDLE_S) and not q:
+                        break  # idle: the next submit starts a new thread
+                self._threads[i] = None
+            finally:
+                self._writers.discard(me)
 
 
 _OPEN: weakref.WeakSet[WriteQueue[Any]] = weakref.WeakSet()
