@@ -13,7 +13,13 @@ Usage::
 
     python benchmarks/bench_fusion_real.py --run --limit 100 [--sets arc_easy,piqa] \\
         [--fuser DIR] --json benchmarks/results/fusion_real.json --png benchmarks/results/fusion_real.png
-    python benchmarks/bench_fusion_real.py --inputs a.json b.json ... --json F --png F
+    python benchmarks/bench_fusion_real.py --inputs a.json b.json ... --json F --png F \
+        [--compare old_c2c_a.json ...]
+
+``--compare`` takes C2C runs of another fuser on the same items (e.g. the shipped one when a
+new fuser is evaluated): per set its accuracy, the points between the two and a paired sign
+test over the questions only one of them gets right (exact binomial, two-sided), so "beats"
+and "loses by more than noise" are figures, not impressions.
 """
 
 from __future__ import annotations
@@ -80,6 +86,43 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return sets
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact binomial p-value of ``wins`` vs ``losses`` discordant pairs (p=0.5)."""
+    from math import comb
+
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def compare(sets: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """Attach another fuser's C2C run (same set, same items) to each set, in place."""
+    for doc in docs:
+        name = Path(doc["setup"]["data"]).stem
+        entry, old = sets.get(name), doc.get("c2c")
+        if entry is None or old is None or "c2c" not in entry["methods"]:
+            continue
+        new = entry["methods"]["c2c"]
+        if new["n"] != old["n"]:
+            raise SystemExit(f"{name}: --compare run has n={old['n']}, the C2C run n={new['n']}")
+        a, b = new["correct"], old["correct"]
+        wins = sum(x and not y for x, y in zip(a, b))
+        losses = sum(y and not x for x, y in zip(a, b))
+        entry["compare"] = {
+            "fuser": doc["setup"].get("fuser"),
+            "accuracy": old["accuracy"],
+            "latency_s": old["latency_s"],
+            "n": old["n"],
+            "c2c_minus_compare_points": (new["accuracy"] - old["accuracy"]) * 100,
+            "only_new_right": wins,
+            "only_compare_right": losses,
+            "sign_test_p": sign_test(wins, losses),
+        }
+
+
 def markdown(sets: dict[str, Any]) -> str:
     """The results as a Markdown table (docs/fusion.md, docs/BENCHMARKS.md)."""
     lines = [
@@ -104,6 +147,21 @@ def markdown(sets: dict[str, Any]) -> str:
         lat = f"{g['t2t_over_c2c_latency']:.2f}x" if "t2t_over_c2c_latency" in g else "-"
         n = max((r["n"] for r in ms.values()), default=0)
         lines.append(f"| {name} | {n} | " + " | ".join(cells + pts + [lat]) + " |")
+    if any("compare" in e for e in sets.values()):
+        lines += [
+            "",
+            "| set | n | C2C | C2C (compared fuser) | points | only C2C right | only compared "
+            "right | sign test p |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, e in sets.items():
+            c = e.get("compare")
+            if c:
+                lines.append(
+                    f"| {name} | {c['n']} | {e['methods']['c2c']['accuracy']:.3f} | "
+                    f"{c['accuracy']:.3f} | {c['c2c_minus_compare_points']:+.1f} | "
+                    f"{c['only_new_right']} | {c['only_compare_right']} | {c['sign_test_p']:.2f} |"
+                )
     return "\n".join(lines)
 
 
@@ -147,6 +205,10 @@ def plot(sets: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--inputs", nargs="*", type=Path, default=[])
+    ap.add_argument(
+        "--compare", nargs="*", type=Path, default=[],
+        help="C2C runs of another fuser on the same items (paired comparison per set)",
+    )  # fmt: skip
     ap.add_argument("--run", action="store_true", help="run `semcomm fusion eval` per set")
     ap.add_argument("--sets", default="arc_easy,commonsense_qa,piqa")
     ap.add_argument("--limit", type=int, default=100)
@@ -174,6 +236,7 @@ def main() -> None:
         ap.error("give --inputs or --run")
     docs = [json.loads(p.read_text(encoding="utf-8")) for p in inputs]
     sets = merge(docs)
+    compare(sets, [json.loads(p.read_text(encoding="utf-8")) for p in args.compare])
     table = Table(title="C2C on the real pair (accuracy, median latency)")
     for col in ("set", "n", *METHODS, "c2c-recv", "c2c-t2t", "c2c-sharer", "t2t/c2c lat"):
         table.add_column(col, justify="right" if col != "set" else "left")
@@ -196,6 +259,15 @@ def main() -> None:
         )  # fmt: skip
     console.print(table)
     for name, e in sets.items():
+        c = e.get("compare")
+        if c:
+            console.print(
+                f"{name}: C2C {e['methods']['c2c']['accuracy']:.3f} vs compared fuser "
+                f"{c['accuracy']:.3f} ({c['c2c_minus_compare_points']:+.1f} points; only this "
+                f"one right {c['only_new_right']}, only the compared one {c['only_compare_right']}"
+                f", sign test p={c['sign_test_p']:.2f})"
+            )
+    for name, e in sets.items():
         o = e["oracle"]
         if o:
             console.print(
@@ -206,7 +278,15 @@ def main() -> None:
     print(markdown(sets))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"sets": sets, "inputs": [str(p) for p in inputs]}, indent=2) + "\n",
+        json.dumps(
+            {
+                "sets": sets,
+                "inputs": [str(p) for p in inputs],
+                "compare": [str(p) for p in args.compare],
+            },
+            indent=2,
+        )
+        + "\n",
         encoding="utf-8",
     )
     plot(sets, args.png)
