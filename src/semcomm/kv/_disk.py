@@ -322,6 +322,8 @@ class DiskStore(StoreBase, LruPinning):
         with self._lock, self._flock():
             self._rebuild()
             self._evict_to(0, None)
+        if queue is not None:
+            queue.start()  # the writer threads, here rather than in the first put
 
     # ---- paths and locking -------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:

@@ -94,11 +94,27 @@ class WriteQueue(Generic[J]):
             i = job.key[0] % len(self._queues)
             self._queues[i].append(job)
             if self._threads[i] is None:
-                t = threading.Thread(target=self._run, args=(i,), name=f"{self._name}-{i}",
-                                     daemon=True)
-                self._threads[i] = t
-                t.start()
+                self._start(i)
             self._cond.notify_all()
+
+    def start(self) -> None:
+        """Start every writer thread now (they also start on demand, and exit when idle).
+
+        A thread start waits for the new thread to run, which takes milliseconds on a loaded
+        machine: a store starts them when it is created, not in its first ``put``."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the store's write queue is closed")
+            for i, t in enumerate(self._threads):
+                if t is None:
+                    self._start(i)
+
+    def _start(self, i: int) -> None:
+        """Start lane ``i``'s writer thread (holds _cond)."""
+        t = threading.Thread(target=self._run, args=(i,), name=f"{self._name}-{i}",
+                             daemon=True)
+        self._threads[i] = t
+        t.start()
 
     def flush(self) -> None:
         """Wait until every submitted job has been written.
