@@ -231,8 +231,12 @@ class DiskStore(StoreBase, LruPinning):
       :meth:`flush` and :meth:`close` wait for (and an ``atexit`` hook, for stores still open
       at a normal interpreter exit). A process killed before that loses the queued chunks
       (misses later, never a wrong or torn chunk). At most ``max_pending_bytes`` are queued:
-      beyond it ``put`` waits for the writers (backpressure). A write that fails is counted in
+      beyond it ``put`` waits for the writers (backpressure). A caller that waits (``flush``,
+      ``close``, a held-back ``put``) writes queued chunks itself meanwhile (``WriteQueue``). A write that fails is counted in
       ``stats().errors`` and the chunk is absent.
+    * **Preallocated files.** A chunk of ``_PREALLOCATE_MIN`` bytes or more has its blocks
+      allocated in one ``fallocate`` before it is written (off for good where the filesystem
+      cannot; a full disk fails the write).
     * **Verified reads.** Every ``get`` checks header, key and XXH3 checksum. A truncated,
       bit-flipped or swapped file (content naming another key) is counted in
       ``stats().corrupt``, deleted and reported as a miss.
