@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from semcomm.engine import HFEngine
-from semcomm.errors import InvalidInputError
 from semcomm.engine._greedy_head import GreedyHead
+from semcomm.errors import InvalidInputError
 from semcomm.kv import MemoryStore
 
 from ._engine_models import FAMILIES, prompt_ids, reference_greedy, tiny_model

@@ -50,6 +50,7 @@ from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._greedy_head import GreedyHead
+from ._lean_decode import LeanDecoder
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
@@ -112,7 +113,10 @@ class HFEngine:
             argmax from an int8 copy of the head plus an error bound, recomputing only the
             rows that can hold the maximum in float32 (engine/_greedy_head.py: a quarter of the
             head's bytes a step, same tokens; the copy costs a quarter of the head's memory,
-            made at the first greedy decode). False: every step runs the full float32 head.
+            made with the engine). False: every step runs the full float32 head.
+        lean_decode: decode steps of Llama, Mistral and Qwen2 models run the model's own
+            operations without transformers' per-call machinery (engine/_lean_decode.py:
+            checked bit for bit against the model's forward once); False: the model's forward.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class HFEngine:
         keep_logits: bool = True,
         kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
         greedy_head: bool = True,
+        lean_decode: bool = True,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -172,10 +177,14 @@ class HFEngine:
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
         self.kv_pool: KVBufferPool | None = pool if kv_pool_bytes > 0 else None
-        if not isinstance(greedy_head, bool):
-            raise InvalidInputError(f"greedy_head must be True or False, got {greedy_head!r}")
+        for flag, value in (("greedy_head", greedy_head), ("lean_decode", lean_decode)):
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{flag} must be True or False, got {value!r}")
         self.greedy_head = greedy_head
+        self.lean_decode = lean_decode
         self._ghead: GreedyHead | None | Literal[False] = None  # None: not tried; False: unusable
+        self._split: bool | None = None  # logits == head(base model's hidden state), bit for bit
+        self._lean: LeanDecoder | None | Literal[False] = None  # as _ghead
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
@@ -213,6 +222,9 @@ class HFEngine:
             type(self.model).__name__, self.device, self.layout.num_layers,
             self.layout.kv_heads, chunk_size, self.codec.spec, self.namespace_digest.hex()[:12],
         )
+        # made and checked now (a second or two for a 0.5B model), not inside the first request
+        self._greedy_head()
+        self._lean_decoder()
 
     # ------------------------------------------------------------------ input
     def _eos_ids(self) -> frozenset[int]:
@@ -744,15 +756,24 @@ class HFEngine:
         pre.buffers = None
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         head = self._greedy_head() if params.greedy and max_new > 1 else None
+        lean = self._lean_decoder() if max_new > 1 else None
+        if lean is not None and not all(isinstance(layer, ca.BufferLayer)
+                                        for layer in cache.layers):
+            lean = None
+        lm = self.model.get_output_embeddings()
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
             # inference mode: no version counters or view tracking (a few percent a step here);
             # the cache's buffers stay ordinary tensors written in place
             with torch.inference_mode():
+                if lean is None and head is None:
+                    return self._runner.forward(step, cache)[None]
+                h = lean.hidden(step, cache) if lean is not None else self._runner.hidden(
+                    step, cache)
                 if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
-                    return head.logits(self._runner.hidden(step, cache))[None]
-                return self._runner.forward(step, cache)[None]
+                    return head.logits(h)[None]
+                return lm(h).reshape(1, -1).float()
 
         t_dec = time.perf_counter()
         for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
@@ -786,19 +807,55 @@ class HFEngine:
             self._ghead = self._make_greedy_head() or False
         return self._ghead if isinstance(self._ghead, GreedyHead) else None
 
+    def _split_head(self) -> bool:
+        """Whether the causal LM's logits are its output embedding (a linear layer) applied to
+        the base model's last hidden state, bit for bit (checked once on a probe)."""
+        if self._split is None:
+            lm = self.model.get_output_embeddings()
+            self._split = False
+            if isinstance(lm, torch.nn.Linear) and self._runner.base_model() is not None:
+                probe = torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
+                with torch.inference_mode():
+                    full = self._runner.forward(probe, ca.new_cache())
+                    h = self._runner.hidden(probe, ca.new_cache())
+                    self._split = torch.equal(full, lm(h).reshape(-1).float())
+            if not self._split:
+                logger.info("the model's logits are not its head on the hidden state: "
+                            "decode steps run its whole forward")
+        return self._split
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """The model's :class:`LeanDecoder`, made and checked once (a few steps from a probe
+        prompt give the base model's hidden states bit for bit); None where it does not
+        apply."""
+        if self._lean is None:
+            self._lean = self._make_lean() or False
+        return self._lean if isinstance(self._lean, LeanDecoder) else None
+
+    def _make_lean(self) -> LeanDecoder | None:
+        if not self.lean_decode or self.layout.sliding or not self._split_head():
+            return None
+        lean = LeanDecoder.build(self.model, self._runner.base_model())
+        if lean is None:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randint(3, max(4, self.vocab_size), (1, 24), generator=gen)
+        with torch.inference_mode():
+            a = ca.buffer_cache(self.layout, 32, self.device)
+            self._runner.forward(probe[:, :20].to(self.device), a)
+            b = ca.copy_cache(a)
+            for i in range(20, 24):
+                tok = probe[:, i : i + 1].to(self.device)
+                if not torch.equal(self._runner.hidden(tok, a), lean.hidden(tok, b)):
+                    logger.info("lean decode off: its steps differ from the model's forward")
+                    return None
+        return lean
+
     def _make_greedy_head(self) -> GreedyHead | None:
         lm = self.model.get_output_embeddings()
         if (not self.greedy_head or self.device.type != "cpu"
                 or not isinstance(lm, torch.nn.Linear) or lm.bias is not None
-                or lm.weight.dtype != torch.float32 or self._runner.base_model() is None):
-            return None
-        probe = torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
-        with torch.inference_mode():  # the split call gives the causal LM's logits bit for bit
-            full = self._runner.forward(probe, ca.new_cache())
-            h = self._runner.hidden(probe, ca.new_cache())
-            split = torch.nn.functional.linear(h, lm.weight).reshape(-1)
-        if not torch.equal(full, split):
-            logger.info("greedy head off: the model's logits are not its head on the hidden state")
+                or lm.weight.dtype != torch.float32 or not self._split_head()):
             return None
         head = GreedyHead(lm.weight.detach())
         if not head.verified():

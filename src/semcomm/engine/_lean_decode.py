@@ -1,0 +1,167 @@
+"""One decode step of a Llama-family model with the model's own tensor operations and none of
+its per-call machinery.
+
+A decode step on the CPU runs a few hundred small operations a token, and transformers wraps each
+layer, attention and norm in module calls, keyword-deprecation wrappers, output-capture hooks
+and attention-interface lookups: on a 30-layer model that is milliseconds a token, a large
+share of a step whose matrix products take 30-50 ms. :class:`LeanDecoder` runs the same
+operations, in the same order, with the same arguments (so the same kernels and the same bits),
+straight from the weights: RMSNorm, q/k/v projections, rotary embedding, the cache update, one
+``scaled_dot_product_attention`` call exactly as transformers' SDPA integration makes it for one
+query (no mask, ``enable_gqa`` for grouped KV heads), the output projection and the gated MLP.
+
+It covers the layer classes whose forward it mirrors (Llama, Mistral and Qwen2 without sliding
+layers, SDPA attention); :meth:`LeanDecoder.build` returns None for anything else, and the
+engine compares a lean step with the model's own forward bit for bit before using it
+(``HFEngine._lean_decoder``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LeanDecoder"]
+
+# layer, attention, MLP and norm classes whose forward the step mirrors, by family prefix
+_FAMILIES = ("Llama", "Mistral", "Qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's weights and constants (views of the model's parameters)."""
+
+    index: int
+    ln1: torch.Tensor  # [hidden] input RMSNorm weight
+    eps1: float
+    wq: torch.Tensor  # [heads * head_dim, hidden]
+    bq: torch.Tensor | None
+    wk: torch.Tensor  # [kv_heads * head_dim, hidden]
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor  # [hidden, heads * head_dim]
+    bo: torch.Tensor | None
+    ln2: torch.Tensor  # post-attention RMSNorm weight
+    eps2: float
+    wg: torch.Tensor  # gate [intermediate, hidden]
+    wu: torch.Tensor  # up
+    wd: torch.Tensor  # down [hidden, intermediate]
+    act: Any  # the MLP's activation module (ACT2FN[hidden_act])
+    scaling: float
+    head_dim: int
+    gqa: bool  # grouped KV heads: SDPA with enable_gqa=True
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward, op for op."""
+    dt = x.dtype
+    x = x.to(torch.float32)
+    var = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(var + eps)
+    return w * x.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _is(module: Any, suffix: str) -> bool:
+    name = type(module).__name__
+    return any(name == f + suffix for f in _FAMILIES)
+
+
+class LeanDecoder:
+    """One-token steps of a supported model on a cache of the engine's buffer layers.
+
+    ``hidden(input_ids, cache)`` (``input_ids`` ``[1, 1]``) appends the token's K/V to every
+    layer and returns the final normed hidden state ``[1, 1, hidden]``, what the causal LM's
+    head reads.
+    """
+
+    def __init__(self, base: Any, layers: Sequence[_Layer]):
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm_w = base.norm.weight
+        self.norm_eps = float(base.norm.variance_epsilon)
+        self.layers = tuple(layers)
+
+    @classmethod
+    def build(cls, model: Any, base: Any) -> LeanDecoder | None:
+        """A lean decoder for ``model`` (its base model ``base``), or None where its layers
+        are not the classes mirrored here or use what the step leaves out."""
+        cfg = getattr(model, "config", None)
+        if base is None or cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+            return None
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+            return None
+        if getattr(cfg, "sliding_window", None) is not None and (
+                getattr(cfg, "use_sliding_window", True)):
+            return None
+        parts = [getattr(base, a, None) for a in ("embed_tokens", "rotary_emb", "norm", "layers")]
+        if any(p is None for p in parts) or not _is(base.norm, "RMSNorm"):
+            return None
+        out = []
+        for i, layer in enumerate(base.layers):
+            att: Any = getattr(layer, "self_attn", None)
+            mlp: Any = getattr(layer, "mlp", None)
+            if not (_is(layer, "DecoderLayer") and _is(att, "Attention") and _is(mlp, "MLP")
+                    and _is(layer.input_layernorm, "RMSNorm")
+                    and _is(layer.post_attention_layernorm, "RMSNorm")):
+                return None
+            if getattr(att, "layer_idx", i) != i or getattr(att, "sliding_window", None):
+                return None
+            head_dim = int(att.head_dim)
+            if head_dim > 256 or any(getattr(m, "bias", None) is not None
+                                     for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                return None
+            out.append(_Layer(
+                index=i, ln1=layer.input_layernorm.weight,
+                eps1=float(layer.input_layernorm.variance_epsilon),
+                wq=att.q_proj.weight, bq=att.q_proj.bias, wk=att.k_proj.weight,
+                bk=att.k_proj.bias, wv=att.v_proj.weight, bv=att.v_proj.bias,
+                wo=att.o_proj.weight, bo=att.o_proj.bias,
+                ln2=layer.post_attention_layernorm.weight,
+                eps2=float(layer.post_attention_layernorm.variance_epsilon),
+                wg=mlp.gate_proj.weight, wu=mlp.up_proj.weight, wd=mlp.down_proj.weight,
+                act=mlp.act_fn, scaling=float(att.scaling), head_dim=head_dim,
+                gqa=int(att.num_key_value_groups) > 1,
+            ))
+        if not out or len(out) != int(getattr(cfg, "num_hidden_layers", len(out))):
+            return None
+        return cls(base, out)
+
+    def hidden(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        x = self.embed(input_ids)  # [1, 1, hidden]
+        past = int(cache.get_seq_length())
+        pos = (torch.arange(1, device=x.device) + past).unsqueeze(0)
+        cos, sin = self.rotary(x, position_ids=pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, 1, head_dim]
+        layers = cache.layers
+        sdpa = F.scaled_dot_product_attention
+        for p in self.layers:
+            d = p.head_dim
+            h = _rms(x, p.ln1, p.eps1)
+            q = F.linear(h, p.wq, p.bq).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, d]
+            k = F.linear(h, p.wk, p.bk).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, d]
+            v = F.linear(h, p.wv, p.bv).view(1, 1, -1, d).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            k, v = layers[p.index].update(k, v)
+            if p.gqa:
+                o = sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=p.scaling,
+                         is_causal=False, enable_gqa=True)
+            else:
+                o = sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=p.scaling,
+                         is_causal=False)
+            o = o.reshape(o.shape[0], -1, 1, d).transpose(1, 2).contiguous()
+            o = o.reshape(1, 1, -1).contiguous()
+            x = x + F.linear(o, p.wo, p.bo)
+            h = _rms(x, p.ln2, p.eps2)
+            x = x + F.linear(p.act(F.linear(h, p.wg)) * F.linear(h, p.wu), p.wd)
+        return _rms(x, self.norm_w, self.norm_eps)
