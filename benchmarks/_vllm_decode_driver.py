@@ -7,6 +7,12 @@ after the first, timed as the difference between a ``new_tokens`` request and a 
 request over the same cached prefix. Greedy (temperature 0), EOS ignored, so exactly
 ``new_tokens`` tokens are decoded.
 
+With ``"serve": true`` in the job the driver stays up for interleaved rounds: after start-up
+it prints one JSON line (start-up and TTFT figures, ``"ready": true``), then answers each
+``round`` line on stdin with one JSON line (that round's decode tokens/s and tokens) until
+``quit`` or the end of stdin, so that bench_decode.py can alternate vLLM's rounds with the
+engine's in one run.
+
 Threads: vLLM's CPU worker binds its OpenMP threads to the cores it is not told to reserve;
 ``threads`` = 1 reserves all cores but one (``VLLM_CPU_NUM_OF_RESERVED_CPU``), as in docs/vllm.md.
 """
@@ -45,11 +51,25 @@ def main() -> None:
     run(2, ids[:32])  # warm-up (kernels, allocator)
     cold_s, _ = run(1, ids)
     warm_s, _ = run(1, ids)
+    def one_round() -> tuple[float, list[int]]:
+        w1, _ = run(1, ids)
+        wn, toks = run(n, ids)
+        return (n - 1) / max(1e-9, wn - w1), toks
+
+    if job.get("serve"):
+        print(json.dumps({"ready": True, "load_s": load_s, "cold_ttft_s": cold_s,
+                          "warm_ttft_s": warm_s, "threads": job["threads"],
+                          "dtype": job["dtype"]}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "round":
+                break
+            tps, toks = one_round()
+            print(json.dumps({"decode_tps": tps, "tokens": toks}), flush=True)
+        return
     walls, tokens = [], []
     for _ in range(int(job.get("rounds", 2))):
-        w1, _ = run(1, ids)
-        wn, tokens = run(n, ids)
-        walls.append((n - 1) / max(1e-9, wn - w1))
+        tps, tokens = one_round()
+        walls.append(tps)
     walls.sort()
     print(json.dumps({"load_s": load_s, "cold_ttft_s": cold_s, "warm_ttft_s": warm_s,
                       "decode_tps": walls[len(walls) // 2], "decode_tps_runs": walls,

