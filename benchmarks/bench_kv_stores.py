@@ -20,7 +20,11 @@ storage backends on the same chunks: LMCache runs as a persistent process in the
 that has ``lmcache`` (``benchmarks/_lmcache_driver.py --serve``), and each of its passes (a pass:
 every chunk once) runs back to back with the matching semcomm pass, so both see the same moment
 of a shared machine; the figures are medians of the per-pair ratios. Every put round writes new
-chunks into a fresh store on both sides (the previous round's files deleted); gets read and drop
+chunks into a fresh store on both sides (the previous round's files deleted); semcomm's are
+encoded right before each put pass (outside the timing: LMCache's likewise start in its memory
+objects), so ``put`` gets ``encode_chunk``'s own objects and does not hash them again, as from
+the engine and the vLLM connector; in rounds 2-3, 6-7, ... the flush pass puts copies instead
+("bytes hashed at put": what a put of bytes from anywhere else costs). Gets read and drop
 each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool); the
 DiskStore at its three durabilities (``flush``: one ``put`` per chunk; ``write-behind``: one
 ``put`` per chunk, then ``flush()``, timed to the point LMCache's put is timed to, every file
@@ -284,10 +288,9 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     ``(ours, theirs, op, [their time / our time ...])``: each ratio compares two passes over
     the same number of chunks run back to back, so both saw the same moment of the machine.
     """
-    one = len(chunk_set(1, tokens, args.layers, args.heads, args.head_dim)[0][1])
+    # bytes of a chunk with a parent (every chunk but a chain's first, which is 32 bytes shorter)
+    one = len(chunk_set(2, tokens, args.layers, args.heads, args.head_dim)[1][1])
     n = max(4, args.mib * MiB // one)
-    items = chunk_set(n, tokens, args.layers, args.heads, args.head_dim)
-    keys = [k for k, _ in items]
     theirs_bytes = lm("open", tokens=tokens, chunks=n, layers=args.layers, heads=args.heads,
                       head_dim=args.head_dim)["chunk_bytes"]
     samples: dict[tuple[str, str], list[float]] = {}  # (backend, op) -> seconds per pass
@@ -299,9 +302,24 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     def pair(ours: str, theirs: str, op: str, t_ours: float, t_theirs: float) -> None:
         pairs.setdefault((ours, theirs, op), []).append(t_theirs / t_ours)
 
-    buf = bytearray(max(len(v) for _, v in items))  # get_into's, reused (LMCache: its pool)
+    buf = bytearray(one)  # get_into's, reused (LMCache: its pool); no chunk is larger
     stores: list[DiskStore] = []
-    flush = fsync = None
+    labels = ("semcomm disk flush", "semcomm disk fsync (put_many)", "semcomm disk write-behind",
+              "semcomm disk flush (bytes hashed at put)")
+    written: dict[str, list[tuple[ChunkKey, bytes]]] = {}  # each store's chunks, last round
+    seeds = iter(range(1, 1 << 30))
+
+    def fresh() -> list[tuple[ChunkKey, bytes]]:
+        """New chunks, just encoded (outside the timing): what the engine and the vLLM connector
+        hand to ``put``, so the store checks them without hashing them a second time (their
+        checksum was computed by ``encode_chunk``); LMCache's put likewise starts from chunks
+        already in its memory objects."""
+        return chunk_set(n, tokens, args.layers, args.heads, args.head_dim, seed=next(seeds))
+
+    def plain() -> list[tuple[ChunkKey, bytes]]:
+        """New chunks as bytes from anywhere else (a copy): put verifies their checksum."""
+        return [(k, bytes(bytearray(v))) for k, v in fresh()]
+
     for r in range(args.rounds):
         for st in stores:  # the previous round's chunk files go, and LMCache's
             st.close()
@@ -318,21 +336,26 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
                            max_pending_bytes=args.max_pending_mib << 20)
         stores = [flush, fsync, behind]
         f, g = flush, fsync
+        # the flush pass of rounds 2-3, 6-7, ... puts plain bytes (hashed at put) instead of
+        # chunks just encoded: both kinds from the same store, each with LMCache first and last
+        flush_label = labels[3] if (r // 2) % 2 else labels[0]
 
-        def put_flush(f: DiskStore = flush) -> None:
-            for k, v in items:
+        def put_flush(f: DiskStore = flush, label: str = flush_label) -> None:
+            for k, v in written[label]:
                 f.put(k, v)
 
         accepted: list[float] = []
 
-        def put_behind(b: DiskStore = behind, acc: list[float] = accepted) -> None:
+        def put_behind(b: DiskStore = behind, acc: list[float] = accepted,
+                       label: str = labels[2]) -> None:
             t0 = time.perf_counter()
-            for k, v in items:
+            for k, v in written[label]:
                 b.put(k, v)
             acc.append(time.perf_counter() - t0)  # every put returned (LMCache: submitted)
             b.flush()  # timed to the same point as LMCache's: every file written and indexed
 
-        ours = [("semcomm disk flush", put_flush), ("semcomm disk write-behind", put_behind)]
+        ours = [(flush_label, put_flush, plain if flush_label == labels[3] else fresh),
+                (labels[2], put_behind, fresh)]
         if r % 2:
             ours.reverse()
         timed: dict[str, float] = {}
@@ -343,12 +366,14 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         if first_lm:
             os.sync()
             lm_put = lm("put")
-        for label, fn in ours:
+        for label, fn, make in ours:
+            written[label] = make()
             os.sync()
             timed[label], cpus[label] = _timed_cpu(fn)
         if not first_lm:
             os.sync()
             lm_put = lm("put")
+        keys = [k for k, _ in written[flush_label]]  # the gets read the flush store's chunks
         t_lm = lm_put["s"]
         t_lm_put = t_lm
         add("lmcache-disk", "put", t_lm)
@@ -365,14 +390,14 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         for j in range(args.repeat):
             t_lm = lm("get")["s"]
             if j % 2 == 0:
-                t_get = _timed(lambda f=f: [f.get(k) for k in keys])
-                t_into = _timed(lambda f=f: [f.get_into(k, buf) for k in keys])
+                t_get = _timed(lambda f=f, ks=keys: [f.get(k) for k in ks])
+                t_into = _timed(lambda f=f, ks=keys: [f.get_into(k, buf) for k in ks])
             else:
-                t_into = _timed(lambda f=f: [f.get_into(k, buf) for k in keys])
-                t_get = _timed(lambda f=f: [f.get(k) for k in keys])
+                t_into = _timed(lambda f=f, ks=keys: [f.get_into(k, buf) for k in ks])
+                t_get = _timed(lambda f=f, ks=keys: [f.get(k) for k in ks])
             t_lm2 = lm("get")["s"]  # bracket: LMCache before and after ours
             t_lmb = lm("batched_get", batch=args.batch)["s"]
-            t_b = _timed(lambda f=f: [f.fetch_many(keys[i : i + args.batch])
+            t_b = _timed(lambda f=f, ks=keys: [f.fetch_many(ks[i : i + args.batch])
                                       for i in range(0, n, args.batch)])
             for t in (t_lm, t_lm2):
                 add("lmcache-disk", "get", t)
@@ -385,15 +410,18 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
             pair("semcomm disk flush", "lmcache-disk", "get_into", t_into, mid)
             pair("semcomm disk flush", "lmcache-disk", "batched_get", t_b, t_lmb)
         # fsync last in the round: its filesystem syncs would slow whatever runs next
-        t_fsync = _timed(lambda g=g: [g.put_many(items[i : i + args.batch])
+        written[labels[1]] = batch_items = fresh()
+        t_fsync = _timed(lambda g=g, b=batch_items: [g.put_many(b[i : i + args.batch])
                                       for i in range(0, n, args.batch)])
         add("semcomm disk fsync (put_many)", "put", t_fsync)
         pair("semcomm disk fsync (put_many)", "lmcache-disk", "put", t_fsync, t_lm_put)
         cpu = lm("cpu")
         mem = MemoryStore(capacity_bytes=4 << 30)
-        t_mput = _timed(lambda mem=mem: [mem.put(k, v) for k, v in items])
+        mem_items = fresh()
+        t_mput = _timed(lambda mem=mem, m=mem_items: [mem.put(k, v) for k, v in m])
         # a consumer that keeps the data copies it (LMCache side: clone)
-        t_mget = _timed(lambda mem=mem: [bytearray(mem.get(k) or b"") for k in keys])
+        t_mget = _timed(lambda mem=mem, m=mem_items: [bytearray(mem.get(k) or b"")
+                                                       for k, _ in m])
         add("lmcache-cpu", "put", cpu["put_s"])
         add("lmcache-cpu", "get", cpu["get_s"])
         add("semcomm memory", "put", t_mput)
@@ -401,14 +429,13 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         pair("semcomm memory", "lmcache-cpu", "put", t_mput, cpu["put_s"])
         pair("semcomm memory", "lmcache-cpu", "get", t_mget, cpu["get_s"])
     checks = lm("checks")
-    assert flush is not None
     mine = {}
-    labels = ("semcomm disk flush", "semcomm disk fsync (put_many)", "semcomm disk write-behind")
+    last_flush = flush_label
     for label, st in zip(labels, stores):
         st.close()  # write-behind: writes what is still queued (flush() already did)
         reopened = DiskStore(st.path, capacity_bytes=8 << 30)
         found = len(reopened)
-        k0 = items[0][0]
+        k0 = written[last_flush if label == labels[0] else label][0][0]
         path = st.path / k0.hex()[:2] / f"{k0.hex()}.sckv"
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 0x40
@@ -419,7 +446,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     rows: list[dict[str, Any]] = []
     for backend in ("lmcache-disk", "lmcache-cpu", "semcomm disk flush",
                     "semcomm disk write-behind", "semcomm disk fsync (put_many)",
-                    "semcomm memory"):
+                    "semcomm disk flush (bytes hashed at put)", "semcomm memory"):
         cb = theirs_bytes if backend.startswith("lmcache") else one
         row: dict[str, Any] = {"backend": backend, "tokens": tokens, "chunk_bytes": cb,
                                "chunks": n, "samples_us": {}}
@@ -433,7 +460,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         if backend == "lmcache-disk":
             row["found_after_restart"] = checks["found_after_restart"]
             row["tampered_chunk_served"] = checks["tampered_chunk_served"]
-        elif backend.startswith("semcomm disk"):
+        elif backend in mine:
             found, served = mine[backend]
             row["found_after_restart"] = found
             row["tampered_chunk_served"] = served
@@ -461,6 +488,7 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     for t in tokens:
         for ours, theirs in (("semcomm disk flush", "lmcache-disk"),
                              ("semcomm disk write-behind", "lmcache-disk"),
+                             ("semcomm disk flush (bytes hashed at put)", "lmcache-disk"),
                              ("semcomm disk fsync (put_many)", "lmcache-disk"),
                              ("semcomm memory", "lmcache-cpu")):
             q: dict[str, Any] = {"semcomm": ours, "lmcache": theirs, "tokens": t}
