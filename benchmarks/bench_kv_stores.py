@@ -25,7 +25,8 @@ encoded right before each put pass (outside the timing: LMCache's likewise start
 objects), so ``put`` gets ``encode_chunk``'s own objects and does not hash them again, as from
 the engine and the vLLM connector; in rounds 2-3, 6-7, ... the flush pass puts copies instead
 ("bytes hashed at put": what a put of bytes from anywhere else costs). Gets read and drop
-each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool); the
+each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool): a
+``bytearray``, and ``semcomm.kv.staging_buffer`` (huge pages) as ``get_into_staging``; the
 DiskStore at its three durabilities (``flush``: one ``put`` per chunk; ``write-behind``: one
 ``put`` per chunk, then ``flush()``, timed to the point LMCache's put is timed to, every file
 written and indexed, with the time until every ``put`` returned beside LMCache's time until every
@@ -71,6 +72,7 @@ from semcomm.kv import (
     TieredStore,
     chunk_keys,
     encode_chunk,
+    staging_buffer,
 )
 from semcomm.kv._disk import DEFAULT_MAX_PENDING_BYTES, DEFAULT_WRITER_THREADS
 
@@ -303,6 +305,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         pairs.setdefault((ours, theirs, op), []).append(t_theirs / t_ours)
 
     buf = bytearray(one)  # get_into's, reused (LMCache: its pool); no chunk is larger
+    staging = staging_buffer(one)  # the same, from semcomm's staging allocator (huge pages)
     stores: list[DiskStore] = []
     labels = ("semcomm disk flush", "semcomm disk fsync (put_many)", "semcomm disk write-behind",
               "semcomm disk flush (bytes hashed at put)")
@@ -389,12 +392,13 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
             pair(label, "lmcache-disk", "put_cpu", cpus[label], lm_put["cpu_s"])
         for j in range(args.repeat):
             t_lm = lm("get")["s"]
-            if j % 2 == 0:
-                t_get = _timed(lambda f=f, ks=keys: [f.get(k) for k in ks])
-                t_into = _timed(lambda f=f, ks=keys: [f.get_into(k, buf) for k in ks])
-            else:
-                t_into = _timed(lambda f=f, ks=keys: [f.get_into(k, buf) for k in ks])
-                t_get = _timed(lambda f=f, ks=keys: [f.get(k) for k in ks])
+            gets = {"get": lambda f=f, ks=keys: [f.get(k) for k in ks],
+                    "get_into": lambda f=f, ks=keys: [f.get_into(k, buf) for k in ks],
+                    "get_into_staging": lambda f=f, ks=keys: [f.get_into(k, staging)
+                                                              for k in ks]}
+            order = list(gets) if j % 2 == 0 else list(gets)[::-1]
+            t_ours = {op: _timed(gets[op]) for op in order}
+            t_get, t_into = t_ours["get"], t_ours["get_into"]
             t_lm2 = lm("get")["s"]  # bracket: LMCache before and after ours
             t_lmb = lm("batched_get", batch=args.batch)["s"]
             t_b = _timed(lambda f=f, ks=keys: [f.fetch_many(ks[i : i + args.batch])
@@ -403,11 +407,14 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
                 add("lmcache-disk", "get", t)
             add("semcomm disk flush", "get", t_get)
             add("semcomm disk flush", "get_into", t_into)
+            add("semcomm disk flush", "get_into_staging", t_ours["get_into_staging"])
             add("lmcache-disk", "batched_get", t_lmb)
             add("semcomm disk flush", "batched_get", t_b)
             mid = (t_lm + t_lm2) / 2
             pair("semcomm disk flush", "lmcache-disk", "get", t_get, mid)
             pair("semcomm disk flush", "lmcache-disk", "get_into", t_into, mid)
+            pair("semcomm disk flush", "lmcache-disk", "get_into_staging",
+                 t_ours["get_into_staging"], mid)
             pair("semcomm disk flush", "lmcache-disk", "batched_get", t_b, t_lmb)
         # fsync last in the round: its filesystem syncs would slow whatever runs next
         written[labels[1]] = batch_items = fresh()
@@ -506,7 +513,7 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     for col in ("semcomm store", "LMCache backend", "tokens", "put us/chunk (ours / theirs)",
                 "put ratio", "puts returned ratio", "get us/chunk (ours / theirs)", "get ratio",
                 "get_into us/chunk",
-                "get_into ratio", "batched get us/chunk", "batched ratio"):
+                "get_into ratio", "staging ratio", "batched get us/chunk", "batched ratio"):
         table.add_column(col, justify="left" if "store" in col or "backend" in col else "right")
 
     def us(a: dict[str, Any], b: dict[str, Any] | None, op: str) -> str:
@@ -522,7 +529,8 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
         a, b = by[(q["semcomm"], q["tokens"])], by[(q["lmcache"], q["tokens"])]
         table.add_row(q["semcomm"], q["lmcache"], str(q["tokens"]), us(a, b, "put"),
                       ratio(q, "put"), ratio(q, "put_accept"), us(a, b, "get"), ratio(q, "get"),
-                      us(a, None, "get_into"), ratio(q, "get_into"), us(a, b, "batched_get"),
+                      us(a, None, "get_into"), ratio(q, "get_into"), ratio(q, "get_into_staging"),
+                      us(a, b, "batched_get"),
                       ratio(q, "batched_get"))
     console.print(table)
     for r in rows:
@@ -543,8 +551,9 @@ def draw_ratios(ratios: list[dict[str, Any]], path: Path, version: str) -> None:
 
     labels = sorted({q["semcomm"] for q in ratios})
     tokens = sorted({q["tokens"] for q in ratios})
-    ops = ("put", "put_accept", "get", "get_into", "batched_get")
-    hatch = {"put": "", "put_accept": "--", "get": "//", "get_into": "xx", "batched_get": ".."}
+    ops = ("put", "put_accept", "get", "get_into", "get_into_staging", "batched_get")
+    hatch = {"put": "", "put_accept": "--", "get": "//", "get_into": "xx",
+             "get_into_staging": "++", "batched_get": ".."}
     series = [(label, op) for label in labels for op in ops
               if any(q.get(f"{op}_ratio") for q in ratios if q["semcomm"] == label)]
     with agg_figure(path, (10, 5.6)) as ax:

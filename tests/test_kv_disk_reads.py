@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from semcomm.errors import CorruptEntryError
-from semcomm.kv import DiskStore
+from semcomm.kv import DiskStore, staging_buffer
 from semcomm.kv._format import verify_chunk
 from semcomm.security import ChunkSealer, TenantKeyring
 
@@ -69,6 +69,28 @@ def test_get_into_rejects_what_get_rejects(filled, damage: str) -> None:
     assert store.get_into(k0, buf) is None
     assert store.stats().corrupt == 1 and not path.exists()
     assert store.get_into(k1, buf) is not None  # the others are untouched
+
+
+@pytest.mark.parametrize("at", [0.1, 0.5, 0.99])  # anywhere in the chunk
+def test_reads_into_a_staging_buffer_are_verified_like_any(filled, at: float) -> None:
+    store, items = filled
+    buf = staging_buffer(max(len(v) for _, v in items))
+    assert len(buf) == max(len(v) for _, v in items) and not buf.readonly
+    for key, value in items:  # the same bytes as get, in the staging memory
+        got = store.get_into(key, buf)
+        assert got is not None and got.tobytes() == value == store.get(key)
+    k0, v0 = items[0]
+    raw = bytearray(v0)
+    raw[int(len(raw) * at)] ^= 0x01
+    _file(store, k0).write_bytes(bytes(raw))
+    assert store.get_into(k0, buf) is None and store.stats().corrupt == 1
+
+
+@pytest.mark.parametrize(("nbytes", "error"), [(0, ValueError), (-3, ValueError),
+                                                (2.5, TypeError), (True, TypeError)])
+def test_staging_buffer_refuses_bad_sizes(nbytes: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="nbytes"):
+        staging_buffer(nbytes)  # type: ignore[arg-type]
 
 
 def test_get_into_missing_and_bad_buffers(filled) -> None:

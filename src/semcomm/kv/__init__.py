@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._disk import DiskStore
+from ._disk import DiskStore, staging_buffer
 from ._format import (
     FORMAT_VERSION,
     Chunk,
@@ -78,4 +78,5 @@ __all__ = [
     "get_codec",
     "logits_key",
     "read_header",
+    "staging_buffer",
 ]
