@@ -13,7 +13,7 @@ from semcomm.engine._greedy_head import GreedyHead
 from semcomm.errors import InvalidInputError
 from semcomm.kv import MemoryStore
 
-from ._engine_models import FAMILIES, prompt_ids, reference_greedy, tiny_model
+from ._engine_models import prompt_ids, reference_greedy, tiny_model
 
 VOCAB, HIDDEN = 4096, 256
 
@@ -126,4 +126,21 @@ def test_sampled_decode_does_not_use_it() -> None:
     assert a.token_ids == b.token_ids
 
 
-assert set(["llama", "qwen2", "gemma", "gpt2", "opt"]) <= set(FAMILIES)
+def test_a_hidden_state_that_is_not_finite_falls_back_to_the_full_head() -> None:
+    w = torch.randn((VOCAB, HIDDEN), generator=torch.Generator().manual_seed(4))
+    head = GreedyHead(w)
+    h = torch.full((1, 1, HIDDEN), float("nan"))
+    assert head.candidates(h) is None
+    assert int(head.logits(h).argmax()) == int(F.linear(h, w).reshape(-1).argmax())
+
+
+def test_engines_of_one_model_share_one_head_until_its_weight_changes() -> None:
+    model = tiny_model("llama")
+    a, b = HFEngine(model, device="cpu"), HFEngine(model, device="cpu")
+    assert a._greedy_head() is b._greedy_head() is not None  # one int8 copy a model
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2.0)  # changed in place: a new copy
+    c = HFEngine(model, device="cpu")
+    assert c._greedy_head() is not a._greedy_head()
+    ids = prompt_ids(20)
+    assert c.generate(ids, max_new_tokens=10).token_ids == reference_greedy(model, ids, 10)

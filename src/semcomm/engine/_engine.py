@@ -113,7 +113,8 @@ class HFEngine:
             argmax from an int8 copy of the head plus an error bound, recomputing only the
             rows that can hold the maximum in float32 (engine/_greedy_head.py: a quarter of the
             head's bytes a step, same tokens; the copy costs a quarter of the head's memory,
-            made with the engine). False: every step runs the full float32 head.
+            made with the first engine of the model and shared by its others). False: every
+            step runs the full float32 head.
         lean_decode: decode steps of Llama, Mistral and Qwen2 models run the model's own
             operations without transformers' per-call machinery (engine/_lean_decode.py:
             checked bit for bit against the model's forward once); False: the model's forward.
@@ -857,7 +858,15 @@ class HFEngine:
                 or not isinstance(lm, torch.nn.Linear) or lm.bias is not None
                 or lm.weight.dtype != torch.float32 or not self._split_head()):
             return None
-        head = GreedyHead(lm.weight.detach())
+        # one head per model, shared by its engines (the server makes one engine a tenant):
+        # kept on the head module, valid while its weight is the same, unchanged tensor
+        shared = getattr(lm, "_semcomm_greedy_head", None)
+        key = (lm.weight.data_ptr(), tuple(lm.weight.shape), lm.weight._version)
+        if isinstance(shared, tuple) and shared[0] == key:
+            head: GreedyHead = shared[1]
+        else:
+            head = GreedyHead(lm.weight.detach())
+            lm._semcomm_greedy_head = (key, head)
         if not head.verified():
             logger.info("greedy head off: its checks fail on this machine")
             return None

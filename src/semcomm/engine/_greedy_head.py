@@ -145,12 +145,14 @@ class GreedyHead:
         return F.linear(h, buf).reshape(-1)[:n]
 
     def candidates(self, h: torch.Tensor) -> torch.Tensor | None:
-        """Sorted indices of the rows that can hold the exact maximum; None: too many."""
+        """Sorted indices of the rows that can hold the exact maximum; None: too many (or
+        none, for a hidden state that is not finite)."""
         fast = self.approx(h)
         bound = self.bounds(h, fast)
         floor = (fast - bound).max()  # the exact maximum is at least this
         rows = torch.nonzero(fast + bound >= floor).reshape(-1)
-        return rows if rows.numel() <= _MAX_CANDIDATES else None
+        # none (a NaN hidden state) or too many: the full head decides
+        return rows if 0 < rows.numel() <= _MAX_CANDIDATES else None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[vocab]``: exact logits at the candidates, ``-inf`` elsewhere (argmax only)."""
