@@ -5,7 +5,11 @@ Which data chose what (read from the training scripts and their results):
 
 - ``meancache_val.csv`` (all of it): trained the shipped cross-encoder adapter
   (``bench_semantic_train_cross.py``) and the lexical verifier, and chose the 0.92 cosine
-  default (``DEFAULT_THRESHOLD``). Not usable here: the adapter has seen it.
+  default (``DEFAULT_THRESHOLD``). Not usable here: the adapter has seen it. It shares
+  question texts (never a whole pair) with ``meancache_test.csv``: 776 of quora-fresh's and
+  314 of quora-val's, so the pair rows also report the lookups whose text it lacks
+  (``unseen_query``) and the calibration the AUC on those pairs (``forward_unseen``).
+  Training recipe v2 of the cross-encoder drops every pair with a text of any set here.
 - ``meancache_test.csv``, cache-protocol pairs 0-1999 (seed 0; "quora-pairs"): the
   cross-encoder's training run prints its table on these pairs, and the lone-candidate cut
   (cos >= 0.88, P >= 0.7) and its rejected alternatives were read on them. Here:
@@ -45,6 +49,10 @@ set for the goal's precision, and GPTCache 0.1.44 (SQLite + Faiss, ``SearchDista
 percentile-bootstrap intervals resample the lookups (2,000 resamples).
 
     python benchmarks/bench_semantic_fresh.py              # ~10 min on the shared 2-core box
+    python benchmarks/bench_semantic_fresh.py --calibrate --verifier DIR \
+        --json-name NAME.json                                # another adapter's cut and AUC
+    python benchmarks/bench_semantic_fresh.py --validation-only --verifier DIR --cut 0.91 0.65
+                                                            # validation sets only, with it
     python benchmarks/bench_semantic_fresh.py --calibrate  # only: the lone-candidate cut
                                                             # chosen on the validation set
 """
@@ -57,6 +65,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +80,16 @@ from bench_semantic_common import (
     FAQWorkload,
     clinc_faq,
     clinc_fresh,
+    norm,
     protocol_from_rows,
+    read_pairs,
     read_tsv_pairs,
     unstored_intent_queries,
 )
 from bench_semantic_traffic import (
     embed,
     gptcache_served,
+    lookup_speed_traffic,
     pairs_workload,
     protocol_workload,
     right,
@@ -203,6 +215,14 @@ def calibrated_cosine_cut(t: Traffic, target: float, confidence: float = 0.9) ->
     return cut.threshold if cut.reached else 1.0
 
 
+@lru_cache(maxsize=1)
+def _seen_texts() -> frozenset[str]:
+    """Normalised question texts of ``meancache_val.csv`` (the v1 adapter's training file; it
+    shares some with ``meancache_test.csv``)."""
+    return frozenset(norm(x) for a, c, _ in read_pairs(DEFAULT_DATA / "meancache_val.csv")
+                     for x in (a, c))
+
+
 def run_method(t: Traffic, fn: Callable[[FAQWorkload, np.ndarray, np.ndarray], list],
                reps: int, seed: int, wrong_hits: int = 0) -> dict:
     served = [fn(b, sv, qv) for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True)]
@@ -219,6 +239,10 @@ def run_method(t: Traffic, fn: Callable[[FAQWorkload, np.ndarray, np.ndarray], l
                            for (q, e, a), h, o, k in zip(qs, hit, ok, kinds, strict=True)
                            if h and not o][:wrong_hits]
     r["ci95"] = bootstrap(hit, ok, ins, reps, seed)
+    if t.kind == "pairs":  # the lookups whose text the shipped adapter never trained on
+        unseen = np.asarray([norm(q) not in _seen_texts() for b in t.blocks for q in b.queries])
+        r["unseen_query"] = {"lookups": int(unseen.sum()),
+                             **metrics(hit[unseen], ok[unseen], ins[unseen])}
     if t.query_kinds is not None:
         kinds = np.asarray(t.query_kinds)
         r["oos_hit_rate_by_kind"] = {
@@ -269,12 +293,19 @@ def band_auc(t: Traffic, lc: dict, band: float = 0.88, xv: Any = None) -> dict:
     fwd = np.asarray(lc["score"])[keep]
     rev = np.asarray([xv.scores(texts[i][1], [texts[i][0]])[0] for i in keep])
 
-    def auc(x: np.ndarray) -> float:
-        a, b = x[ok[keep]], x[~ok[keep]]
+    def auc(x: np.ndarray, m: np.ndarray | None = None) -> float:
+        m = np.ones(len(keep), bool) if m is None else m
+        a, b = x[m & ok[keep]], x[m & ~ok[keep]]
         return float((a[:, None] > b[None, :]).mean() + 0.5 * (a[:, None] == b[None, :]).mean())
 
+    # meancache_val.csv (the v1 adapter's training file) shares question texts with quora-val:
+    # the AUC on the band pairs with neither text in it is the one no training run has seen
+    seen = _seen_texts()
+    unseen = np.asarray([norm(texts[i][0]) not in seen and norm(texts[i][1]) not in seen
+                         for i in keep], bool)
     return {"band": band, "pairs": len(keep), "forward": auc(fwd),
-            "both_orders": auc((fwd + rev) / 2)}
+            "both_orders": auc((fwd + rev) / 2), "unseen_pairs": int(unseen.sum()),
+            "forward_unseen": auc(fwd, unseen)}
 
 
 def nearest_guarded(b: FAQWorkload, sv: np.ndarray, qv: np.ndarray, k: int = 8) -> list[int]:
@@ -308,6 +339,7 @@ def calibrate(t: Traffic, out: Path, target: float, confidence: float, xv: Any =
                                  confidence=confidence, thresholds=[t0], min_scores=[p0])
         at[name] = {f: getattr(c, f) for f in c.__slots__ if f != "reached"}
     res = {"validation": t.name, "verifier": str((xv or default_cross_verifier()).path),
+           "verifier_train": (xv or default_cross_verifier()).config.get("train"),
            "target_precision": target, "confidence": confidence,
            "chosen": {f: getattr(cut, f) for f in cut.__slots__}, **at, "band_auc": auc}
     console.print(f"lone-candidate cut chosen on {t.name}: cos >= {cut.threshold:.2f} and P >= "
@@ -319,7 +351,8 @@ def calibrate(t: Traffic, out: Path, target: float, confidence: float, xv: Any =
                       f"{r['recall']:.3f}")
     console.print(f"  cross-encoder AUC (right vs wrong best candidates at cos >= "
                   f"{auc['band']}): {auc['forward']:.3f}; both input orders averaged: "
-                  f"{auc['both_orders']:.3f}")
+                  f"{auc['both_orders']:.3f}; on the {auc['unseen_pairs']} pairs with no text "
+                  f"in meancache_val.csv: {auc['forward_unseen']:.3f}")
     out.mkdir(parents=True, exist_ok=True)
     (out / json_name).write_text(json.dumps(res, indent=1))
     return res
@@ -389,6 +422,9 @@ def main() -> None:
                     help="adapter folder of the previous default (default: the shipped one)")
     ap.add_argument("--previous-cut", type=float, nargs=2, metavar=("COS", "P"),
                     default=list(PREVIOUS_CUT), help="lone-candidate cut of the previous default")
+    ap.add_argument("--speed-entries", type=int, default=100_000,
+                    help="lookup latency of SemanticCache() at this many entries on the "
+                         "quora-val lookups (0: skip)")
     ap.add_argument("--validation-only", action="store_true",
                     help="run the validation workloads only (no fresh set is built)")
     args = ap.parse_args()
@@ -495,6 +531,20 @@ def main() -> None:
                         f"{r['lookup_p50_ms']:.2f}" if "lookup_p50_ms" in r else "",
                         f"{r['verifier_ms_per_call']:.0f}" if "verifier_ms_per_call" in r else "")
     console.print(tbl)
+    for name, w in res["workloads"].items():
+        u = w["rows"]["SemanticCache() default"].get("unseen_query")
+        if u:
+            console.print(f"{name}: SemanticCache() on the {u['lookups']:,} lookups whose text is "
+                          f"not in meancache_val.csv: precision {u['precision']:.3f}, recall "
+                          f"{u['recall']:.3f}")
+    if args.speed_entries:
+        qv_t = by_name[QUORA_VAL]
+        sp = lookup_speed_traffic(qv_t.blocks[0], *qv_t.vecs[0], args.speed_entries, args.seed)
+        res["speed"] = sp
+        console.print(f"SemanticCache() at {sp['entries']:,} entries on the quora-val lookups: "
+                      f"p50 {sp['p50_ms']:.2f} ms, p90 {sp['p90_ms']:.2f} ms, p99 "
+                      f"{sp['p99_ms']:.2f} ms; cross-encoder on {sp['scored_share']:.1%} of the "
+                      f"lookups, {sp['ms_per_scored_lookup'] or 0:.1f} ms each")
     res["seconds"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(res, indent=1))
