@@ -346,6 +346,7 @@ def recipe_pairs(args: argparse.Namespace, guard: LexicalGuard) -> list[tuple[st
         parts["clinc"] = clinc_pairs(args.data, guard, limit=args.clinc)
     if args.sts:
         parts["sts"] = sts_pairs(args.data)
+    args.parts = sorted(parts)
     held = held_out_texts(args.data)
     banned = set().union(*held.values())
     args.dropped = {}
@@ -525,8 +526,8 @@ def main() -> None:
            "targets": list(LORA_TARGETS), "pooling": "mean", "max_length": 96,
            "threshold": args.threshold,
            "train": {"data": "meancache_val.csv" if args.recipe == "v1" else
-                     "meancache_val.csv, CLINC150 dev-intent/unstored-intent phrasings, STS "
-                     "2015, MRPC val (recipe v2)", "recipe": args.recipe,
+                     "recipe v2 parts: " + ", ".join(getattr(args, "parts", [])),
+                     "recipe": args.recipe,
                      "init": None if args.init is None else str(args.init),
                      "pairs": len(pairs), "steps": step,
                      "dropped_held_out": getattr(args, "dropped", None), "examples": step * args.batch,
