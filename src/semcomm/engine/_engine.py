@@ -812,6 +812,10 @@ class HFEngine:
         """Whether the causal LM's logits are its output embedding (a linear layer) applied to
         the base model's last hidden state, bit for bit (checked once on a probe)."""
         if self._split is None:
+            known = getattr(self.model, "_semcomm_split_head", None)  # one check a model
+            if isinstance(known, bool):
+                self._split = known
+                return known
             lm = self.model.get_output_embeddings()
             self._split = False
             if isinstance(lm, torch.nn.Linear) and self._runner.base_model() is not None:
@@ -823,29 +827,37 @@ class HFEngine:
             if not self._split:
                 logger.info("the model's logits are not its head on the hidden state: "
                             "decode steps run its whole forward")
+            self.model._semcomm_split_head = self._split
         return self._split
 
     def _lean_decoder(self) -> LeanDecoder | None:
-        """The model's :class:`LeanDecoder`, made and checked once (a few steps from a probe
-        prompt give the base model's hidden states bit for bit); None where it does not
-        apply."""
+        """The model's :class:`LeanDecoder`, made and checked once a model (a few steps from a
+        probe prompt give the base model's hidden states bit for bit; kept on the model for its
+        other engines); None where it does not apply or ``lean_decode`` is off."""
         if self._lean is None:
-            self._lean = self._make_lean() or False
+            if not self.lean_decode:
+                self._lean = False
+            else:  # one lean decoder a model, checked once, shared by its engines
+                known = getattr(self.model, "_semcomm_lean_decoder", None)
+                if not isinstance(known, LeanDecoder) and known is not False:
+                    known = self._make_lean() or False
+                    self.model._semcomm_lean_decoder = known
+                self._lean = known if isinstance(known, LeanDecoder) else False
         return self._lean if isinstance(self._lean, LeanDecoder) else None
 
     def _make_lean(self) -> LeanDecoder | None:
-        if not self.lean_decode or self.layout.sliding or not self._split_head():
+        if self.layout.sliding or not self._split_head():
             return None
         lean = LeanDecoder.build(self.model, self._runner.base_model())
         if lean is None:
             return None
         gen = torch.Generator().manual_seed(0)
-        probe = torch.randint(3, max(4, self.vocab_size), (1, 24), generator=gen)
-        with torch.inference_mode():
-            a = ca.buffer_cache(self.layout, 32, self.device)
-            self._runner.forward(probe[:, :20].to(self.device), a)
+        probe = torch.randint(3, max(4, self.vocab_size), (1, 9), generator=gen)
+        with torch.inference_mode():  # a short prompt, then 4 steps both ways
+            a = ca.buffer_cache(self.layout, 16, self.device)
+            self._runner.forward(probe[:, :5].to(self.device), a)
             b = ca.copy_cache(a)
-            for i in range(20, 24):
+            for i in range(5, 9):
                 tok = probe[:, i : i + 1].to(self.device)
                 if not torch.equal(self._runner.hidden(tok, a), lean.hidden(tok, b)):
                     logger.info("lean decode off: its steps differ from the model's forward")
