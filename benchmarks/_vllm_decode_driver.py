@@ -89,7 +89,8 @@ def main() -> None:
             print(json.dumps({"decode_tps": tps, "decode_tps_per_cpu_s": cpu_tps[-1],
                               "tokens": toks}), flush=True)
         return
-    walls, tokens = [], []
+    walls: list[float] = []
+    tokens: list[int] = []
     for _ in range(int(job.get("rounds", 2))):
         tps, tokens = one_round()
         walls.append(tps)
