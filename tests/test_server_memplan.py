@@ -18,6 +18,7 @@ from semcomm.server._memplan import (
     KVAccountant,
     MemoryPlan,
     ModelPlan,
+    greedy_head_bytes,
     kv_shape_from_config,
     weight_bytes,
     weight_bytes_from_dir,
@@ -75,6 +76,23 @@ def test_weight_bytes_count_tied_tensors_once_and_match_the_safetensors_headers(
     assert weight_bytes_from_dir(tmp_path, "bfloat16") == sum(params.values()) // 2
     with pytest.raises(InvalidInputError, match="no \\*.safetensors"):
         weight_bytes_from_dir(tmp_path / "nowhere")
+
+
+def test_weight_bytes_count_the_greedy_head_an_engine_keeps_beside_the_model() -> None:
+    from semcomm.engine import HFEngine
+    from semcomm.kv import MemoryStore
+
+    model = tiny_model("llama")
+    before = weight_bytes(model)
+    estimate = greedy_head_bytes(model.config, torch.float32)
+    assert estimate > 0 and greedy_head_bytes(model.config, torch.bfloat16) == 0
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=16, device="cpu")
+    head = engine._greedy_head()
+    if head is None:  # the head's own checks refused this machine: nothing is kept
+        assert weight_bytes(model) == before
+        return
+    assert weight_bytes(model) == before + head.nbytes
+    assert estimate == head.nbytes  # the plan before load prices the same bytes
 
 
 @pytest.mark.skipif(not is_pulled("smollm2-135m-instruct"), reason="smollm2 not pulled")

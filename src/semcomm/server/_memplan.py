@@ -137,7 +137,8 @@ def kv_shape_from_config(config: Any, dtype: Any = "float32") -> KVShape:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of a loaded model's parameters and buffers (tied tensors counted once)."""
+    """Bytes of a loaded model's parameters and buffers (tied tensors counted once), plus the
+    greedy head's int8 copy an engine keeps beside a float32 CPU head (engine/_greedy_head.py)."""
     seen: set[tuple[int, int]] = set()
     total = 0
     tensors = list(model.parameters()) + list(model.buffers())
@@ -147,7 +148,30 @@ def weight_bytes(model: Any) -> int:
             continue
         seen.add(key)
         total += t.untyped_storage().nbytes()
-    return total
+    return total + _greedy_head_bytes_on(model)
+
+
+def _greedy_head_bytes_on(model: Any) -> int:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    shared = getattr(head, "_semcomm_greedy_head", None)  # (key, GreedyHead), one a model
+    if isinstance(shared, tuple) and len(shared) == 2:
+        return int(getattr(shared[1], "nbytes", 0))
+    return 0
+
+
+def greedy_head_bytes(config: Any, dtype: Any) -> int:
+    """Bytes of the greedy head an engine makes for this model before it is loaded: an int8
+    copy of a float32 output embedding, a bfloat16 scale a row and its per-block bounds
+    (0 for other dtypes, where the engine keeps the full head only)."""
+    if _dtype_bytes(dtype) != 4:
+        return 0
+    from ..engine._greedy_head import _BLOCKS
+
+    text = _text_config(config)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    return vocab * hidden + vocab * 2 + vocab * min(_BLOCKS, max(1, hidden)) * 4
 
 
 def weight_bytes_from_dir(path: str | Path, dtype: Any = None) -> int:

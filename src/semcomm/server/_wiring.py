@@ -412,6 +412,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         DEFAULT_BASELINE_BYTES,
         ModelFacts,
         build_plan,
+        greedy_head_bytes,
         weight_bytes,
         weight_bytes_from_dir,
     )
@@ -429,7 +430,8 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         else:
             try:
                 hf_config = AutoConfig.from_pretrained(path)
-                wbytes, measured = weight_bytes_from_dir(path, dtype), False
+                wbytes = weight_bytes_from_dir(path, dtype) + greedy_head_bytes(hf_config, dtype)
+                measured = False
             except (OSError, ValueError, SemcommError) as exc:
                 raise ConfigError(f"models.{name}.path: cannot plan {path!r}: {exc}") from exc
         workers = max(1, mcfg.workers)
