@@ -190,6 +190,12 @@ def plot(sets: dict[str, Any], path: Path) -> None:
         a2.bar(xs, lat, width, label=m, color=colors[m])
         for x, y in zip(xs, accs):
             a1.text(x, y + 0.5, f"{y:.0f}", ha="center", fontsize=7)
+    if any("compare" in sets[n] for n in names):  # the compared fuser's C2C, hatched
+        xs = [i + 2.5 * width for i in range(len(names))]
+        accs = [sets[n].get("compare", {}).get("accuracy", 0) * 100 for n in names]
+        a1.bar(xs, accs, width, label="c2c (compared fuser)", color="#99ccaa", hatch="//")
+        for x, y in zip(xs, accs):
+            a1.text(x, y + 0.5, f"{y:.0f}", ha="center", fontsize=7)
     for ax in (a1, a2):
         ax.set_xticks(range(len(names)), names)
     a1.set_ylabel("accuracy (%)")
