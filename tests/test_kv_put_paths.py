@@ -225,3 +225,19 @@ def test_a_keys_writes_land_in_put_order_with_writers_and_helpers() -> None:
         t.join()
     q.close()
     assert seen == {k: list(range(200)) for k in keys}
+
+
+# ---- the budget under any interleaving -----------------------------------------------------
+def test_the_budget_holds_when_only_the_newly_indexed_chunk_can_go(tmp_path: Path) -> None:
+    items = chain(3)  # 0 <- 1 <- 2: only a chain's tail may be evicted
+    size = max(len(v) for _, v in items)
+    store = DiskStore(tmp_path / "kv", capacity_bytes=2 * size + size // 2)  # two chunks fit
+    store.put_many(items[:2])
+    other = DiskStore(tmp_path / "kv", capacity_bytes=10 * size)  # another process's view
+    other.put(*items[2])
+    events: list[tuple[str, bytes]] = []
+    store.subscribe(lambda e: events.append((e.kind, e.key)))
+    assert store.get(items[2][0]) == items[2][1]  # verified and served, then over budget:
+    assert store.stats().bytes <= store.capacity_bytes  # the tail itself goes
+    assert events == [("store", items[2][0]), ("evict", items[2][0])]
+    assert [store.get(k) for k, _ in items[:2]] == [v for _, v in items[:2]]

@@ -496,7 +496,7 @@ class DiskStore(StoreBase, LruPinning):
                 if key is None:
                     continue
                 on_disk.add(key)
-                if key not in self._lru:
+                if key not in self._lru and key not in self._queued:  # queued: indexed when written
                     try:
                         header, size, _ = self._read_header(ent.path, key)
                     except FileNotFoundError:
@@ -643,16 +643,18 @@ class DiskStore(StoreBase, LruPinning):
             self._hits += 1
             if key in self._lru:
                 self._lru.touch(key)
-            elif _same_file(path, ino):  # written by another process, and still there
+            elif key not in self._queued and _same_file(path, ino):
+                # written by another process, and still there (a key with a queued write is
+                # indexed when that write lands: its old file must not be counted beside it)
                 # (evictions unlink under this lock: a file evicted while we read it is not
                 # re-indexed, which would put the budget over its cap)
                 self._lru.add(key, len(data), parent)
                 added = True
                 evicted = self._enforce_budget(key)
-        if added:
+        if added:  # stored, then what the budget evicted (the chunk itself may be one)
+            self._emit("store", key, "found")
             for k in evicted:
                 self._emit("evict", k, "evict")
-            self._emit("store", key, "found")
         return value
 
     def put(self, key: ChunkKey, value: bytes) -> None:
@@ -673,11 +675,9 @@ class DiskStore(StoreBase, LruPinning):
         if queued is not None and self.sealer is None and (
                 queued.value is value or queued.value == value):
             return  # the same chunk is already on its way
-        job = self._admit(key, value, parent)
+        job = self._admit(key, value, parent, queue=True)
         if job is None:
             return
-        with self._lock:
-            self._queued[key] = job
         try:
             self._queue.submit(job)
         except BaseException:  # closed: the chunk is not stored after all
@@ -723,8 +723,13 @@ class DiskStore(StoreBase, LruPinning):
         for d in dirs:
             _fsync_dir(d)
 
-    def _admit(self, key: ChunkKey, value: bytes, parent: ChunkKey | None) -> _Job | None:
-        """Seal a validated chunk and make room for its write; None if it is not to be written."""
+    def _admit(self, key: ChunkKey, value: bytes, parent: ChunkKey | None, *,
+               queue: bool = False) -> _Job | None:
+        """Seal a validated chunk and make room for its write; None if it is not to be written.
+
+        ``queue`` (write-behind): the job enters ``_queued`` in the same hold of ``_lock`` that
+        reserves its room, so no reader ever finds the key neither indexed nor queued (it would
+        re-index the replaced file on top of the reservation)."""
         if self.sealer is not None:
             value = self.sealer.seal(value)
         size = len(value)
@@ -746,17 +751,19 @@ class DiskStore(StoreBase, LruPinning):
                     ok, evicted = self._evict_to(size, parent)
             else:
                 ok = True
+            job = None
             if ok:
                 self._reserved += size
+                job = _Job(key, value, parent, existed, pins)
+                if queue:
+                    self._queued[key] = job
             else:
                 self._rejected += 1
         for k in evicted:
             self._emit("evict", k, "evict")
-        if not ok:
-            if existed:
-                self._forget_or_keep(key)
-            return None
-        return _Job(key, value, parent, existed, pins)
+        if job is None and existed:
+            self._forget_or_keep(key)
+        return job
 
     def _finish(self, job: _Job, written: bool) -> None:
         if not written:
@@ -776,21 +783,26 @@ class DiskStore(StoreBase, LruPinning):
                 self._lru.pin(job.key)
             self._puts += 1
             evicted = self._enforce_budget(job.key)
+        if not job.existed:  # before the evictions: the chunk itself may be one of them
+            self._emit("store", job.key, "put")
         for k in evicted:
             self._emit("evict", k, "evict")
-        if not job.existed:
-            self._emit("store", job.key, "put")
 
     def _enforce_budget(self, protect: ChunkKey | None) -> list[ChunkKey]:
         """Evict until the index is within the budget again (caller holds ``_lock``).
 
         Admission reserves room before a write, but concurrent writers, readers indexing a
         file another writer just renamed into place, and re-listings can still leave the index
-        a chunk over: this restores the bound whatever the interleaving was."""
+        a chunk over: this restores the bound whatever the interleaving was. ``protect`` is
+        spared while anything else can go; when nothing else can (the rest is queued or
+        pinned), it is evicted too rather than leave the budget exceeded."""
         if self._lru.bytes + self._reserved <= self.capacity_bytes:
             return []
         with self._flock():
-            _, evicted = self._evict_to(0, protect)
+            ok, evicted = self._evict_to(0, protect)
+            if not ok and protect is not None:
+                _, more = self._evict_to(0, None)
+                evicted += more
         return evicted
 
     def _forget_or_keep(self, key: ChunkKey) -> None:
