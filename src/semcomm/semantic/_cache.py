@@ -225,8 +225,8 @@ class SemanticCache:
     hits are served only after the verifier confirms them: for high-stakes scopes),
     ``cross_encoder`` (default "auto": with the default embedder and no ``policy=`` or
     ``threshold=``, the policy is ``ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=<the shipped
-    CrossEncoderVerifier>, min_score=VERIFIED_MIN_SCORE)``: a lone candidate at cos >= 0.89 is
-    served only when the cross-encoder gives it ``P >= 0.80``; cluster votes and identical texts
+    CrossEncoderVerifier>, min_score=VERIFIED_MIN_SCORE)``: a lone candidate at cos >= 0.91 is
+    served only when the cross-encoder gives it ``P >= 0.65``; cluster votes and identical texts
     are not scored; one MiniLM pair forward per scored lookup, see docs/BENCHMARKS.md; with
     another embedder "auto" means off, its cosines are on another scale. False: the plain
     0.92 rule. True: the best candidate at or above the threshold of a policy the cache builds

@@ -253,7 +253,7 @@ class SemanticConfig(_Section):
     path: str | None = None  # sqlite file (default: <state_dir>/semantic.sqlite3)
     redis_url: str | None = None
     threshold: float | None = Field(None, gt=0, le=1)  # None: the cache's default policy
-    # None: the cache's default (lone hits at cos >= 0.89 need the shipped cross-encoder's P >= 0.80);
+    # None: the cache's default (lone hits at cos >= 0.91 need the shipped cross-encoder's P >= 0.65);
     # true: every hit at or above the threshold needs it; false: off (the plain cosine rule)
     cross_encoder: bool | None = None
     mode: Literal["serve", "shadow"] = "serve"  # shadow: never serve, record would-be hits
