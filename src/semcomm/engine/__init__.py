@@ -6,7 +6,8 @@ Public names: :class:`HFEngine`, :class:`GenerationResult`, :class:`GenerationSt
 decoded together, with or without KV reuse); and the decode loop's parts:
 :class:`SamplingParams`, :class:`Sampler`, :class:`StopText` (incremental detokenization with
 stop strings held back), :class:`DecodeState` (one sequence's decode) and
-:func:`decode_steps`, the decode loop every one of these runs (with a caller's forward).
+:func:`decode_steps`, the decode loop every one of these runs (with a caller's forward);
+:func:`greedy_head_nbytes`, what the greedy head keeps beside a float32 head (for a memory plan).
 ``BatchDecoder.continue_greedy`` decodes from KV a caller built (fusion's fused cache).
 
 ``_cache_adapter`` is the only module that touches the transformers Cache API; callers that
@@ -18,6 +19,7 @@ from ._batch import BatchDecoder, BatchRequest, BatchResult
 from ._cache_adapter import cache_from_layers, cache_kwargs, cache_layers, output_cache
 from ._decode import DecodeState, FinishReason, Sampler, SamplingParams, StopText, decode_steps
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
+from ._greedy_head import greedy_head_nbytes
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -41,5 +43,6 @@ __all__ = [
     "cache_kwargs",
     "cache_layers",
     "decode_steps",
+    "greedy_head_nbytes",
     "output_cache",
 ]

@@ -42,13 +42,20 @@ import logging
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GreedyHead"]
+__all__ = ["GreedyHead", "greedy_head_nbytes"]
 
 logger = logging.getLogger("semcomm.engine")
 
 _BLOCKS = 16  # blocks of the hidden size with their own row norms (tighter than one norm)
 _ROW_GROUP = 4  # MKL's matrix-vector kernel works in groups of 4 rows
 _MAX_CANDIDATES = 4096  # more candidates than this: the full exact head instead
+
+
+def greedy_head_nbytes(vocab: int, hidden: int) -> int:
+    """Bytes a :class:`GreedyHead` keeps for a ``[vocab, hidden]`` float32 head (the int8
+    copy, a bfloat16 scale a row, the per-block bounds): what a memory plan prices before the
+    model is loaded."""
+    return vocab * hidden + vocab * 2 + vocab * max(1, min(_BLOCKS, hidden)) * 4
 
 
 class GreedyHead:

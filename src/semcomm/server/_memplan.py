@@ -166,12 +166,12 @@ def greedy_head_bytes(config: Any, dtype: Any) -> int:
     (0 for other dtypes, where the engine keeps the full head only)."""
     if _dtype_bytes(dtype) != 4:
         return 0
-    from ..engine._greedy_head import _BLOCKS
+    from ..engine import greedy_head_nbytes
 
     text = _text_config(config)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     hidden = int(getattr(text, "hidden_size", 0) or 0)
-    return vocab * hidden + vocab * 2 + vocab * min(_BLOCKS, max(1, hidden)) * 4
+    return greedy_head_nbytes(vocab, hidden) if vocab and hidden else 0
 
 
 def weight_bytes_from_dir(path: str | Path, dtype: Any = None) -> int:
