@@ -428,17 +428,23 @@ class _Handover:
                 self._bytes -= len(old[0])
             self._items[id(value)] = (value, now)
             self._bytes += len(value)
-            items = self._items
-            while items and (len(items) > self.max_items or self._bytes > self.max_bytes
-                             or now - next(iter(items.values()))[1] > self.ttl_s):
-                _, (gone, _) = items.popitem(last=False)
-                self._bytes -= len(gone)
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Drop the oldest entries beyond the bounds or the age limit (caller holds _lock)."""
+        items = self._items
+        while items and (len(items) > self.max_items or self._bytes > self.max_bytes
+                         or now - next(iter(items.values()))[1] > self.ttl_s):
+            _, (gone, _) = items.popitem(last=False)
+            self._bytes -= len(gone)
 
     def take(self, value: object) -> bool:
-        """True (and the entry removed) if ``value`` itself is held."""
+        """True (and the entry removed) if ``value`` itself is held; entries past the age
+        limit are released here too, so a busy store does not keep chunks nobody stored."""
         if type(value) is not bytes:
             return False
         with self._lock:
+            self._expire(time.monotonic())
             entry = self._items.get(id(value))
             if entry is None or entry[0] is not value:
                 return False
