@@ -590,7 +590,7 @@ def _usable(value: bytes | memoryview, key: ChunkKey, spec: LoadSpec, *, chunk_s
 
 
 def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
-                codec: Any, buffer: bytearray | memoryview | None = None,
+                codec: Any, buffer: bytearray | None = None,
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Decoded ``(k, v)`` of the spec's chunks, in order, stopping at the first that fails.
 

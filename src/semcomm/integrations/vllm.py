@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ..errors import ConfigError
-from ..kv import get_codec, staging_buffer
+from ..kv import get_codec
 from ._vllm_core import (
     ChunkSaver,
     ConnectorSettings,
@@ -151,7 +151,7 @@ class SemcommConnector(KVConnectorBase_V1):
         self._registered: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()
         self._saver: ChunkSaver | None = None
-        self._load_buf: memoryview | None = None  # start_load_kv's read buffer (_load_buffer)
+        self._load_buf: bytearray | None = None  # start_load_kv's read buffer (_load_buffer)
         self.loaded_chunks = self.missed_chunks = 0
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
                     "attention ISA %s", role.name, self.settings.store, self.chunk_size,
@@ -258,15 +258,14 @@ class SemcommConnector(KVConnectorBase_V1):
                     skip = spec.skip_blocks if j == 0 else 0
                     self._load_errors.update(spec.block_ids[j][skip:])
 
-    def _load_buffer(self, caches: list[torch.Tensor]) -> memoryview:
+    def _load_buffer(self, caches: list[torch.Tensor]) -> bytearray:
         """One reused read buffer for loads: a chunk's KV bytes (every layer's blocks of one
         chunk, ``[num_blocks, kv_heads, block_size, 2 * head_size]`` per layer) plus 64 KiB for
-        its header, in :func:`semcomm.kv.staging_buffer` memory (huge pages where available,
-        docs/kv.md); a larger chunk is still read, into new memory."""
+        its header; a larger chunk is still read, into new memory."""
         need = sum(c[0].numel() * c.element_size() for c in caches) * (
             self.chunk_size // self.block_size) + (1 << 16)
         if self._load_buf is None or len(self._load_buf) < need:
-            self._load_buf = staging_buffer(need)
+            self._load_buf = bytearray(need)
         return self._load_buf
 
     def wait_for_layer_load(self, layer_name: str) -> None:
