@@ -7,10 +7,12 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +33,13 @@ def tmp_files(path: Path) -> list[Path]:
 
 
 def disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in chunk_files(path))
+    total = 0
+    for p in chunk_files(path):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:  # evicted meanwhile (a store's refresher thread)
+            pass
+    return total
 
 
 def start_together(procs: list[subprocess.Popen[bytes]], go: Path) -> None:
@@ -247,6 +255,112 @@ def test_two_processes_share_one_budget(kvdir: Path, procs: list[subprocess.Pope
     keys = list(store.scan())
     assert keys and all(store.get(k) == valid[k] for k in keys)
     assert store.stats().corrupt == 0
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_refresher_indexes_another_writers_files_and_deletions(kvdir: Path) -> None:
+    """Nothing is called on the store: its refresher thread alone sees the other writer."""
+    store = DiskStore(kvdir, refresh_s=0.05)
+    other = DiskStore(kvdir, refresh_s=None)  # its own index, as another process has
+    items = singles(5, seed=21)
+    for k, v in items:
+        other.put(k, v)
+    assert wait_for(lambda: store.stats().entries == 5), store.stats()
+    assert store.stats().bytes == disk_bytes(kvdir)
+    for k, _ in items[:2]:
+        other.delete(k)
+    assert wait_for(lambda: store.stats().entries == 3), store.stats()
+    assert set(store.eviction_order()) == {k for k, _ in items[2:]}
+    store.close()
+    assert store._refresher is not None and not store._refresher.is_alive()
+
+
+def test_refresher_keeps_the_budget_shared_with_another_writer(kvdir: Path) -> None:
+    size = len(singles(1, seed=30)[0][1])
+    cap = 10 * size
+    store = DiskStore(kvdir, capacity_bytes=cap, refresh_s=0.05)
+    other = DiskStore(kvdir, capacity_bytes=cap, refresh_s=None)
+    for k, v in singles(6, seed=31):
+        store.put(k, v)
+    for k, v in singles(6, seed=32):  # 12 chunks on disk: each index sees only its own 6
+        other.put(k, v)
+    assert wait_for(lambda: disk_bytes(kvdir) <= cap), disk_bytes(kvdir)
+    assert store.stats().bytes == disk_bytes(kvdir) and store.stats().evictions == 2
+
+
+def test_put_never_lists_the_directory(kvdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.kv import _disk
+
+    store = DiskStore(kvdir, refresh_s=0.05)
+    other = DiskStore(kvdir, refresh_s=None)
+    other.put(*singles(1, seed=40)[0])  # a file the refresher has to find
+    me = threading.get_ident()
+    listings = []
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    def scandir(path: Any) -> Any:
+        listings.append(threading.get_ident())
+        return real_scandir(path)
+
+    def listdir(path: Any) -> Any:
+        listings.append(threading.get_ident())
+        return real_listdir(path)
+
+    monkeypatch.setattr(_disk.os, "scandir", scandir)
+    monkeypatch.setattr(_disk.os, "listdir", listdir)
+    monkeypatch.setattr(_disk, "_REFRESH_S", 0.0)  # the old put re-listed when this had passed
+    for k, v in singles(20, seed=41):
+        store.put(k, v)
+        time.sleep(0.005)
+    assert me not in listings
+    assert wait_for(lambda: store.stats().entries == 21)
+    assert me not in listings and listings  # the refresher thread listed
+
+
+def test_relisting_reads_only_shards_that_changed(kvdir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.kv import _disk
+
+    store = DiskStore(kvdir, refresh_s=None)
+    other = DiskStore(kvdir, refresh_s=None)
+    time.sleep(0.05)  # past the racy window of the open's listing
+    listed: list[str] = []
+    real_listdir = os.listdir
+
+    def listdir(path: Any) -> Any:
+        listed.append(os.path.basename(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(_disk.os, "listdir", listdir)
+    store._refresh()  # shards made within the racy window of the open's listing: read again
+    listed.clear()
+    assert store._refresh() == [] and listed == []  # nothing changed since: no shard read
+    key, value = singles(1, seed=50)[0]
+    other.put(key, value)
+    store._refresh()
+    assert listed == [key.hex()[:2]] and store.stats().entries == 1
+    time.sleep(0.05)
+    listed.clear()
+    store._refresh()  # listed once more (its mtime was within the racy window), then not
+    store._refresh()
+    assert listed == [key.hex()[:2]]
+    store.sweep()  # a sweep lists every shard
+    assert len(listed) == 1 + 256
+
+
+def test_refresh_s_is_checked(kvdir: Path) -> None:
+    with pytest.raises(ValueError, match="refresh_s"):
+        DiskStore(kvdir, refresh_s=0)
+    with pytest.raises(TypeError, match="refresh_s"):
+        DiskStore(kvdir, refresh_s="1")  # type: ignore[arg-type]
 
 
 def test_kill_9_mid_write_never_serves_a_partial_chunk(

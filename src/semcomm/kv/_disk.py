@@ -27,6 +27,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,14 @@ _MARKER = ".semcomm-kv"
 _LOCK = ".lock"
 _HEX = frozenset("0123456789abcdef")
 _STALE_TMP_S = 900.0  # a tmp file this old is abandoned even if its pid looks alive (pid reuse)
-_REFRESH_S = 1.0  # how often a writer re-lists the directory to see other processes' files
+_REFRESH_S = 1.0  # how often a store's refresher re-lists the directory (other processes' files)
+# a shard directory whose mtime is this close to the clock when it was listed is listed again
+# next time: a change later in the same filesystem timestamp tick (a coarse clock: 1 to 10 ms)
+# would leave its mtime as it was
+_RACY_NS = 20_000_000
+# the refresher waits while the store was used this recently (a put or read within it), so its
+# listing does not land inside a burst of puts or a request's loads; at most one period more
+_QUIET_S = 0.02
 # a chunk file at least this large gets its blocks allocated in one fallocate before the write:
 # ext4's delayed allocation otherwise reserves and tracks every 4 KiB block as the bytes are
 # copied in (measured alone here: 3 MiB written in 450 instead of 650 us, 0.75 MiB 180 instead
@@ -240,6 +248,42 @@ def _same_file(path: str, ino: int) -> bool:
     except OSError:
         return False
 
+def _refresher(ref: weakref.ref[DiskStore], stop: threading.Event, every: float) -> None:
+    """A store's background re-listing: every ``every`` seconds, once the store is quiet.
+
+    Holds the store only weakly between rounds, so a store nobody references is collected
+    (and this thread ends at its next wake-up); ``close()`` sets ``stop``."""
+    while not stop.wait(every):
+        store = ref()
+        if store is None:
+            return
+        try:
+            deadline = time.monotonic() + every
+            while (time.monotonic() - store._last_use < _QUIET_S
+                   and time.monotonic() < deadline):
+                if stop.wait(_QUIET_S):
+                    return
+            store._refresh_and_evict()
+        except Exception:  # never let a bad round end the thread (or reach the caller)
+            if stop.is_set():
+                return
+            logger.exception("DiskStore %s: re-listing the directory failed", store.path)
+        finally:
+            del store
+
+
+_LIVE: weakref.WeakSet[DiskStore] = weakref.WeakSet()  # stores with a refresher (fork restarts)
+
+
+def _restart_refreshers() -> None:
+    for store in list(_LIVE):  # a forked child has none of its parent's threads
+        store._start_refresher()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restart_refreshers)
+
+
 class DiskStore(StoreBase, LruPinning):
     """Chunks as files under ``path``, bounded by ``capacity_bytes`` of file bytes.
 
@@ -275,9 +319,14 @@ class DiskStore(StoreBase, LruPinning):
       files that fail), removes stale temporary files and orders entries by mtime for LRU.
     * **Budget.** LRU in this process's view, with chain tails evicted before their prefixes
       and pinned entries kept (:class:`ChainLru`). Room is made *before* a write, so in one
-      process the directory never exceeds the budget. With several writers, each sweep holds
-      ``.lock`` (fcntl) and re-lists the directory, tolerating files that appear or vanish;
-      the total converges to the budget at every sweep (:meth:`sweep` forces one).
+      process the directory never exceeds the budget. With several writers, a background
+      thread re-lists the directory every ``refresh_s`` seconds (waiting while the store is
+      busy, at most one period more; only shard directories whose mtime moved since their last
+      listing are read again), indexes other processes' files and deletions, and evicts down
+      to the budget holding ``.lock`` (fcntl), tolerating files that appear or vanish, so the
+      total converges to the budget at every re-listing (:meth:`sweep` forces a full one).
+      ``put`` never lists the directory. ``refresh_s=None``: no thread; other processes'
+      files are then indexed only by reads, sweeps and a reopen.
     * Recency lives in memory (``get`` does not rewrite files); after a reopen it is the
       file mtimes, i.e. write order.
     """
@@ -295,8 +344,16 @@ class DiskStore(StoreBase, LruPinning):
         sealer: ChunkSealer | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         writer_threads: int = DEFAULT_WRITER_THREADS,
+        refresh_s: float | None = _REFRESH_S,
     ):
         super().__init__()
+        if refresh_s is not None:
+            if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)):
+                raise TypeError(f"refresh_s must be a number or None, got "
+                                f"{type(refresh_s).__name__}")
+            if not refresh_s > 0:
+                raise ValueError(f"refresh_s must be > 0 (or None: no re-listing), got "
+                                 f"{refresh_s}")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
         if capacity_bytes < 0:
@@ -341,7 +398,15 @@ class DiskStore(StoreBase, LruPinning):
         self._lru = ChainLru()
         self._hits = self._misses = self._puts = self._rejected = 0
         self._evictions = self._corrupt = self._errors = 0
-        self._last_refresh = 0.0
+        self._last_refresh = 0.0  # monotonic time of the last re-listing
+        self._last_use = 0.0  # monotonic time of the last put or disk read (the refresher waits)
+        self.refresh_s = refresh_s
+        # shard name -> its directory's st_mtime_ns when last listed (-1: list it again), so a
+        # re-listing reads only shards that changed; used under _refresh_lock (or in __init__)
+        self._shard_mtimes: dict[str, int] = {}
+        self._refresh_lock = threading.Lock()  # one re-listing at a time (refresher, sweep)
+        self._stop = threading.Event()  # set by close(): the refresher ends
+        self._refresher: threading.Thread | None = None
         self._reserved = 0  # bytes of writes in flight in this process (room already made)
         marker = root / _MARKER
         if not marker.exists():
@@ -359,6 +424,18 @@ class DiskStore(StoreBase, LruPinning):
             self._evict_to(0, None)
         if queue is not None:
             queue.start()  # the writer threads, here rather than in the first put
+        if refresh_s is not None:
+            _LIVE.add(self)
+            self._start_refresher()
+
+    def _start_refresher(self) -> None:
+        if self.refresh_s is None or self._lock_fd < 0:
+            return
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(
+            target=_refresher, args=(weakref.ref(self), self._stop, self.refresh_s),
+            name="semcomm-kv-refresh", daemon=True)
+        self._refresher.start()
 
     # ---- paths and locking -------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:
@@ -396,15 +473,23 @@ class DiskStore(StoreBase, LruPinning):
         return (0, 0) if self._queue is None else self._queue.queued
 
     def close(self) -> None:
-        """Write what is queued, then release the lock file; the directory stays as it is."""
+        """Write what is queued, stop the refresher, then release the lock file; the directory
+        stays as it is."""
         if self._queue is not None:
             self._queue.close()
+        self._stop.set()
+        thread = self._refresher
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)  # it may be in a re-listing: a few milliseconds
         with self._lock:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
     def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
         fd = getattr(self, "_lock_fd", -1)
         if fd >= 0:
             try:
@@ -422,8 +507,8 @@ class DiskStore(StoreBase, LruPinning):
         except FileNotFoundError:
             return
 
-    def _read_header(self, path: str, key: ChunkKey) -> tuple[ChunkHeader, int, int]:
-        """Header, size and mtime_ns of a chunk file; CorruptEntryError if it is not valid."""
+    def _read_header(self, path: str, key: ChunkKey) -> tuple[ChunkHeader, int, int, int]:
+        """Header, size, mtime_ns and inode of a chunk file; CorruptEntryError if not valid."""
         with open(path, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
             head = f.read(8)
@@ -432,17 +517,22 @@ class DiskStore(StoreBase, LruPinning):
         header, _ = header_from_prefix(head, st.st_size)
         if header.key != key.hex():
             raise CorruptEntryError(f"file for key {key.hex()[:16]} holds chunk {header.key[:16]}")
-        return header, st.st_size, st.st_mtime_ns
+        return header, st.st_size, st.st_mtime_ns, st.st_ino
 
     def _rebuild(self) -> None:
         """Scan the directory into a fresh index (caller holds both locks)."""
         found: list[tuple[int, ChunkKey, int, ChunkKey | None]] = []
         now = time.time()
+        start = time.time_ns()
+        self._shard_mtimes.clear()
         for shard in self._shards():
             try:
+                mtime = shard.stat(follow_symlinks=False).st_mtime_ns
                 entries = list(os.scandir(shard.path))
             except OSError:
                 continue
+            # the removals of stale files below move the mtime: those shards are listed again
+            self._shard_mtimes[shard.name] = mtime if abs(start - mtime) > _RACY_NS else -1
             for ent in entries:
                 if ent.name.endswith(_TMP_SUFFIX):
                     self._maybe_remove_tmp(ent, now)
@@ -451,7 +541,7 @@ class DiskStore(StoreBase, LruPinning):
                 if key is None:
                     continue
                 try:
-                    header, size, mtime = self._read_header(ent.path, key)
+                    header, size, mtime, _ = self._read_header(ent.path, key)
                 except FileNotFoundError:
                     continue
                 except (CorruptEntryError, OSError) as exc:
@@ -483,33 +573,84 @@ class DiskStore(StoreBase, LruPinning):
             except FileNotFoundError:
                 pass
 
-    def _refresh(self) -> None:
-        """Bring the index in line with the directory (other processes' writes and deletes)."""
-        on_disk: set[ChunkKey] = set()
-        for shard in self._shards():
-            try:
-                entries = list(os.scandir(shard.path))
-            except OSError:
-                continue
-            for ent in entries:
-                key = _key_from_name(ent.name)
-                if key is None:
+    def _refresh(self, *, full: bool = False) -> list[ChunkKey]:
+        """Bring the index in line with the directory (other processes' writes and deletes),
+        then evict down to the budget; returns the keys evicted (events not yet emitted).
+
+        Lists without holding ``_lock``; with ``full`` every shard, else only the shard
+        directories whose mtime moved since they were last listed (a file created, renamed in
+        or deleted moves it; one listed within ``_RACY_NS`` of its mtime is listed again next
+        time). What the listing found is applied under ``_lock`` and ``.lock``: a key is
+        dropped only if its file is still gone then, a new file indexed only if it is still
+        the file whose header was read and no write of this process is queued for its key.
+        """
+        with self._refresh_lock:
+            start = time.time_ns()
+            mtimes = self._shard_mtimes
+            if full:
+                mtimes.clear()
+            listed: set[int] = set()  # first key byte of each shard listed
+            on_disk: set[ChunkKey] = set()  # chunk files in the shards listed
+            present: set[str] = set()
+            for shard in self._shards():
+                present.add(shard.name)
+                try:
+                    mtime = shard.stat(follow_symlinks=False).st_mtime_ns
+                    if mtimes.get(shard.name) == mtime:
+                        continue
+                    names = os.listdir(shard.path)
+                except OSError:
                     continue
-                on_disk.add(key)
-                if key not in self._lru and key not in self._queued:  # queued: indexed when written
-                    try:
-                        header, size, _ = self._read_header(ent.path, key)
-                    except FileNotFoundError:
-                        on_disk.discard(key)
-                        continue
-                    except (CorruptEntryError, OSError) as exc:
-                        on_disk.discard(key)
-                        self._drop_corrupt(key, ent.path, str(exc))
-                        continue
-                    self._lru.add(key, size, parent_of(header))
-        for key in [k for k in self._lru.entries if k not in on_disk]:
-            self._lru.remove(key)
-        self._last_refresh = time.monotonic()
+                mtimes[shard.name] = mtime if abs(start - mtime) > _RACY_NS else -1
+                listed.add(int(shard.name, 16))
+                for name in names:
+                    key = _key_from_name(name)
+                    if key is not None:
+                        on_disk.add(key)
+            for name in [n for n in mtimes if n not in present]:  # a shard directory removed
+                del mtimes[name]
+                listed.add(int(name, 16))
+                self._shard_dirs.discard(self._root_s + name)
+            if not listed:  # no shard changed since it was last listed: nothing to apply
+                self._last_refresh = time.monotonic()
+                return []
+            with self._lock:
+                known = set(self._lru.entries)
+            gone = [k for k in known if k[0] in listed and k not in on_disk]
+            found: list[tuple[ChunkKey, str, int, int, ChunkKey | None]] = []
+            for key in on_disk - known:
+                if key in self._queued:  # indexed when its queued write lands
+                    continue
+                path = self._path(key)
+                try:
+                    header, size, _, ino = self._read_header(path, key)
+                except FileNotFoundError:
+                    continue
+                except (CorruptEntryError, OSError) as exc:
+                    self._drop_corrupt(key, path, str(exc))
+                    continue
+                found.append((key, path, ino, size, parent_of(header)))
+            evicted: list[ChunkKey] = []
+            with self._lock:
+                if self._lock_fd < 0:  # closed meanwhile
+                    return []
+                with self._flock():
+                    for key in gone:
+                        if key in self._lru and key not in self._queued and not os.path.exists(
+                                self._path(key)):
+                            self._lru.remove(key)
+                    for key, path, ino, size, parent in found:
+                        if key not in self._lru and key not in self._queued and _same_file(
+                                path, ino):
+                            self._lru.add(key, size, parent)
+                    _, evicted = self._evict_to(0, None)
+                self._last_refresh = time.monotonic()
+            return evicted
+
+    def _refresh_and_evict(self) -> None:
+        """One re-listing (the refresher's round), with the events of what it evicted."""
+        for k in self._refresh():
+            self._emit("evict", k, "evict")
 
     def _drop_corrupt(self, key: ChunkKey, path: str, why: str, ino: int | None = None) -> None:
         """Delete a bad file (only if it is still the file we read) and count it."""
@@ -543,10 +684,10 @@ class DiskStore(StoreBase, LruPinning):
         return True, evicted
 
     def sweep(self) -> int:
-        """Re-list the directory and evict down to the budget; returns the number evicted."""
-        with self._lock, self._flock():
-            self._refresh()
-            _, evicted = self._evict_to(0, None)
+        """Re-list the whole directory and evict down to the budget; returns the number evicted."""
+        if self._lock_fd < 0:
+            raise RuntimeError("DiskStore is closed")
+        evicted = self._refresh(full=True)
         for k in evicted:
             self._emit("evict", k, "evict")
         return len(evicted)
@@ -608,6 +749,7 @@ class DiskStore(StoreBase, LruPinning):
     def _load(self, key: ChunkKey, path: str,
               into: memoryview | None = None) -> tuple[bytes | memoryview, int] | None:
         """The file's bytes and inode, or None (absent or unreadable; counted as a miss)."""
+        self._last_use = time.monotonic()
         try:
             return _read_file(path) if into is None else _read_into(path, into)
         except FileNotFoundError:
@@ -742,12 +884,10 @@ class DiskStore(StoreBase, LruPinning):
             existed = old is not None
             pins = old.pins if old is not None else 0
             evicted: list[ChunkKey] = []
-            refresh = time.monotonic() - self._last_refresh > _REFRESH_S
-            if refresh or self._lru.bytes + self._reserved + size > self.capacity_bytes:
+            self._last_use = time.monotonic()
+            # no re-listing here: the refresher indexes other processes' files meanwhile
+            if self._lru.bytes + self._reserved + size > self.capacity_bytes:
                 with self._flock():
-                    if refresh:
-                        self._refresh()
-                        self._lru.remove(key)
                     ok, evicted = self._evict_to(size, parent)
             else:
                 ok = True
@@ -809,7 +949,7 @@ class DiskStore(StoreBase, LruPinning):
         # the old file is still on disk: re-index it so the budget stays truthful (other writes
         # may have taken the room its removal freed meanwhile: enforce the budget again)
         try:
-            header, size, _ = self._read_header(self._path(key), key)
+            header, size, _, _ = self._read_header(self._path(key), key)
         except (OSError, CorruptEntryError):
             return
         with self._lock:
