@@ -279,8 +279,11 @@ def test_refresher_indexes_another_writers_files_and_deletions(kvdir: Path) -> N
         other.delete(k)
     assert wait_for(lambda: store.stats().entries == 3), store.stats()
     assert set(store.eviction_order()) == {k for k, _ in items[2:]}
+    from semcomm.kv import _disk
+
+    assert id(store) in _disk._REFRESHER._due
     store.close()
-    assert store._refresher is not None and not store._refresher.is_alive()
+    assert id(store) not in _disk._REFRESHER._due  # the refresher no longer re-lists it
 
 
 def test_refresher_keeps_the_budget_shared_with_another_writer(kvdir: Path) -> None:

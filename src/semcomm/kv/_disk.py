@@ -73,8 +73,8 @@ _REFRESH_S = 1.0  # how often a store's refresher re-lists the directory (other 
 # next time: a change later in the same filesystem timestamp tick (a coarse clock: 1 to 10 ms)
 # would leave its mtime as it was
 _RACY_NS = 20_000_000
-# the refresher waits while the store was used this recently (a put or read within it), so its
-# listing does not land inside a burst of puts or a request's loads; at most one period more
+# the refresher waits while a store of the process was used this recently (a put or read), so
+# its listing does not land inside a burst of puts or a request's loads; at most one period more
 _QUIET_S = 0.02
 # a chunk file at least this large gets its blocks allocated in one fallocate before the write:
 # ext4's delayed allocation otherwise reserves and tracks every 4 KiB block as the bytes are
@@ -248,40 +248,111 @@ def _same_file(path: str, ino: int) -> bool:
     except OSError:
         return False
 
-def _refresher(ref: weakref.ref[DiskStore], stop: threading.Event, every: float) -> None:
-    """A store's background re-listing: every ``every`` seconds, once the store is quiet.
+class _Activity:
+    """When any DiskStore of this process last put or read a chunk (the refresher waits)."""
 
-    Holds the store only weakly between rounds, so a store nobody references is collected
-    (and this thread ends at its next wake-up); ``close()`` sets ``stop``."""
-    while not stop.wait(every):
-        store = ref()
-        if store is None:
-            return
-        try:
-            deadline = time.monotonic() + every
-            while (time.monotonic() - store._last_use < _QUIET_S
-                   and time.monotonic() < deadline):
-                if stop.wait(_QUIET_S):
-                    return
-            store._refresh_and_evict()
-        except Exception:  # never let a bad round end the thread (or reach the caller)
-            if stop.is_set():
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = 0.0  # monotonic seconds; written without a lock (one float store)
+
+    def busy(self, now: float) -> bool:
+        return now - self.at < _QUIET_S
+
+
+_ACTIVITY = _Activity()
+
+
+class _Refresher:
+    """One daemon thread per process re-listing every open DiskStore's directory in turn.
+
+    A store is due ``refresh_s`` after its last re-listing; while any store of the process is
+    in use (a put or read within ``_QUIET_S``) a due store waits, at most one period more, so
+    a re-listing does not land inside a burst of puts or a request's loads (three stores of
+    one process each re-listing on a thread of their own slowed a pass of puts on another
+    store by 2x on this 2-core box). The registry holds stores weakly; the thread ends when
+    it is empty and starts again with the next store (and anew in a forked child).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # id(store) -> (store, when it is due, the latest it may wait to); guarded by _lock
+        self._due: dict[int, tuple[weakref.ref[DiskStore], float, float]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, store: DiskStore) -> None:
+        assert store.refresh_s is not None
+        due = time.monotonic() + store.refresh_s
+        with self._lock:
+            self._due[id(store)] = (weakref.ref(store), due, due + store.refresh_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="semcomm-kv-refresh",
+                                                daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def remove(self, store: DiskStore) -> None:
+        with self._lock:
+            item = self._due.get(id(store))
+            if item is not None and item[0]() in (store, None):
+                del self._due[id(store)]
+
+    def after_fork(self) -> None:
+        """In a forked child: fresh locks, and a thread again if stores are registered."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread = None
+        stores = [ref() for ref, _, _ in self._due.values()]
+        self._due.clear()
+        for store in stores:
+            if store is not None and store.refresh_s is not None:
+                self.add(store)
+
+    def _next(self) -> DiskStore | None:
+        """The next store to re-list, once it is due and the process is quiet; None: stop."""
+        with self._lock:
+            while True:
+                for k in [k for k, (ref, _, _) in self._due.items() if ref() is None]:
+                    del self._due[k]  # collected without close()
+                if not self._due:
+                    self._thread = None
+                    return None
+                now = time.monotonic()
+                k, (ref, due, latest) = min(self._due.items(), key=lambda kv: kv[1][1])
+                if due > now:
+                    self._wake.wait(due - now)
+                    continue
+                if _ACTIVITY.busy(now) and now < latest:
+                    self._wake.wait(_QUIET_S)
+                    continue
+                store = ref()
+                if store is None:
+                    continue
+                every = store.refresh_s or _REFRESH_S
+                # due again a period after this re-listing ends (set before it, in case it fails)
+                self._due[k] = (ref, now + every, now + 2 * every)
+                return store
+
+    def _run(self) -> None:
+        while True:
+            store = self._next()
+            if store is None:
                 return
-            logger.exception("DiskStore %s: re-listing the directory failed", store.path)
-        finally:
-            del store
+            try:
+                store._refresh_and_evict()
+            except Exception:  # never let one bad round end the thread
+                if store._lock_fd >= 0:
+                    logger.exception("DiskStore %s: re-listing the directory failed",
+                                     store.path)
+            finally:
+                del store
 
 
-_LIVE: weakref.WeakSet[DiskStore] = weakref.WeakSet()  # stores with a refresher (fork restarts)
-
-
-def _restart_refreshers() -> None:
-    for store in list(_LIVE):  # a forked child has none of its parent's threads
-        store._start_refresher()
-
+_REFRESHER = _Refresher()
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_restart_refreshers)
+    os.register_at_fork(after_in_child=_REFRESHER.after_fork)
 
 
 class DiskStore(StoreBase, LruPinning):
@@ -399,14 +470,12 @@ class DiskStore(StoreBase, LruPinning):
         self._hits = self._misses = self._puts = self._rejected = 0
         self._evictions = self._corrupt = self._errors = 0
         self._last_refresh = 0.0  # monotonic time of the last re-listing
-        self._last_use = 0.0  # monotonic time of the last put or disk read (the refresher waits)
         self.refresh_s = refresh_s
         # shard name -> its directory's st_mtime_ns when last listed (-1: list it again), so a
         # re-listing reads only shards that changed; used under _refresh_lock (or in __init__)
         self._shard_mtimes: dict[str, int] = {}
         self._refresh_lock = threading.Lock()  # one re-listing at a time (refresher, sweep)
-        self._stop = threading.Event()  # set by close(): the refresher ends
-        self._refresher: threading.Thread | None = None
+        self._closing = False  # set once by close()
         self._reserved = 0  # bytes of writes in flight in this process (room already made)
         marker = root / _MARKER
         if not marker.exists():
@@ -425,17 +494,7 @@ class DiskStore(StoreBase, LruPinning):
         if queue is not None:
             queue.start()  # the writer threads, here rather than in the first put
         if refresh_s is not None:
-            _LIVE.add(self)
-            self._start_refresher()
-
-    def _start_refresher(self) -> None:
-        if self.refresh_s is None or self._lock_fd < 0:
-            return
-        self._stop = threading.Event()
-        self._refresher = threading.Thread(
-            target=_refresher, args=(weakref.ref(self), self._stop, self.refresh_s),
-            name="semcomm-kv-refresh", daemon=True)
-        self._refresher.start()
+            _REFRESHER.add(self)  # the process's refresher thread re-lists it from now on
 
     # ---- paths and locking -------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:
@@ -473,23 +532,20 @@ class DiskStore(StoreBase, LruPinning):
         return (0, 0) if self._queue is None else self._queue.queued
 
     def close(self) -> None:
-        """Write what is queued, stop the refresher, then release the lock file; the directory
+        """Write what is queued, leave the refresher, then release the lock file; the directory
         stays as it is."""
         if self._queue is not None:
             self._queue.close()
-        self._stop.set()
-        thread = self._refresher
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10)  # it may be in a re-listing: a few milliseconds
+        _REFRESHER.remove(self)
+        self._closing = True  # a re-listing waiting for a quiet moment gives up
+        with self._refresh_lock:  # a re-listing in progress ends first
+            pass
         with self._lock:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
         fd = getattr(self, "_lock_fd", -1)
         if fd >= 0:
             try:
@@ -573,7 +629,7 @@ class DiskStore(StoreBase, LruPinning):
             except FileNotFoundError:
                 pass
 
-    def _refresh(self, *, full: bool = False) -> list[ChunkKey]:
+    def _refresh(self, *, full: bool = False, background: bool = False) -> list[ChunkKey]:
         """Bring the index in line with the directory (other processes' writes and deletes),
         then evict down to the budget; returns the keys evicted (events not yet emitted).
 
@@ -583,16 +639,24 @@ class DiskStore(StoreBase, LruPinning):
         time). What the listing found is applied under ``_lock`` and ``.lock``: a key is
         dropped only if its file is still gone then, a new file indexed only if it is still
         the file whose header was read and no write of this process is queued for its key.
+        ``background`` (the refresher): the listing pauses while a store of the process is in
+        use, for at most one period.
         """
         with self._refresh_lock:
             start = time.time_ns()
+            give_up = time.monotonic() + (self.refresh_s or _REFRESH_S)
             mtimes = self._shard_mtimes
             if full:
                 mtimes.clear()
             listed: set[int] = set()  # first key byte of each shard listed
             on_disk: set[ChunkKey] = set()  # chunk files in the shards listed
             present: set[str] = set()
-            for shard in self._shards():
+            for i, shard in enumerate(self._shards()):
+                if background and i % 16 == 0:
+                    while _ACTIVITY.busy(now := time.monotonic()) and now < give_up:
+                        if self._closing:
+                            return []
+                        time.sleep(_QUIET_S)
                 present.add(shard.name)
                 try:
                     mtime = shard.stat(follow_symlinks=False).st_mtime_ns
@@ -649,7 +713,7 @@ class DiskStore(StoreBase, LruPinning):
 
     def _refresh_and_evict(self) -> None:
         """One re-listing (the refresher's round), with the events of what it evicted."""
-        for k in self._refresh():
+        for k in self._refresh(background=True):
             self._emit("evict", k, "evict")
 
     def _drop_corrupt(self, key: ChunkKey, path: str, why: str, ino: int | None = None) -> None:
@@ -749,7 +813,7 @@ class DiskStore(StoreBase, LruPinning):
     def _load(self, key: ChunkKey, path: str,
               into: memoryview | None = None) -> tuple[bytes | memoryview, int] | None:
         """The file's bytes and inode, or None (absent or unreadable; counted as a miss)."""
-        self._last_use = time.monotonic()
+        _ACTIVITY.at = time.monotonic()
         try:
             return _read_file(path) if into is None else _read_into(path, into)
         except FileNotFoundError:
@@ -884,7 +948,7 @@ class DiskStore(StoreBase, LruPinning):
             existed = old is not None
             pins = old.pins if old is not None else 0
             evicted: list[ChunkKey] = []
-            self._last_use = time.monotonic()
+            _ACTIVITY.at = time.monotonic()
             # no re-listing here: the refresher indexes other processes' files meanwhile
             if self._lru.bytes + self._reserved + size > self.capacity_bytes:
                 with self._flock():
