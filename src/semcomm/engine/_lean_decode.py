@@ -14,10 +14,16 @@ It covers the layer classes whose forward it mirrors (Llama, Mistral and Qwen2 w
 layers, SDPA attention); :meth:`LeanDecoder.build` returns None for anything else, and the
 engine compares a lean step with the model's own forward bit for bit before using it
 (``HFEngine._lean_decoder``).
+
+With one thread and float32 weights, the step's matrix-vector products run through
+:class:`~semcomm.engine._exact_matvec.ExactMatVec` (MKL's summation order at twice its speed)
+once every weight of the model has given ``F.linear``'s bits through it; anywhere else, and if
+any weight does not, they are ``F.linear`` as in the model.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._exact_matvec import ExactMatVec
+
 __all__ = ["LeanDecoder"]
+
+logger = logging.getLogger("semcomm.engine")
 
 # layer, attention, MLP and norm classes whose forward the step mirrors, by family prefix
 _FAMILIES = ("Llama", "Mistral", "Qwen2")
@@ -84,17 +94,45 @@ class LeanDecoder:
     head reads.
     """
 
-    def __init__(self, base: Any, layers: Sequence[_Layer]):
+    def __init__(self, base: Any, layers: Sequence[_Layer], matvec: ExactMatVec | None = None):
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.norm_w = base.norm.weight
         self.norm_eps = float(base.norm.variance_epsilon)
         self.layers = tuple(layers)
+        self.matvec = matvec  # the exact matvec kernel, where it loaded
+        # whether every weight gives F.linear's bits through it (checked at one thread, once
+        # for the weights' storage and dtype: a model moved to another dtype is checked again)
+        self._matvec_ok: bool | None = None
+        self._matvec_key: tuple[Any, ...] = ()
+
+    def _weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(w, b) for p in self.layers for w, b in
+                ((p.wq, p.bq), (p.wk, p.bk), (p.wv, p.bv), (p.wo, p.bo), (p.wg, None),
+                 (p.wu, None), (p.wd, None))]
+
+    def fast_matvec(self) -> ExactMatVec | None:
+        """The kernel the step's products run through now: the exact matvec at one thread once
+        all of the model's float32 weights matched ``F.linear`` through it (checked on the first
+        call at one thread), else None (``F.linear``)."""
+        mv = self.matvec
+        if mv is None or torch.get_num_threads() != 1:
+            return None
+        first, last = self.layers[0].wq, self.layers[-1].wd
+        key = (first.data_ptr(), first.dtype, last.data_ptr(), last.dtype)
+        if key != self._matvec_key:
+            self._matvec_key = key
+            self._matvec_ok = all(mv.matches(w, b) for w, b in self._weights())
+            if not self._matvec_ok:
+                logger.info("exact matvec off for this model: its weights are not float32 or "
+                            "a weight's products differ from F.linear's")
+        return mv if self._matvec_ok else None
 
     @classmethod
-    def build(cls, model: Any, base: Any) -> LeanDecoder | None:
+    def build(cls, model: Any, base: Any, matvec: bool = True) -> LeanDecoder | None:
         """A lean decoder for ``model`` (its base model ``base``), or None where its layers
-        are not the classes mirrored here or use what the step leaves out."""
+        are not the classes mirrored here or use what the step leaves out. ``matvec=False``
+        keeps ``F.linear`` for every product."""
         cfg = getattr(model, "config", None)
         if base is None or cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
             return None
@@ -134,7 +172,10 @@ class LeanDecoder:
             ))
         if not out or len(out) != int(getattr(cfg, "num_hidden_layers", len(out))):
             return None
-        return cls(base, out)
+        float32 = all(p.wq.dtype == torch.float32 for p in out)
+        lean = cls(base, out, ExactMatVec.shared() if matvec and float32 else None)
+        lean.fast_matvec()  # checks the weights now when running at one thread
+        return lean
 
     def hidden(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         x = self.embed(input_ids)  # [1, 1, hidden]
@@ -144,12 +185,14 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, 1, head_dim]
         layers = cache.layers
         sdpa = F.scaled_dot_product_attention
+        mv = self.fast_matvec()
+        lin: Any = mv.linear if mv is not None else F.linear  # the same bits either way
         for p in self.layers:
             d = p.head_dim
             h = _rms(x, p.ln1, p.eps1)
-            q = F.linear(h, p.wq, p.bq).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, d]
-            k = F.linear(h, p.wk, p.bk).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, d]
-            v = F.linear(h, p.wv, p.bv).view(1, 1, -1, d).transpose(1, 2)
+            q = lin(h, p.wq, p.bq).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, d]
+            k = lin(h, p.wk, p.bk).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, d]
+            v = lin(h, p.wv, p.bv).view(1, 1, -1, d).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = layers[p.index].update(k, v)
@@ -161,7 +204,7 @@ class LeanDecoder:
                          is_causal=False)
             o = o.reshape(o.shape[0], -1, 1, d).transpose(1, 2).contiguous()
             o = o.reshape(1, 1, -1).contiguous()
-            x = x + F.linear(o, p.wo, p.bo)
+            x = x + lin(o, p.wo, p.bo)
             h = _rms(x, p.ln2, p.eps2)
-            x = x + F.linear(p.act(F.linear(h, p.wg)) * F.linear(h, p.wu), p.wd)
+            x = x + lin(p.act(lin(h, p.wg)) * lin(h, p.wu), p.wd)
         return _rms(x, self.norm_w, self.norm_eps)
