@@ -172,8 +172,8 @@ class LeanDecoder:
             ))
         if not out or len(out) != int(getattr(cfg, "num_hidden_layers", len(out))):
             return None
-        float32 = all(p.wq.dtype == torch.float32 for p in out)
-        lean = cls(base, out, ExactMatVec.shared() if matvec and float32 else None)
+        cpu32 = all(p.wq.dtype == torch.float32 and p.wq.device.type == "cpu" for p in out)
+        lean = cls(base, out, ExactMatVec.shared() if matvec and cpu32 else None)
         lean.fast_matvec()  # checks the weights now when running at one thread
         return lean
 
