@@ -425,3 +425,51 @@ def unstored_intent_queries(split: str, *, per_intent: int | None = None, seed: 
             texts = texts[:per_intent]
         out.extend(texts)
     return out
+
+
+def clinc_holdout(split_seed: int, *, per_intent: int = 5, queries_per_intent: int = 20,
+                  unstored_per_intent: int = 10,
+                  data: Path = DEFAULT_DATA) -> tuple[FAQWorkload, list[str]]:
+    """Development FAQ traffic with near-miss out-of-scope queries (``train`` phrasings only,
+    so no fresh lookup is read): of the 74 development and banking intents a seeded quarter is
+    left unstored, and 20 phrasings of each are looked up ("twin": many are near misses of a
+    stored intent, such as ``pto_used`` against ``pto_balance``); the other intents store
+    ``per_intent`` phrasings and look up ``queries_per_intent`` others; plus
+    ``unstored_per_intent`` phrasings of each intent no FAQ set stores ("unstored").
+    ``split_seed`` picks the quarter (100 + split_seed). Returns the workload and each query's
+    kind ("in-scope", "twin", "unstored")."""
+    import json
+
+    d = json.loads((data / "clinc150" / "clinc150_dev.json").read_text())
+    intents = list(DEV_FAQ_INTENTS) + list(BANKING_INTENTS)
+    by: dict[str, list[str]] = {i: [] for i in intents}
+    for t, i in d["train"]:
+        if i in by:
+            by[i].append(t)
+    rng = random.Random(100 + split_seed)
+    order = intents[:]
+    rng.shuffle(order)
+    held = set(order[: len(order) // 4])
+    w = FAQWorkload(f"clinc-holdout-{split_seed}", [], [], [], [])
+    kinds: list[str] = []
+    for i in intents:
+        texts = by[i][:]
+        rng.shuffle(texts)
+        if i in held:
+            qs = texts[:queries_per_intent]
+            w.queries.extend(qs)
+            w.expected.extend([None] * len(qs))
+            kinds.extend(["twin"] * len(qs))
+        else:
+            w.stored.extend(texts[:per_intent])
+            w.answers.extend([f"answer:{i}"] * per_intent)
+            qs = texts[per_intent:per_intent + queries_per_intent]
+            w.queries.extend(qs)
+            w.expected.extend([f"answer:{i}"] * len(qs))
+            kinds.extend(["in-scope"] * len(qs))
+    oos = unstored_intent_queries("train", per_intent=unstored_per_intent, seed=split_seed,
+                                  data=data)
+    w.queries.extend(oos)
+    w.expected.extend([None] * len(oos))
+    kinds.extend(["unstored"] * len(oos))
+    return w, kinds

@@ -16,6 +16,10 @@ Which data chose what (read from the training scripts and their results):
   **validation** ("quora-val").
 - ``meancache_test.csv`` duplicate components of 3+ questions and 6,000 of its singletons
   ("quora-faq" of ``bench_semantic_traffic.py``): read, and used to reject other vote floors.
+- ``clinc-holdout`` (validation): four seeded splits of the 74 development and banking
+  intents, a quarter of them left unstored and looked up as near-miss out-of-scope queries
+  (``clinc_holdout``, ``train`` phrasings only); with clinc-dev and clinc-banking it chose the
+  centroid rule of the default (``ClusterVotePolicy(rule="centroid")``) and its three values.
 - CLINC150: the 44 ``DEV_FAQ_INTENTS`` (train split) chose the cluster-vote defaults; the 30
   banking intents and the dev intents' ``val`` split, with ``oos_train`` / ``oos_val``, were
   read as held-out sets (and to reject other vote floors). Here: **validation** ("clinc-dev",
@@ -42,8 +46,9 @@ The default's lone-candidate cut (cos >= ``VERIFIED_THRESHOLD`` and cross-encode
 (``calibrate_scored_cut``: the most recall whose precision has a one-sided 90 % Wilson lower
 bound >= 0.90); the fresh sets are then reported once.
 
-Methods, in one run on the same MiniLM vectors: ``SemanticCache()`` (the default), the previous
-default (lone cut 0.88 / 0.7), ``SemanticCache(cross_encoder=False)``, plain MiniLM cosine
+Methods, in one run on the same MiniLM vectors: ``SemanticCache()`` (the default: the centroid
+rule for answer clusters), the previous default (the neighbour vote rule, lone cut 0.91 / 0.65;
+``--previous-rule`` / ``--previous-cut`` pick another), ``SemanticCache(cross_encoder=False)``, plain MiniLM cosine
 (nearest stored phrasing) at 0.80, 0.92 and at the cut calibrated on the matching validation
 set for the goal's precision, and GPTCache 0.1.44 (SQLite + Faiss, ``SearchDistanceEvaluation``) at cos 0.80 and 0.92. 95 %
 percentile-bootstrap intervals resample the lookups (2,000 resamples).
@@ -80,6 +85,7 @@ from bench_semantic_common import (
     FAQWorkload,
     clinc_faq,
     clinc_fresh,
+    clinc_holdout,
     norm,
     protocol_from_rows,
     read_pairs,
@@ -112,7 +118,10 @@ console = Console(width=180)
 # precision >= 0.90 (recall >= 0.30). The cosine baseline's calibrated cut aims at the same.
 GOAL_PRECISION = {"faq": 0.95, "pairs": 0.90}
 QUORA_VAL = "quora-val (validation: the lone-candidate cut is chosen here)"
-PREVIOUS_CUT = (0.88, 0.7)  # the default's lone-candidate cut before this benchmark
+PREVIOUS_CUT = (0.91, 0.65)  # the previous default's lone-candidate cut (its cluster rule: vote)
+PREVIOUS_RULE = "vote"  # the previous default's cluster rule (ClusterVotePolicy(rule=...))
+HOLDOUT = "clinc-holdout (validation: chose the centroid rule)"
+HOLDOUT_SPLITS = 4
 
 
 class Traffic:
@@ -373,6 +382,7 @@ def workloads(block: int, nblocks: int, seed: int, fresh: bool = True) -> list[T
     dev, dev_kinds = with_unstored_oos(
         clinc_faq("train", DEV_FAQ_INTENTS, queries_per_intent=20), seed)
     bank, bank_kinds = with_unstored_oos(clinc_faq("val", BANKING_INTENTS), seed)
+    hold = [clinc_holdout(s) for s in range(HOLDOUT_SPLITS)]
     val = [
         Traffic(QUORA_VAL, "pairs",
                 [pairs_workload(2000, name="quora-val")], role="validation"),
@@ -380,6 +390,8 @@ def workloads(block: int, nblocks: int, seed: int, fresh: bool = True) -> list[T
                 query_kinds=dev_kinds, role="validation"),
         Traffic("clinc-banking (validation: read before)", "faq", [bank],
                 query_kinds=bank_kinds, role="validation"),
+        Traffic(HOLDOUT, "faq", [w for w, _ in hold],
+                query_kinds=[k for _, ks in hold for k in ks], role="validation"),
     ]
     if not fresh:
         return val
@@ -422,6 +434,8 @@ def main() -> None:
                     help="adapter folder of the previous default (default: the shipped one)")
     ap.add_argument("--previous-cut", type=float, nargs=2, metavar=("COS", "P"),
                     default=list(PREVIOUS_CUT), help="lone-candidate cut of the previous default")
+    ap.add_argument("--previous-rule", default=PREVIOUS_RULE, choices=("vote", "centroid"),
+                    help="cluster rule of the previous default")
     ap.add_argument("--speed-entries", type=int, default=100_000,
                     help="lookup latency of SemanticCache() at this many entries on the "
                          "quora-val lookups (0: skip)")
@@ -448,9 +462,11 @@ def main() -> None:
     prev_xv = (default_cross_verifier() if args.previous_verifier is None
                else CrossEncoderVerifier(args.previous_verifier))
     pt, pp = args.previous_cut
-    prev_label = (f"previous default (lone cut {pt:g} / {pp:g})" if args.previous_verifier is None
-                  else f"previous default ({args.previous_verifier.name} verifier, lone cut "
-                       f"{pt:g} / {pp:g})")
+    prule = args.previous_rule
+    prev_label = (f"previous default ({prule} rule, lone cut {pt:g} / {pp:g})"
+                  if args.previous_verifier is None
+                  else f"previous default ({prule} rule, {args.previous_verifier.name} verifier, "
+                       f"lone cut {pt:g} / {pp:g})")
     wl = workloads(args.block, args.blocks, args.seed, fresh=not args.validation_only)
     by_name = {t.name: t for t in wl}
     val_for = {"faq": by_name["clinc-dev (validation: chose the vote defaults)"],
@@ -471,7 +487,7 @@ def main() -> None:
         console.log(f"{t.name}: {sum(len(b.stored) for b in t.blocks)} stored, "
                     f"{sum(len(b.queries) for b in t.blocks)} lookups")
         rows: dict[str, dict] = {}
-        prev = ClusterVotePolicy(pt, scorer=prev_xv, min_score=pp)
+        prev = ClusterVotePolicy(pt, scorer=prev_xv, min_score=pp, rule=prule)
         methods: list[tuple[str, dict]] = [("SemanticCache() default", {}),
                                            (prev_label, {"policy": prev}),
                                            ("SemanticCache(cross_encoder=False)",
@@ -545,6 +561,15 @@ def main() -> None:
                       f"p50 {sp['p50_ms']:.2f} ms, p90 {sp['p90_ms']:.2f} ms, p99 "
                       f"{sp['p99_ms']:.2f} ms; cross-encoder on {sp['scored_share']:.1%} of the "
                       f"lookups, {sp['ms_per_scored_lookup'] or 0:.1f} ms each")
+        # FAQ traffic at the same size, the distractors in answer clusters of 5 (20k clusters
+        # whose centroids every lookup with a cluster candidate compares against)
+        dv_t = by_name["clinc-dev (validation: chose the vote defaults)"]
+        sp = lookup_speed_traffic(dv_t.blocks[0], *dv_t.vecs[0], args.speed_entries, args.seed,
+                                  cluster_size=5)
+        res["speed_clusters"] = sp
+        console.print(f"SemanticCache() at {sp['entries']:,} entries (distractors in clusters of "
+                      f"5) on the clinc-dev lookups: p50 {sp['p50_ms']:.2f} ms, p90 "
+                      f"{sp['p90_ms']:.2f} ms, p99 {sp['p99_ms']:.2f} ms")
     res["seconds"] = round(time.perf_counter() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(res, indent=1))
@@ -561,7 +586,6 @@ def _plot(res: dict, path: Path) -> None:
     names = list(res["workloads"])
     fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(15, 8.5))
     colours = {"SemanticCache() default": "red", "SemanticCache(cross_encoder=False)": "green",
-               "previous default (lone cut 0.88 / 0.7)": "orange",
                "GPTCache": "black", "plain": "blue"}
     for ax, name in zip(axes.flat, names, strict=False):
         w = res["workloads"][name]
@@ -582,7 +606,7 @@ def _plot(res: dict, path: Path) -> None:
                                                                      "GPTCache")
                      .replace(" (cut calibrated on validation)", " (cal.)")
                      .replace("SemanticCache", "SC")
-                     .replace("previous default (lone cut 0.88 / 0.7)", "prev. 0.88/0.7")
+                     .replace("previous default (vote rule, lone cut 0.91 / 0.65)", "prev. (vote)")
                      .replace("previous default", "prev."))
             # GPTCache serves what plain cosine at its cut serves: its label goes below
             ax.annotate(short, (r["recall"], r["precision"]), fontsize=6,

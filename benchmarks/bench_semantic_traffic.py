@@ -339,11 +339,13 @@ def lookup_speed(vecs_like: np.ndarray, n: int, q: int, seed: int) -> dict:
 
 
 def lookup_speed_traffic(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, n: int,
-                         seed: int) -> dict:
+                         seed: int, cluster_size: int = 1) -> dict:
     """The default ``SemanticCache()`` at ``n`` entries on real lookups: the workload's stored
     questions (real texts and vectors) plus synthetic distractors (vectors with the mean and
     covariance of the stored ones) up to ``n``; every query of the workload looked up with its
-    real text and vector, so the cross-encoder runs exactly where it would on that traffic."""
+    real text and vector, so the cross-encoder runs exactly where it would on that traffic.
+    ``cluster_size`` > 1: the distractors share answers in groups of that many (answer
+    clusters whose centroids every lookup with a cluster candidate compares against)."""
     rng = np.random.default_rng(seed)
     x = sv.astype(np.float64)
     mean = x.mean(0)
@@ -357,7 +359,8 @@ def lookup_speed_traffic(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, n: int,
     for s in range(0, m, 10_000):
         k = min(m, s + 10_000)
         cache.store_many([f"synthetic distractor {i}" for i in range(s, k)],
-                         [f"distractor answer {i}" for i in range(s, k)], embeddings=list(v[s:k]))
+                         [f"distractor answer {i // cluster_size}" for i in range(s, k)],
+                         embeddings=list(v[s:k]))
     cache.wait_index()
     calls0, sec0 = getattr(xv, "calls", 0), getattr(xv, "seconds", 0.0)
     lat, served = [], []
@@ -373,7 +376,8 @@ def lookup_speed_traffic(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, n: int,
               "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99)),
               "scored_share": calls / len(lat),
               "ms_per_scored_lookup": 1e3 * (getattr(xv, "seconds", 0.0) - sec0) / calls
-              if calls else None, "index": cache.stats().index})
+              if calls else None, "index": cache.stats().index,
+              "cluster_size": cluster_size})
     return r
 
 

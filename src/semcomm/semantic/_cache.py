@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InvalidInputError
+from ._centroids import ClusterCentroids
 from ._context import ContextLike, Scope, context_window, entry_id, partition_key
 from ._embed import DEFAULT_EMBEDDER_NAME, Embedder, as_embedder
 from ._entry import Entry
@@ -372,6 +373,8 @@ class SemanticCache:
         self._answer_refs: dict[tuple[str, str], int] = {}
         self._members: dict[str, set[str]] = {}
         self._waived: dict[str, frozenset[str]] = {}
+        # partition -> centroids of its multi-member answer clusters (the centroid rule's view)
+        self._centroids: dict[str, ClusterCentroids] = {}
         self._last_sync = 0.0
         self._loaded = False
 
@@ -408,6 +411,9 @@ class SemanticCache:
         self._slots.clear()
         self._labels.clear()
         self._indexes.clear()
+        for d in (self._answer_cluster, self._answer_refs, self._members, self._waived,
+                  self._centroids):
+            d.clear()
         self._bytes = 0
         now = self._clock()
         live = [e for e in self.backend.load_all() if not e.expired(now)]
@@ -506,7 +512,7 @@ class SemanticCache:
                          frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s,
                          nb, e.hits, e.last_hit or e.created_at, cluster, akey, e.trust)
             self._slots[e.id] = slot
-            self._add_member(e.id, slot)
+            self._add_member(e.id, slot, e.vector)
             self._bytes += nb
         for part, (labs, vecs) in batches.items():
             idx = self._indexes.get(part)
@@ -514,12 +520,18 @@ class SemanticCache:
                 idx = self._indexes[part] = self._new_index()
             idx.add(labs, np.stack(vecs))
 
-    def _add_member(self, eid: str, s: _Slot) -> None:
+    def _add_member(self, eid: str, s: _Slot, vector: np.ndarray) -> None:
         ak = (s.partition, s.answer_key)
         self._answer_cluster.setdefault(ak, s.cluster)
         self._answer_refs[ak] = self._answer_refs.get(ak, 0) + 1
-        self._members.setdefault(s.cluster, set()).add(eid)
+        members = self._members.setdefault(s.cluster, set())
+        members.add(eid)
         self._waived.pop(s.cluster, None)
+        if len(members) >= 2:
+            cc = self._centroids.get(s.partition)
+            if cc is None:
+                cc = self._centroids[s.partition] = ClusterCentroids(self.dim)
+            cc.add(s.cluster, vector, len(members))
 
     def _drop_member(self, eid: str, s: _Slot) -> None:
         ak = (s.partition, s.answer_key)
@@ -535,6 +547,29 @@ class SemanticCache:
             if not m:
                 del self._members[s.cluster]
         self._waived.pop(s.cluster, None)
+        cc = self._centroids.get(s.partition)
+        if cc is not None:
+            cc.discard(s.cluster)
+
+    def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate]) -> None:
+        """Fill in each candidate's cluster centroid, cohesion and rival (see
+        :mod:`._centroids`): the centroid rule of the default policy reads them."""
+        cc = self._centroids.get(part)
+        if cc is None or not cands:
+            return
+        idx = self._indexes.get(part)
+        vectors_of = getattr(idx, "vectors_of", None)
+        for cluster in cc.dirty:
+            if vectors_of is None:
+                break  # an index that cannot give vectors back: those clusters stay out
+            labels = [self._slots[m].label for m in self._members.get(cluster, ())
+                      if m in self._slots and self._slots[m].partition == part]
+            cc.recount(cluster, vectors_of(labels) if labels else np.zeros((0, self.dim)))
+        views = cc.view(vec, [c.cluster_key for c in cands])
+        for c in cands:
+            v = views.get(c.cluster_key)
+            if v is not None:
+                c.centroid, c.cohesion, c.rival = v.centroid, v.cohesion, v.rival
 
     def _waived_checks(self, cluster: str) -> frozenset[str]:
         """Guard checks a cluster waives: those its own members already disagree on."""
@@ -691,6 +726,8 @@ class SemanticCache:
             if expired:
                 self._unindex(expired)
                 self._stats.expired += len(expired)
+            if getattr(self.policy, "uses_centroids", False):
+                self._cluster_views(part, vec, cands)
         if expired:
             self.backend.delete(expired)
         decision = self.policy.decide(query, cands, threshold=threshold)

@@ -125,6 +125,10 @@ class FlatIndex:
         """Live vectors (a view; for tests and migration)."""
         return self._vecs[: self._n]
 
+    def vectors_of(self, labels: Sequence[int]) -> np.ndarray:
+        """The stored vectors of ``labels`` (a copy, ``(len(labels), dim)``)."""
+        return self._vecs[[self._pos[int(x)] for x in labels]].copy()
+
     def labels(self) -> np.ndarray:
         return self._labels[: self._n]
 
@@ -593,6 +597,9 @@ class AutoIndex:
 
     def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self._impl.search(vector, k)
+
+    def vectors_of(self, labels: Sequence[int]) -> np.ndarray:
+        return self._impl.vectors_of(labels)
 
     def wait(self, timeout: float | None = None, *, lock: Any = None) -> bool:
         """Block until a pending IVF build is adopted (no-op for the other kinds)."""

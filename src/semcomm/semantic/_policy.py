@@ -8,9 +8,11 @@ lexical near-miss guard (:mod:`._guard`).
 Policies (registry :data:`POLICIES`, chosen by name or passed as objects):
 
 - ``"cluster"`` :class:`ClusterVotePolicy` (the default): the stored phrasings that led to one
-  answer (a cluster) vote together; a cluster that several near neighbours support and that
-  clearly beats every other cluster is served at a lower similarity than a lone entry; a lone
-  entry is served by the fixed threshold.
+  answer (a cluster) are judged together: the query is served a cluster's answer at a lower
+  similarity than a lone entry's when it is as close to the cluster's centroid as the
+  cluster's own phrasings are and clearly closer to it than to any other cluster's (the
+  centroid rule; ``rule="vote"``: the earlier neighbour vote); a lone entry is served by the
+  fixed threshold.
 - ``"threshold"`` :class:`ThresholdPolicy`: hit when ``similarity >= threshold``; the threshold
   can be overridden per call; an optional verifier must also agree.
 - ``"calibrated"``: a :class:`ThresholdPolicy` whose threshold comes from labelled pairs at a
@@ -36,6 +38,7 @@ import numpy as np
 from ..errors import ConfigError, InvalidInputError
 
 __all__ = [
+    "CLUSTER_RULES",
     "DEFAULT_THRESHOLD",
     "POLICIES",
     "VERIFIED_MIN_SCORE",
@@ -75,6 +78,11 @@ class Candidate:
     query: str  # the stored entry's query text
     similarity: float  # cosine similarity to the lookup query
     cluster: str = ""  # the answer cluster the entry belongs to ("" -> its own)
+    # filled in by the cache for a member of a cluster of 2+ phrasings (semantic._centroids),
+    # for policies that set ``uses_centroids``; None otherwise:
+    centroid: float | None = None  # cosine of the lookup query to the cluster's centroid
+    cohesion: float | None = None  # the cluster's members' mean cosine to the others' centroid
+    rival: float | None = None  # best centroid cosine of another cluster (-1.0: none)
 
     @property
     def cluster_key(self) -> str:
@@ -88,8 +96,8 @@ class Decision:
     candidate: Candidate | None
     verified: bool = False  # a verifier confirmed this hit
     verifications: int = 0  # verifier calls spent on this lookup
-    reason: str = ""  # "threshold" | "vote" | "verified" | "scored-hit" | "scored" | "exploit" |
-    # "below" | "rejected" | "budget"
+    reason: str = ""  # "threshold" | "centroid" | "vote" | "verified" | "scored-hit" | "scored" |
+    # "exploit" | "below" | "centroid-rejected" | "rejected" | "budget"
     score: float = 0.0  # the evidence the decision rests on (similarity, or a vote margin)
 
 
@@ -216,32 +224,58 @@ def cluster_vote(candidates: Sequence[Candidate], base: float) -> ClusterVote:
     return ClusterVote(win, best[win], votes[win], votes[win] - runner, support.get(win, 0))
 
 
+CLUSTER_RULES = ("centroid", "vote")
+"""How :class:`ClusterVotePolicy` decides a cluster hit (its ``rule``)."""
+
+
 class ClusterVotePolicy(ThresholdPolicy):
-    """Answer clusters vote: the default policy.
+    """Answer clusters serve together: the default policy.
 
     Several stored phrasings that led to one answer form a cluster (the cache links them: same
-    answer text, or answers that mean the same). Each of the lookup's nearest neighbours at or
-    above ``base`` votes ``similarity - base`` for its cluster. The winning cluster is served
-    (its most similar member) when
+    answer text, or answers that mean the same). A cluster's answer is served at a lower
+    similarity than a lone entry's when the evidence of the whole cluster says so; ``rule``
+    says how.
 
-    - at least ``support`` of its members voted, its votes beat the runner-up cluster's by at
-      least ``margin`` and its best member is at least ``floor`` similar (a cluster hit: agreeing
-      phrasings are stronger evidence than one close one), or
-    - its best member alone reaches ``threshold`` (the fixed-threshold rule; verifier and scorer
+    ``rule="centroid"`` (the default). The cache gives each candidate of a cluster of two or
+    more phrasings its query's cosine to the cluster's centroid, the cluster's cohesion (its
+    own phrasings' mean cosine to the centroid of the others) and the rival: the best centroid
+    cosine of any other cluster (:mod:`semcomm.semantic._centroids`). The cluster whose
+    centroid is nearest is served (its most similar member) when
+
+    - its most similar member and its centroid are both at least ``centroid_floor`` similar,
+    - the query is no farther from the centroid than the cluster's own phrasings are, less
+      ``spread`` (a per-cluster threshold from its members' spread: a tight cluster asks for a
+      close query, a loose one accepts a looser one), and
+    - its centroid beats the rival, and every lone candidate of another answer, by at least
+      ``rival_margin`` (the top-1 / top-2 cluster margin: a query that sits between two
+      answers is not served either).
+
+    ``rule="vote"`` (the earlier default; also what ``"centroid"`` falls back to when the
+    candidates carry no centroid figures, e.g. built by hand): each of the nearest neighbours
+    at or above ``base`` votes ``similarity - base`` for its cluster; the winner is served when
+    at least ``support`` of its members voted, its votes beat the runner-up cluster's by at
+    least ``margin`` and its best member is at least ``floor`` similar.
+
+    Either way a candidate the cluster rule does not serve can still be served
+
+    - when it alone reaches ``threshold`` (the fixed-threshold rule; verifier and scorer
       apply to this path exactly as in :class:`ThresholdPolicy`), or
     - with a ``judge`` (``f(query, best, runner_up) -> P``, e.g.
-      :class:`~semcomm.semantic.JudgeVerifier`; off by default), the best candidate is in
+      :class:`~semcomm.semantic.JudgeVerifier`; off by default), when the best candidate is in
       ``[judge_floor, threshold)`` and the judge gives it ``P >= judge_min`` (a verified hit).
 
-    Defaults were chosen on development FAQ traffic (CLINC150 train split, 44 single-answer
-    intents outside banking: the most recall at 0.96 precision) and checked on held-out
-    traffic (docs/BENCHMARKS.md). A lone entry per answer (every answer distinct) behaves
-    exactly like ``ThresholdPolicy(threshold)``.
+    The centroid rule's defaults were chosen on development FAQ traffic only (CLINC150's
+    development and banking intents, with a quarter of the intents left unstored so that their
+    phrasings are near-miss out-of-scope queries; docs/BENCHMARKS.md) and measured once on
+    held-out traffic. A lone entry per answer (every answer distinct) behaves exactly like
+    ``ThresholdPolicy(threshold)``.
     """
 
     name = "cluster"
 
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, base: float = 0.5,
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, rule: str = "centroid",
+                 centroid_floor: float = 0.55, spread: float = 0.10,
+                 rival_margin: float = 0.10, base: float = 0.5,
                  margin: float = 0.2, floor: float = 0.6, support: int = 2,
                  verifier: Verifier | None = None, max_verify: int = 2,
                  scorer: Scorer | None = None, min_score: float = 0.5,
@@ -249,6 +283,9 @@ class ClusterVotePolicy(ThresholdPolicy):
                  judge_min: float = 0.5) -> None:
         super().__init__(threshold, verifier=verifier, max_verify=max_verify, scorer=scorer,
                          min_score=min_score)
+        if rule not in CLUSTER_RULES:
+            raise ConfigError(f"cluster rule must be one of {list(CLUSTER_RULES)}, got {rule!r}")
+        self.rule = rule
         if judge is not None and not callable(judge):
             raise ConfigError(f"judge must be callable f(query, best, runner_up) -> P, got "
                               f"{type(judge).__name__}")
@@ -257,6 +294,12 @@ class ClusterVotePolicy(ThresholdPolicy):
         self.judge_min = float(judge_min)
         self.base = _check_threshold(base)
         self.floor = _check_threshold(floor)
+        self.centroid_floor = _check_threshold(centroid_floor)
+        for what, v in (("spread", spread), ("rival_margin", rival_margin)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 2.0:
+                raise ConfigError(f"{what} must be a cosine difference in [0, 2], got {v!r}")
+        self.spread = float(spread)
+        self.rival_margin = float(rival_margin)
         if not isinstance(support, int) or support < 2:
             raise ConfigError(f"support must be an integer >= 2, got {support!r}")
         if not 0.0 <= float(margin):
@@ -264,12 +307,41 @@ class ClusterVotePolicy(ThresholdPolicy):
         self.margin = float(margin)
         self.support = support
 
+    @property
+    def uses_centroids(self) -> bool:
+        """The cache fills in the candidates' centroid figures only for a policy that reads
+        them."""
+        return self.rule == "centroid"
+
+    def _centroid_decision(self, candidates: Sequence[Candidate]) -> Decision | None:
+        """The centroid rule: a cluster hit, a cluster miss (None: the rule does not apply,
+        no candidate carries centroid figures), see the class docstring."""
+        multi = [c for c in candidates if c.centroid is not None and c.cohesion is not None]
+        if not multi:
+            return None
+        win = max(multi, key=lambda c: (c.centroid, c.similarity))
+        key = win.cluster_key
+        best = max((c for c in candidates if c.cluster_key == key), key=lambda c: c.similarity)
+        rival = max([-1.0 if win.rival is None else win.rival] +
+                    [c.similarity for c in candidates
+                     if c.centroid is None and c.cluster_key != key])
+        cen, coh = float(win.centroid), float(win.cohesion)  # type: ignore[arg-type]
+        margin = cen - rival
+        if (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
+                and cen >= coh - self.spread and margin >= self.rival_margin):
+            return Decision(best, reason="centroid", score=margin)
+        return Decision(None, reason="centroid-rejected", score=margin)
+
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
-        v = cluster_vote(candidates, self.base)
-        if (v.best is not None and v.support >= self.support and v.margin >= self.margin
-                and v.best.similarity >= self.floor):
-            return Decision(v.best, reason="vote", score=v.margin)
+        cluster = self._centroid_decision(candidates) if self.rule == "centroid" else None
+        if cluster is not None and cluster.candidate is not None:
+            return cluster
+        if cluster is None:
+            v = cluster_vote(candidates, self.base)
+            if (v.best is not None and v.support >= self.support and v.margin >= self.margin
+                    and v.best.similarity >= self.floor):
+                return Decision(v.best, reason="vote", score=v.margin)
         d = super().decide(query, candidates, threshold=threshold)
         if d.candidate is not None:
             d.score = d.candidate.similarity
@@ -284,15 +356,22 @@ class ClusterVotePolicy(ThresholdPolicy):
                                 reason="judged", score=p)
             return Decision(None, verifications=d.verifications + 1, reason="judge-rejected",
                             score=p)
+        if cluster is not None and d.reason == "below":
+            return cluster  # the nearer miss: the cluster rule's, with its margin
         return d
 
     @property
     def min_similarity(self) -> float:
         """Candidates below ``base`` neither vote nor can be served (nor judged)."""
-        return min(self.base, self.threshold, self.judge_floor if self.judge else 1.0)
+        return min(self.base, self.centroid_floor, self.threshold,
+                   self.judge_floor if self.judge else 1.0)
 
     def __repr__(self) -> str:
-        return (f"ClusterVotePolicy(threshold={self.threshold}, base={self.base}, "
+        if self.rule == "centroid":
+            return (f"ClusterVotePolicy(threshold={self.threshold}, rule='centroid', "
+                    f"centroid_floor={self.centroid_floor}, spread={self.spread}, "
+                    f"rival_margin={self.rival_margin})")
+        return (f"ClusterVotePolicy(threshold={self.threshold}, rule='vote', base={self.base}, "
                 f"margin={self.margin}, floor={self.floor}, support={self.support})")
 
 

@@ -1,0 +1,190 @@
+"""The default policy's centroid rule for answer clusters: the rival-cluster margin, the
+per-cluster spread threshold, the centroid bookkeeping under stores, deletes and reloads, and
+one near-miss twin the real MiniLM embedding cannot separate by similarity alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semcomm.errors import ConfigError
+from semcomm.semantic import CallableEmbedder, ClusterVotePolicy, SemanticCache
+from semcomm.semantic._centroids import ClusterCentroids
+
+from ._semantic_helpers import minilm  # noqa: F401  (a fixture)
+
+DIM = 16
+E = np.eye(DIM, dtype=np.float32)
+Q = E[0]  # every lookup below is this vector
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def at(base: np.ndarray, other: np.ndarray, cos: float) -> np.ndarray:
+    """A unit vector at cosine ``cos`` from unit ``base``, towards ``other``."""
+    o = other - (other @ base) * base
+    o = o / np.linalg.norm(o)
+    return unit(cos * base + np.sqrt(1 - cos * cos) * o)
+
+
+@pytest.fixture
+def emb() -> CallableEmbedder:
+    # texts never embed in these tests (vectors are given); any fixed vector will do
+    return CallableEmbedder(lambda texts: np.tile(E[15], (len(texts), 1)), name="fixed16",
+                            dim=DIM)
+
+
+def cache(emb: CallableEmbedder, rule: str = "centroid") -> SemanticCache:
+    return SemanticCache(embedder=emb, policy=ClusterVotePolicy(rule=rule), guard=False)
+
+
+def between_two(c: SemanticCache, b_cos: float | None) -> None:
+    """Cluster A: three phrasings at cos 0.80 from the query. Cluster B (``b_cos``): two at
+    ``b_cos``, in other directions, so that the query sits between the two answers."""
+    for i, k in enumerate((1, 2, 3)):
+        c.store(f"a{i}", "answer A", embedding=at(Q, E[k], 0.80))
+    if b_cos is not None:
+        for i, k in enumerate((4, 5)):
+            c.store(f"b{i}", "answer B", embedding=at(Q, E[k], b_cos))
+
+
+@pytest.mark.parametrize(("b_cos", "rule", "served"), [
+    (None, "centroid", "answer A"),  # A alone: its centroid is near, no rival
+    (0.75, "centroid", None),  # A's centroid 0.918, B's 0.848: margin 0.07 < 0.10
+    (0.60, "centroid", "answer A"),  # B's centroid 0.68: margin 0.24
+    (0.75, "vote", "answer A"),  # the earlier rule: A's votes 0.90 beat B's 0.50 by 0.40
+])
+def test_a_query_between_two_answers_is_refused_by_the_rival_margin(emb, b_cos, rule,
+                                                                    served) -> None:
+    c = cache(emb, rule)
+    between_two(c, b_cos)
+    hit = c.lookup("query", embedding=Q)
+    assert (hit.answer if hit else None) == served
+    if hit is not None:
+        assert hit.reason == ("vote" if rule == "vote" else "centroid")
+
+
+def spread_cluster(c: SemanticCache, spread: float) -> float:
+    """Three phrasings around a centre at cos 0.80 from the query, ``spread`` apart from it
+    (0.25: a tight cluster, members' cosine 0.94; 0.8: a loose one, 0.61). Returns the query's
+    cosine to a member."""
+    centre = unit(0.8 * Q + 0.6 * E[1])
+    for i, k in enumerate((2, 3, 4)):
+        c.store(f"t{i}", "answer T", embedding=unit(centre + spread * E[k]))
+    return float(unit(centre + spread * E[2]) @ Q)
+
+
+def test_a_tight_cluster_asks_for_a_closer_query_than_a_loose_one(emb) -> None:
+    tight = cache(emb)
+    near = spread_cluster(tight, 0.25)
+    # the query is at 0.78 from each member, but the members are at 0.94 from each other:
+    # it is farther from the centroid than the cluster's own phrasings, less the spread 0.10
+    assert 0.77 < near < 0.78 and tight.lookup("query", embedding=Q) is None
+    loose = cache(emb)
+    far = spread_cluster(loose, 0.8)
+    # at only 0.62 from each member of a loose cluster, the query is as close as they are
+    hit = loose.lookup("query", embedding=Q)
+    assert far < 0.63 and hit is not None and hit.answer == "answer T"
+    assert hit.reason == "centroid"
+    # the earlier vote rule serves the tight cluster (three votes of 0.28, no rival)
+    vote = cache(emb, "vote")
+    spread_cluster(vote, 0.25)
+    assert vote.lookup("query", embedding=Q) is not None
+
+
+def test_the_default_cache_uses_the_centroid_rule(emb) -> None:
+    c = SemanticCache(embedder=emb)
+    assert isinstance(c.policy, ClusterVotePolicy) and c.policy.rule == "centroid"
+    assert c.policy.uses_centroids
+    between_two(c, 0.75)
+    assert c.lookup("query", embedding=Q) is None
+
+
+def test_centroids_follow_deletes_and_reloads(emb, tmp_path) -> None:
+    c = SemanticCache(embedder=emb, path=tmp_path / "c.db", policy=ClusterVotePolicy(),
+                      guard=False)
+    between_two(c, 0.75)
+    assert c.lookup("query", embedding=Q) is None  # B is a close rival
+    b = [e.id for e in c.entries() if e.answer == "answer B"]
+    assert c.invalidate(b[0]) == 1
+    # B is down to one phrasing: a lone entry at 0.75, no centroid; A's margin is 0.17
+    hit = c.lookup("query", embedding=Q)
+    assert hit is not None and hit.answer == "answer A"
+    c.store("b-again", "answer B", embedding=at(Q, E[6], 0.75))
+    assert c.lookup("query", embedding=Q) is None  # the rival cluster is back
+    c.close()
+    again = SemanticCache(embedder=emb, path=tmp_path / "c.db", policy=ClusterVotePolicy(),
+                          guard=False)
+    assert again.lookup("query", embedding=Q) is None  # rebuilt from the file: the same
+    assert len(again._centroids[next(iter(again._centroids))]) == 2
+    again.close()
+
+
+def test_cluster_centroids_keep_exact_figures_and_no_lone_sums() -> None:
+    cc = ClusterCentroids(DIM)
+    a, b, c3 = at(Q, E[1], 0.9), at(Q, E[2], 0.9), at(Q, E[3], 0.7)
+    cc.add("lone", a, 1)  # a lone entry: nothing kept
+    assert len(cc) == 0 and not cc.dirty
+    cc.add("k", a, 1)
+    cc.add("k", b, 2)  # reached two members: the first one's vector is not here
+    assert cc.dirty == {"k"} and cc.view(Q, ["k"]) == {}
+    cc.recount("k", np.stack([a, b]))
+    v = cc.view(Q, ["k"])["k"]
+    cen = unit(a + b)
+    assert v.centroid == pytest.approx(float(cen @ Q), abs=1e-6)
+    assert v.cohesion == pytest.approx(float(a @ b), abs=1e-6)  # two members: their cosine
+    assert v.rival == -1.0 and v.members == 2
+    cc.add("k", c3, 3)  # counted: updated in place
+    assert not cc.dirty
+    v3 = cc.view(Q, ["k"])["k"]
+    assert v3.centroid == pytest.approx(float(unit(a + b + c3) @ Q), abs=1e-6)
+    cc.add("j", at(Q, E[4], 0.5), 1)
+    cc.recount("j", np.stack([at(Q, E[4], 0.5), at(Q, E[5], 0.5)]))
+    assert cc.view(Q, ["k"])["k"].rival == pytest.approx(
+        float(unit(at(Q, E[4], 0.5) + at(Q, E[5], 0.5)) @ Q), abs=1e-6)
+    cc.discard("j")
+    assert cc.view(Q, ["k"])["k"].rival == -1.0 and len(cc) == 1
+    cc.recount("j", np.zeros((1, DIM)) + E[4])  # down to one member: no row, no sum
+    assert len(cc) == 1 and "j" not in cc._sum
+
+
+def test_centroid_rule_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="cluster rule"):
+        ClusterVotePolicy(rule="mean")
+    with pytest.raises(ConfigError, match="spread"):
+        ClusterVotePolicy(spread=-0.1)
+    with pytest.raises(ConfigError, match="rival_margin"):
+        ClusterVotePolicy(rival_margin=True)  # type: ignore[arg-type]
+
+
+# five stored phrasings of "when do I change my oil" and five of "which gas does my car take"
+# (CLINC150 train, oil_change_when / gas_type); "how do I change my oil" is another intent
+# (oil_change_how) that no entry answers
+OIL_WHEN = ["when do you think i should change my oil",
+            "about how long before i need another oil change",
+            "how do i know when i have to change my oil",
+            "at what time should i get my oil changed next",
+            "at which mileage, should i get my oil changed"]
+GAS_TYPE = ["does my car need specific fuel", "which type of gas do i need to put in my car",
+            "i wanna know the gad i need to fill this car up with",
+            "tell me the fuel my car takes", "what kind of gas should i use to fill the car"]
+TWINS = ["teach me how to change my oil", "how do i change my oil and what kind do i need",
+         "please explain the steps to change oil", "what do i need to change my oil"]
+PARAPHRASES = ["when should i change my oil next", "how often do i need an oil change",
+               "is it time for an oil change"]
+
+
+def test_a_near_miss_twin_is_refused_with_the_real_embedder(minilm) -> None:  # noqa: F811
+    served = {}
+    for rule in ("centroid", "vote"):
+        c = SemanticCache(embedder=minilm, policy=ClusterVotePolicy(rule=rule))
+        c.store_many(OIL_WHEN, ["oil: when"] * 5)
+        c.store_many(GAS_TYPE, ["gas type"] * 5)
+        served[rule] = {q: (h.answer if (h := c.lookup(q)) else None)
+                        for q in TWINS + PARAPHRASES}
+    assert all(served["centroid"][q] is None for q in TWINS)
+    assert all(served["centroid"][q] == "oil: when" for q in PARAPHRASES)
+    # the neighbour vote serves every twin the "when" answer (0.65-0.74 from a member)
+    assert all(served["vote"][q] == "oil: when" for q in TWINS)
