@@ -66,6 +66,8 @@ from semcomm import SemanticCache
 from semcomm.semantic import CallableEmbedder, default_embedder
 
 console = Console()
+PREVIOUS = "previous default (vote rule, lone cut 0.91 / 0.65)"
+NO_CROSS = "SemanticCache(cross_encoder=False) (centroid rule + 0.92)"
 EMB_DIR = Path(tempfile.gettempdir()) / "semcomm-emb"
 
 
@@ -107,6 +109,15 @@ def protocol_workload(p: Protocol, name: str) -> FAQWorkload:
     w = FAQWorkload(name, p.stored, answers, p.queries, expected)
     w.comp_of_answer = {a: f"comp:{c}" for a, c in zip(answers, comp_of, strict=True)}  # type: ignore[attr-defined]
     return w
+
+
+def previous_default() -> object:
+    """The default policy before the centroid rule: the neighbour vote, same lone cut."""
+    from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, ClusterVotePolicy
+    from semcomm.semantic._cross import default_cross_verifier
+
+    return ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
+                             min_score=VERIFIED_MIN_SCORE, rule="vote")
 
 
 def right(w: FAQWorkload, answer: str, expected: str | None) -> bool:
@@ -418,9 +429,9 @@ def pair_sets(data: Path) -> dict:
 
 
 def _floors(floors: list[float], out: Path) -> None:
-    """The default policy with another cluster-vote floor (the best member's similarity a vote
-    needs; default 0.6) on the four FAQ workloads: does a higher floor keep loose topic
-    clusters from out-of-scope queries without losing CLINC's recall?"""
+    """The previous default policy (the vote rule) with another cluster-vote floor (the best
+    member's similarity a vote needs; default 0.6) on the four FAQ workloads: does a higher
+    floor keep loose topic clusters from out-of-scope queries without losing CLINC's recall?"""
     from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, ClusterVotePolicy
     from semcomm.semantic._cross import default_cross_verifier
 
@@ -437,7 +448,7 @@ def _floors(floors: list[float], out: Path) -> None:
         res[str(f)] = row = {}
         for name, w in wl.items():
             pol = ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
-                                    min_score=VERIFIED_MIN_SCORE, floor=f)
+                                    min_score=VERIFIED_MIN_SCORE, floor=f, rule="vote")
             row[name], _ = run_semcomm(w, embed(w.stored), embed(w.queries), policy=pol)
         tbl.add_row(str(f), *(f"{r['precision']:.3f} / {r['recall']:.3f} / "
                               f"{r['oos_hit_rate']:.3f}" for r in row.values()))
@@ -499,8 +510,8 @@ def main() -> None:
         console.log(f"workload {name}: {len(w.stored)} stored, {len(w.queries)} queries")
         rows = {}
         rows["SemanticCache() default"], served = run_semcomm(w, sv, qv)
-        rows["SemanticCache(cross_encoder=False) (previous default: votes + 0.92)"], _ = \
-            run_semcomm(w, sv, qv, cross_encoder=False)
+        rows[PREVIOUS], _ = run_semcomm(w, sv, qv, policy=previous_default())
+        rows[NO_CROSS], _ = run_semcomm(w, sv, qv, cross_encoder=False)
         rows["SemanticCache(threshold=0.92) (fixed threshold, no votes)"], _ = run_semcomm(
             w, sv, qv, threshold=0.92)
         for cut in (0.92, 0.80, 0.75):
@@ -565,8 +576,7 @@ def main() -> None:
 def _plot(res: dict, path: Path) -> None:
     with agg_figure(path, (8, 5)) as ax:
         marks = {"SemanticCache() default": ("o", "red"),
-                 "SemanticCache(cross_encoder=False) (previous default: votes + 0.92)":
-                     ("o", "green"),
+                 NO_CROSS: ("o", "green"), PREVIOUS: ("D", "purple"),
                  "SemanticCache(threshold=0.92) (fixed threshold, no votes)": ("s", "orange"),
                  "plain MiniLM cosine >= 0.80": ("^", "blue"),
                  "plain MiniLM cosine >= 0.75": ("v", "blue"),
@@ -593,9 +603,9 @@ def _plot(res: dict, path: Path) -> None:
         ax.axvline(0.50, color="gray", ls=":")
         ax.set_xlabel("recall (in-scope queries served right)")
         ax.set_ylabel("hit precision")
-        ax.set_title("red: SemanticCache() (votes + cross-encoder on lone hits), green: "
-                     "cross_encoder=False (previous default),\norange: threshold 0.92, blue: "
-                     "cosine 0.80/0.75, black: GPTCache 0.80", fontsize=8)
+        ax.set_title("red: SemanticCache() (centroid rule + cross-encoder on lone hits), purple: "
+                     "previous default (vote rule),\ngreen: cross_encoder=False, orange: "
+                     "threshold 0.92, blue: cosine 0.80/0.75, black: GPTCache 0.80", fontsize=8)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,28 @@ def test_a_near_miss_twin_is_refused_with_the_real_embedder(minilm) -> None:  # 
     assert all(served["centroid"][q] == "oil: when" for q in PARAPHRASES)
     # the neighbour vote serves every twin the "when" answer (0.65-0.74 from a member)
     assert all(served["vote"][q] == "oil: when" for q in TWINS)
+
+
+@pytest.mark.parametrize("same_meaning", [True, False])
+def test_a_rival_cluster_whose_answer_means_the_same_is_joined(emb, same_meaning) -> None:
+    calls = []
+
+    def agree(a: str, b: str) -> bool:
+        calls.append((a, b))
+        return same_meaning
+
+    c = SemanticCache(embedder=emb, policy=ClusterVotePolicy(), guard=False, answer_match=agree)
+    # one answer in two wordings, bulk-loaded: linked by text only, so two clusters
+    c.store_many([f"a{i}" for i in range(3)], ["Refunds take 5 days."] * 3,
+                 embeddings=[at(Q, E[k], 0.80) for k in (1, 2, 3)])
+    c.store_many(["b0", "b1"], ["A refund needs five days."] * 2,
+                 embeddings=[at(Q, E[k], 0.75) for k in (4, 5)])
+    linked = c.stats().linked  # links made by the stores (same text)
+    first = c.lookup("query", embedding=Q)
+    second = c.lookup("query", embedding=Q)
+    if same_meaning:  # joined: one cluster, no rival left
+        assert first is not None and first.reason == "centroid" and second is not None
+        assert c.stats().linked == linked + 2 and len(calls) == 1
+    else:  # the rival answer differs: refused, and not compared again
+        assert first is None and second is None
+        assert c.stats().linked == linked and len(calls) == 1

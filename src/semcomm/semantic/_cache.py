@@ -131,6 +131,11 @@ class _Slot:
 
 # an entry whose trust fell below this is neither served nor counted as a vote
 _MIN_TRUST = 0.75
+# clusters a lookup may join into its nearest one when their answers agree (each join costs an
+# answer comparison: one embedding of two answers, once per cluster pair)
+_MAX_MERGES = 2
+# differing cluster pairs remembered (cleared when full)
+_MAX_DISTINCT_PAIRS = 65_536
 # one contradiction costs this much trust; an agreement gives back half of it
 _CONTRADICTION = 0.5
 # an entry at or below this trust is deleted
@@ -375,6 +380,8 @@ class SemanticCache:
         self._waived: dict[str, frozenset[str]] = {}
         # partition -> centroids of its multi-member answer clusters (the centroid rule's view)
         self._centroids: dict[str, ClusterCentroids] = {}
+        # cluster pairs whose answers were compared and differ (not compared again)
+        self._distinct_answers: set[tuple[str, str]] = set()
         self._last_sync = 0.0
         self._loaded = False
 
@@ -412,7 +419,7 @@ class SemanticCache:
         self._labels.clear()
         self._indexes.clear()
         for d in (self._answer_cluster, self._answer_refs, self._members, self._waived,
-                  self._centroids):
+                  self._centroids, self._distinct_answers):
             d.clear()
         self._bytes = 0
         now = self._clock()
@@ -550,6 +557,76 @@ class SemanticCache:
         cc = self._centroids.get(s.partition)
         if cc is not None:
             cc.discard(s.cluster)
+
+    def _merge_rival(self, part: str, vec: np.ndarray, cands: list[Candidate],
+                     win: Candidate) -> bool:
+        """Join the cluster that blocked ``win`` (the nearest other centroid, or a nearer lone
+        candidate) into ``win``'s when their answers agree (``answer_match``); refresh the
+        candidates' cluster figures. False: no rival, or answers that differ (remembered)."""
+        if self.answer_match is None:
+            return False
+        keep = win.cluster_key
+        with self._lock:
+            cc = self._centroids.get(part)
+            other = cc.nearest_other(vec, keep) if cc is not None else None
+        lone = max((c for c in cands if c.centroid is None and c.cluster_key != keep),
+                   key=lambda c: c.similarity, default=None)
+        if lone is not None and (other is None or lone.similarity >= other[1]):
+            gone, gone_entry = lone.cluster_key, lone.entry_id
+        elif other is not None:
+            gone = other[0]
+            with self._lock:
+                gone_entry = next(iter(self._members.get(gone, ())), "")
+        else:
+            return False
+        pair = (min(keep, gone), max(keep, gone))
+        if not gone_entry or pair in self._distinct_answers:
+            return False
+        a, b = self.backend.get(win.entry_id), self.backend.get(gone_entry)
+        if a is None or b is None:
+            return False
+        if not answers_agree(a.answer, b.answer, self.answer_match, self.embedder.embed):
+            if len(self._distinct_answers) >= _MAX_DISTINCT_PAIRS:
+                self._distinct_answers.clear()
+            self._distinct_answers.add(pair)
+            return False
+        with self._lock:
+            moved = self._merge_clusters(part, keep, gone)
+            if not moved:
+                return False
+            for c in cands:
+                if c.cluster_key == gone:
+                    c.cluster = keep
+                c.centroid = c.cohesion = c.rival = None
+            self._cluster_views(part, vec, cands)
+        log.debug("joined answer cluster %s (%d entries) into %s", gone, moved, keep)
+        return True
+
+    def _merge_clusters(self, part: str, keep: str, gone: str) -> int:
+        """Move every member of cluster ``gone`` into ``keep`` (in memory; a reload links them
+        again when a lookup meets them). Returns the number moved."""
+        moved = self._members.pop(gone, set())
+        if not moved:
+            return 0
+        members = self._members.setdefault(keep, set())
+        for eid in moved:
+            s = self._slots.get(eid)
+            if s is None:
+                continue
+            s.cluster = keep
+            members.add(eid)
+            ak = (s.partition, s.answer_key)
+            if self._answer_cluster.get(ak) == gone:
+                self._answer_cluster[ak] = keep
+        self._waived.pop(keep, None)
+        self._waived.pop(gone, None)
+        cc = self._centroids.get(part)
+        if cc is None:
+            cc = self._centroids[part] = ClusterCentroids(self.dim)
+        cc.recount(gone, np.zeros((0, self.dim)))
+        cc.discard(keep)
+        self._stats.linked += len(moved)
+        return len(moved)
 
     def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate]) -> None:
         """Fill in each candidate's cluster centroid, cohesion and rival (see
@@ -731,6 +808,15 @@ class SemanticCache:
         if expired:
             self.backend.delete(expired)
         decision = self.policy.decide(query, cands, threshold=threshold)
+        blocked = getattr(self.policy, "rival_blocked", None)
+        for _ in range(_MAX_MERGES):
+            # refused for a rival cluster alone: if the rival's answer means the same, the two
+            # are one answer cluster the store did not link (e.g. a bulk load of answers worded
+            # differently); join them and decide again
+            win = blocked(cands) if blocked is not None and decision.candidate is None else None
+            if win is None or not self._merge_rival(part, vec, cands, win):
+                break
+            decision = self.policy.decide(query, cands, threshold=threshold)
         self._stats.verifications += decision.verifications
         c = decision.candidate
         verified = decision.verified

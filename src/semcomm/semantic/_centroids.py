@@ -139,6 +139,19 @@ class ClusterCentroids:
             self._rows[moved] = row
         self._keys.pop()
 
+    def nearest_other(self, query: np.ndarray, cluster: str) -> tuple[str, float] | None:
+        """The cluster other than ``cluster`` whose centroid is nearest ``query``, and its
+        cosine (None: no other)."""
+        n = len(self._keys)
+        if n == 0 or (n == 1 and cluster in self._rows):
+            return None
+        sims = self._mat[:n] @ np.asarray(query, dtype=np.float32).reshape(self.dim)
+        row = self._rows.get(cluster)
+        if row is not None:
+            sims[row] = -np.inf
+        best = int(np.argmax(sims))
+        return self._keys[best], float(sims[best])
+
     def view(self, query: np.ndarray, clusters: Sequence[str]) -> dict[str, CentroidView]:
         """How ``query`` (a unit vector) sits against each of ``clusters`` that has a centroid:
         one ``(clusters in the partition) x dim`` product for the whole lookup."""

@@ -313,9 +313,10 @@ class ClusterVotePolicy(ThresholdPolicy):
         them."""
         return self.rule == "centroid"
 
-    def _centroid_decision(self, candidates: Sequence[Candidate]) -> Decision | None:
-        """The centroid rule: a cluster hit, a cluster miss (None: the rule does not apply,
-        no candidate carries centroid figures), see the class docstring."""
+    def _centroid_case(self, candidates: Sequence[Candidate]
+                       ) -> tuple[Candidate, Candidate, float, float, float] | None:
+        """(nearest-centroid candidate, its cluster's most similar member, centroid cosine,
+        cohesion, rival) or None when no candidate carries centroid figures."""
         multi = [c for c in candidates if c.centroid is not None and c.cohesion is not None]
         if not multi:
             return None
@@ -325,12 +326,35 @@ class ClusterVotePolicy(ThresholdPolicy):
         rival = max([-1.0 if win.rival is None else win.rival] +
                     [c.similarity for c in candidates
                      if c.centroid is None and c.cluster_key != key])
-        cen, coh = float(win.centroid), float(win.cohesion)  # type: ignore[arg-type]
+        return win, best, float(win.centroid), float(win.cohesion), rival  # type: ignore[arg-type]
+
+    def _centroid_decision(self, candidates: Sequence[Candidate]) -> Decision | None:
+        """The centroid rule: a cluster hit, a cluster miss, or None (the rule does not apply:
+        no candidate carries centroid figures), see the class docstring."""
+        case = self._centroid_case(candidates)
+        if case is None:
+            return None
+        _, best, cen, coh, rival = case
         margin = cen - rival
         if (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
                 and cen >= coh - self.spread and margin >= self.rival_margin):
             return Decision(best, reason="centroid", score=margin)
         return Decision(None, reason="centroid-rejected", score=margin)
+
+    def rival_blocked(self, candidates: Sequence[Candidate]) -> Candidate | None:
+        """The nearest-centroid candidate when the centroid rule refuses it for the rival margin
+        alone (floor and spread are met): the cache then asks whether the rival's answer means
+        the same as this one's, and if so joins the two clusters (answer-equivalence learning)
+        and decides again."""
+        if self.rule != "centroid":
+            return None
+        case = self._centroid_case(candidates)
+        if case is None:
+            return None
+        win, best, cen, coh, rival = case
+        ok = (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
+              and cen >= coh - self.spread)
+        return win if ok and cen - rival < self.rival_margin and rival > -1.0 else None
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
