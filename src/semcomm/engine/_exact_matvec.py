@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExactMatVec"]
+__all__ = ["ExactMatVec", "build_library", "cpu_has_avx512"]
 
 logger = logging.getLogger("semcomm.engine")
 
@@ -156,7 +156,7 @@ def _kernels_dir() -> Path:
     return semcomm_home() / "kernels"
 
 
-def _cpu_has_avx512() -> bool:
+def cpu_has_avx512() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:  # torch's own dispatch level: AVX512 only where the CPU and the build have it
@@ -165,27 +165,37 @@ def _cpu_has_avx512() -> bool:
         return False
 
 
-def _compile(out: Path) -> bool:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def build_library(name: str, source: str, flags: list[str], compilers: tuple[str, ...],
+                  suffix: str = ".c") -> Path | None:
+    """``$SEMCOMM_HOME/kernels/{name}-{digest}.so`` built from ``source`` with the first of
+    ``compilers`` found (``$CC`` or ``$CXX`` first) unless already there; None (logged) where
+    there is no compiler or it fails. The digest covers the source, the flags and torch's
+    version, so a changed kernel or another torch build compiles anew."""
+    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()
+    out = _kernels_dir() / f"{name}-{digest[:16]}.so"
+    if out.exists():
+        return out
+    env = "CXX" if suffix != ".c" else "CC"
+    cc = os.environ.get(env) or next((c for c in map(shutil.which, compilers) if c), None)
     if not cc:
-        logger.info("exact matvec off: no C compiler (cc) found")
-        return False
+        logger.info("%s off: no compiler (%s) found", name, " or ".join(compilers))
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "matvec.c"
-        src.write_text(_SOURCE)
+        src = Path(tmp) / f"{name}{suffix}"
+        src.write_text(source)
         lib = Path(tmp) / out.name
         try:
-            cp = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True,
-                                text=True, timeout=120)
+            cp = subprocess.run([cc, *flags, "-o", str(lib), str(src)], capture_output=True,
+                                text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.info("exact matvec off: %s failed: %s", cc, exc)
-            return False
+            logger.info("%s off: %s failed: %s", name, cc, exc)
+            return None
         if cp.returncode != 0:
-            logger.info("exact matvec off: %s failed: %s", cc, cp.stderr[-400:])
-            return False
+            logger.info("%s off: %s failed: %s", name, cc, cp.stderr[-400:])
+            return None
         os.replace(lib, out)  # atomic: another process may be compiling the same file
-    return True
+    return out
 
 
 class ExactMatVec:
@@ -221,14 +231,13 @@ class ExactMatVec:
     def _load(cls) -> ExactMatVec | None:
         if os.environ.get("SEMCOMM_EXACT_MATVEC", "1") == "0":
             return None
-        if not _cpu_has_avx512():
+        if not cpu_has_avx512():
             logger.info("exact matvec off: the CPU (or torch's build) has no AVX-512")
             return None
-        digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-        path = _kernels_dir() / f"matvec-{digest}.so"
+        path = build_library("matvec", _SOURCE, _FLAGS, ("cc", "gcc"))
+        if path is None:
+            return None
         try:
-            if not path.exists() and not _compile(path):
-                return None
             return cls(path)
         except OSError as exc:
             logger.info("exact matvec off: %s", exc)

@@ -17,8 +17,11 @@ engine compares a lean step with the model's own forward bit for bit before usin
 
 With one thread and float32 weights, the step's matrix-vector products run through
 :class:`~semcomm.engine._exact_matvec.ExactMatVec` (MKL's summation order at twice its speed)
-once every weight of the model has given ``F.linear``'s bits through it; anywhere else, and if
-any weight does not, they are ``F.linear`` as in the model.
+once every weight of the model has given ``F.linear``'s bits through it, and its attention
+through :class:`~semcomm.engine._exact_attention.ExactAttention` (SDPA's bits, each cached key
+and value read once for all the query heads that share it) once it has given SDPA's bits for
+the model's head shapes; anywhere else, and where a check fails, they are ``F.linear`` and SDPA
+as in the model.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._exact_attention import ExactAttention
 from ._exact_matvec import ExactMatVec
 
 __all__ = ["LeanDecoder"]
@@ -94,13 +98,15 @@ class LeanDecoder:
     head reads.
     """
 
-    def __init__(self, base: Any, layers: Sequence[_Layer], matvec: ExactMatVec | None = None):
+    def __init__(self, base: Any, layers: Sequence[_Layer], matvec: ExactMatVec | None = None,
+                 attention: ExactAttention | None = None):
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.norm_w = base.norm.weight
         self.norm_eps = float(base.norm.variance_epsilon)
         self.layers = tuple(layers)
         self.matvec = matvec  # the exact matvec kernel, where it loaded
+        self.attention = attention  # the exact one-query attention, where it loaded
         # whether every weight gives F.linear's bits through it (checked at one thread, once
         # for the weights' storage and dtype: a model moved to another dtype is checked again)
         self._matvec_ok: bool | None = None
@@ -128,11 +134,20 @@ class LeanDecoder:
                             "a weight's products differ from F.linear's")
         return mv if self._matvec_ok else None
 
+    def fast_attention(self) -> ExactAttention | None:
+        """The exact attention at one thread for a float32 model, else None (SDPA); each call
+        still checks its tensors (:meth:`ExactAttention.supports`) and head shapes
+        (:meth:`ExactAttention.matches`, once a shape)."""
+        att = self.attention
+        if att is None or torch.get_num_threads() != 1:
+            return None
+        return att if self.layers[0].wq.dtype == torch.float32 else None
+
     @classmethod
     def build(cls, model: Any, base: Any, matvec: bool = True) -> LeanDecoder | None:
         """A lean decoder for ``model`` (its base model ``base``), or None where its layers
         are not the classes mirrored here or use what the step leaves out. ``matvec=False``
-        keeps ``F.linear`` for every product."""
+        keeps ``F.linear`` for every product and SDPA for attention."""
         cfg = getattr(model, "config", None)
         if base is None or cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
             return None
@@ -173,7 +188,8 @@ class LeanDecoder:
         if not out or len(out) != int(getattr(cfg, "num_hidden_layers", len(out))):
             return None
         cpu32 = all(p.wq.dtype == torch.float32 and p.wq.device.type == "cpu" for p in out)
-        lean = cls(base, out, ExactMatVec.shared() if matvec and cpu32 else None)
+        lean = cls(base, out, ExactMatVec.shared() if matvec and cpu32 else None,
+                   ExactAttention.shared() if matvec and cpu32 else None)
         lean.fast_matvec()  # checks the weights now when running at one thread
         return lean
 
@@ -187,6 +203,7 @@ class LeanDecoder:
         sdpa = F.scaled_dot_product_attention
         mv = self.fast_matvec()
         lin: Any = mv.linear if mv is not None else F.linear  # the same bits either way
+        att = self.fast_attention()
         for p in self.layers:
             d = p.head_dim
             h = _rms(x, p.ln1, p.eps1)
@@ -196,7 +213,10 @@ class LeanDecoder:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = layers[p.index].update(k, v)
-            if p.gqa:
+            if att is not None and att.supports(q, k, v) and att.matches(
+                    q.shape[1], k.shape[1], d, p.scaling):
+                o = att.attend(q, k, v, p.scaling)  # SDPA's bits
+            elif p.gqa:
                 o = sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=p.scaling,
                          is_causal=False, enable_gqa=True)
             else:
