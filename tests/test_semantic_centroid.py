@@ -213,3 +213,18 @@ def test_a_rival_cluster_whose_answer_means_the_same_is_joined(emb, same_meaning
     else:  # the rival answer differs: refused, and not compared again
         assert first is None and second is None
         assert c.stats().linked == linked and len(calls) == 1
+
+
+def test_a_contradicted_member_leaves_its_cluster_centroid(emb) -> None:
+    c = cache(emb)
+    for i, k in enumerate((1, 2)):
+        c.store(f"a{i}", "answer A", embedding=at(Q, E[k], 0.80))
+    hit = c.lookup("query", embedding=Q)
+    assert hit is not None and hit.reason == "centroid"
+    (cc,) = c._centroids.values()
+    assert len(cc) == 1
+    c.feedback(hit, correct=False)  # trust 0.5: neither a candidate nor part of the centroid
+    other = c.lookup("query", embedding=Q)  # the one trusted member alone: a lone entry
+    assert other is None and len(cc) == 0
+    c.feedback(hit.entry_id, correct=True)  # trust 0.75 again: back in the sum
+    assert c.lookup("query", embedding=Q) is not None and len(cc) == 1

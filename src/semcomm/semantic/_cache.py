@@ -538,7 +538,10 @@ class SemanticCache:
             cc = self._centroids.get(s.partition)
             if cc is None:
                 cc = self._centroids[s.partition] = ClusterCentroids(self.dim)
-            cc.add(s.cluster, vector, len(members))
+            if s.trust < _MIN_TRUST or cc.counted(s.cluster) != len(members) - 1:
+                cc.discard(s.cluster)  # recounted from its trusted members before a lookup
+            else:
+                cc.add(s.cluster, vector, len(members))
 
     def _drop_member(self, eid: str, s: _Slot) -> None:
         ak = (s.partition, s.answer_key)
@@ -639,8 +642,11 @@ class SemanticCache:
         for cluster in cc.dirty:
             if vectors_of is None:
                 break  # an index that cannot give vectors back: those clusters stay out
+            # distrusted members (trust below _MIN_TRUST) are no candidates and no part of the
+            # centroid either
             labels = [self._slots[m].label for m in self._members.get(cluster, ())
-                      if m in self._slots and self._slots[m].partition == part]
+                      if m in self._slots and self._slots[m].partition == part
+                      and self._slots[m].trust >= _MIN_TRUST]
             cc.recount(cluster, vectors_of(labels) if labels else np.zeros((0, self.dim)))
         views = cc.view(vec, [c.cluster_key for c in cands])
         for c in cands:
@@ -936,6 +942,8 @@ class SemanticCache:
                 self._stats.contradicted += 1
             if trust == s.trust:
                 return trust
+            if (s.trust < _MIN_TRUST) != (trust < _MIN_TRUST) and s.partition in self._centroids:
+                self._centroids[s.partition].discard(s.cluster)  # it leaves or rejoins the sum
             s.trust = trust
             drop = trust <= _DROP_TRUST
             if drop:

@@ -65,6 +65,10 @@ class ClusterCentroids:
         """Clusters with a centroid row (two or more members, counted)."""
         return len(self._keys)
 
+    def counted(self, cluster: str) -> int:
+        """Members counted in ``cluster``'s sum (0: none kept)."""
+        return self._n.get(cluster, 0)
+
     @property
     def dirty(self) -> frozenset[str]:
         return frozenset(self._dirty)
