@@ -32,6 +32,8 @@ from semcomm.integrations._vllm_core import (
     gather_chunk,
     iter_chunks,
     load_chunks,
+    load_into,
+    load_slot_bytes,
     model_dir_fingerprint,
     ordered_layers,
     scatter_chunk,
@@ -395,6 +397,97 @@ def _address(buf: bytearray) -> int:
     import ctypes
 
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+def _six_random_chunks(store: Any) -> tuple[bytes, list[Any]]:
+    """Six bf16 chunks of one prompt with random keys and values, saved through the saver."""
+    from semcomm.integrations._vllm_core import SaveSpec
+
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
+    keys = chunk_keys(ns, list(range(6 * CS + 1)), CS, include_partial=False)
+    g = torch.Generator().manual_seed(7)
+    items = []
+    for c in range(6):
+        k, v = (torch.randn(L, H, CS, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        items.append((SaveSpec(ns, keys[c], keys[c - 1] if c else None, c * CS, ()), k, v))
+    saver = ChunkSaver(store, codec=get_codec("lossless"), dtype="bfloat16")
+    saver.submit(ns, items)  # type: ignore[arg-type]
+    saver.close()
+    return ns, keys
+
+
+def _reference_load(store: Any, spec: LoadSpec, caches: list[torch.Tensor], layout: str) -> int:
+    """The chunk-by-chunk path: iter_chunks, then scatter_chunk of each."""
+    done = 0
+    for k, v in iter_chunks(store, spec, chunk_size=CS, dtype="bfloat16",
+                            codec=get_codec("lossless")):
+        scatter_chunk(caches, spec.block_ids[done], *spec_slice(spec, done, k, v, BS),
+                      skip_blocks=spec.skip_blocks if done == 0 else 0, key_layout=layout)
+        done += 1
+    return done
+
+
+_BLOCKS = {  # the blocks of six two-block chunks in a 40-block cache
+    "consecutive": tuple((3 + 2 * c, 4 + 2 * c) for c in range(6)),
+    "scattered": ((30, 31), (5, 6), (7, 8), (20, 2), (9, 10), (11, 12)),
+}
+
+
+@pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
+@pytest.mark.parametrize(("blocks", "skip", "partial", "slots", "sealed"), [
+    ("consecutive", 0, False, 4, False),  # two batches (4 + 2 chunks), whole groups
+    ("consecutive", 1, True, 3, False),  # vLLM holds block 1; the last chunk's first block only
+    ("scattered", 0, False, 6, False),  # groups broken where the blocks jump
+    ("consecutive", 0, False, 1, False),  # a buffer of one slot
+    ("consecutive", 1, True, 4, True),  # sealed: plaintext in new memory, chunk by chunk
+])
+def test_load_into_writes_what_chunk_by_chunk_loading_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, blocks: str, skip: int,
+        partial: bool, slots: int, sealed: bool) -> None:
+    from semcomm.integrations import _vllm_core
+    from semcomm.security import ChunkSealer, TenantKeyring
+
+    sealer = ChunkSealer(TenantKeyring(SECRET)) if sealed else None
+    store = DiskStore(tmp_path, sealer=sealer)
+    ns, keys = _six_random_chunks(store)
+    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
+    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, layout) == 6
+    got = [torch.zeros_like(c) for c in want]
+    copies = []
+    real = _vllm_core._copy_group
+    monkeypatch.setattr(_vllm_core, "_copy_group",
+                        lambda *a, **kw: (copies.append(a[4]), real(*a, **kw)))
+    slot = load_slot_bytes(got, CS, BS)
+    n = load_into(store, spec, got, chunk_size=CS, block_size=BS, dtype="bfloat16",
+                  codec=get_codec("lossless"), key_layout=layout,
+                  buffer=bytearray(slots * slot), slot_bytes=slot)
+    assert n == 6
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if sealed:
+        assert copies == []  # nothing lies in the buffer: every chunk on its own
+    else:  # every chunk from the buffer (one whose own blocks jump: on its own) ...
+        assert sum(copies) == (5 if blocks == "scattered" else 6)
+        if blocks == "consecutive" and slots > 1:
+            assert len(copies) < 6  # ... several in one copy per layer
+
+
+def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    f = tmp_path / keys[3].hex()[:2] / f"{keys[3].hex()}.sckv"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    f.write_bytes(bytes(raw))
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    slot = load_slot_bytes(got, CS, BS)
+    n = load_into(store, spec, got, chunk_size=CS, block_size=BS, dtype="bfloat16",
+                  codec=get_codec("lossless"), buffer=bytearray(6 * slot), slot_bytes=slot)
+    assert n == 3
+    for c in got:
+        assert c[3:9].any() and not c[9:].any()  # chunks 0-2 written, nothing from 3 on
 
 
 @pytest.mark.parametrize("case", ["absent", "other_namespace", "wrong_dtype", "sealed_other"])

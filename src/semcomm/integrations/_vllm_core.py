@@ -62,6 +62,8 @@ __all__ = [
     "gather_chunk",
     "iter_chunks",
     "load_chunks",
+    "load_into",
+    "load_slot_bytes",
     "model_dir_fingerprint",
     "ordered_layers",
     "scatter_chunk",
@@ -646,6 +648,171 @@ def spec_slice(spec: LoadSpec, j: int, k: torch.Tensor, v: torch.Tensor, block_s
         n = len(spec.block_ids[j]) * block_size
         return k[:, :, :n], v[:, :, :n]
     return k, v
+
+
+def load_slot_bytes(caches: Sequence[torch.Tensor], chunk_size: int, block_size: int) -> int:
+    """Bytes of one chunk's slot in a load buffer (:func:`load_into`): the chunk's KV (every
+    layer's blocks of one chunk, ``[kv_heads, block_size, 2 * head_size]`` a block) plus 64 KiB
+    for its header and checksum, rounded up to whole 4 KiB pages."""
+    kv = sum(c[0].numel() * c.element_size() for c in caches) * (chunk_size // block_size)
+    return -(-(kv + (1 << 16)) // 4096) * 4096
+
+
+def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor], *,
+              chunk_size: int, block_size: int, dtype: str, codec: Any,
+              key_layout: str = "d_bs", buffer: bytearray | memoryview | None = None,
+              slot_bytes: int = 0) -> int:
+    """Copy the spec's chunks into vLLM's paged caches; returns how many chunks were loaded.
+
+    A chunk that fails (absent, corrupt, another tenant's, the wrong size or codec, the
+    backend down) ends the load there: it and every later chunk are a miss for the caller to
+    report. With a store that reads into a buffer (``DiskStore.get_into``) and ``buffer``
+    holding at least one ``slot_bytes`` slot (:func:`load_slot_bytes`), chunks are read a
+    batch at a time, one per slot, and then written: consecutive full chunks whose arrays lie
+    at the same place in their slots and whose blocks follow each other are one strided copy
+    per layer for keys and one for values, straight from the buffer into the blocks (numpy's
+    copy, which is faster than torch's for these permutations here; the bytes are the same).
+    Any other chunk (the first when vLLM holds some of its blocks, the partial last one, a
+    chunk another codec decoded into new memory) is written on its own (:func:`scatter_chunk`).
+    Without such a store or buffer: :func:`iter_chunks` and :func:`scatter_chunk`, chunk by
+    chunk.
+    """
+    _check_layout(key_layout)
+    into = getattr(store, "get_into", None)
+    view = None if buffer is None else memoryview(buffer)
+    if view is not None and (view.readonly or not view.contiguous):
+        raise TypeError("load_into needs a writable, contiguous buffer")
+    if into is None or view is None or slot_bytes <= 0 or view.nbytes < slot_bytes:
+        done = 0
+        plain = buffer if isinstance(buffer, bytearray) else None
+        for k, v in iter_chunks(store, spec, chunk_size=chunk_size, dtype=dtype, codec=codec,
+                                buffer=plain):
+            k, v = spec_slice(spec, done, k, v, block_size)
+            scatter_chunk(caches, spec.block_ids[done], k, v,
+                          skip_blocks=spec.skip_blocks if done == 0 else 0,
+                          key_layout=key_layout)
+            done += 1
+        return done
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    per_batch = view.nbytes // slot_bytes
+    n = len(spec.keys)
+    done = 0
+    for i0 in range(0, n, per_batch):
+        want = min(n, i0 + per_batch) - i0
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for j in range(want):
+            key = spec.keys[i0 + j]
+            try:
+                got = into(key, view[j * slot_bytes : (j + 1) * slot_bytes])
+            except Exception as exc:
+                logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+                got = None
+            kv = None if got is None else _usable(got, key, spec, chunk_size=chunk_size,
+                                                   dtype=dtype, codec=codec)
+            if kv is None:
+                break
+            batch.append(kv)
+        _write_batch(caches, spec, i0, batch, view, slot_bytes, block_size, key_layout)
+        done += len(batch)
+        if len(batch) < want:
+            break
+    return done
+
+
+def _write_batch(caches: Sequence[torch.Tensor], spec: LoadSpec, i0: int,
+                 batch: Sequence[tuple[torch.Tensor, torch.Tensor]], view: memoryview,
+                 slot_bytes: int, block_size: int, key_layout: str) -> None:
+    """Write chunks ``i0 ..`` of ``spec``, read into consecutive slots of ``view``."""
+    import numpy as np
+
+    if not batch:
+        return
+    base = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    per = batch[0][0].shape[2] // block_size  # blocks of a full chunk
+    n = len(spec.keys)
+
+    def place(j: int) -> tuple[int, int] | None:
+        """(key offset, value offset) of slot j's arrays: None when they are not in it."""
+        k, v = batch[j]
+        if k.shape != v.shape or not k.is_contiguous() or not v.is_contiguous():
+            return None
+        lo = base + j * slot_bytes
+        ko, vo = k.data_ptr() - lo, v.data_ptr() - lo
+        size = k.numel() * k.element_size()
+        if not (0 <= ko and ko + size <= slot_bytes and 0 <= vo and vo + size <= slot_bytes):
+            return None  # decoded or opened into new memory
+        return ko, vo
+
+    def blocks(j: int) -> tuple[int, tuple[int, ...]]:
+        """(first block of the chunk written, vLLM blocks it goes to) of chunk i0 + j."""
+        i = i0 + j
+        ids = spec.block_ids[i]
+        skip = spec.skip_blocks if i == 0 else 0
+        if spec.partial_last and i == n - 1:  # the chunk holding the last token: its first
+            return skip, tuple(ids[skip:])  # len(ids) blocks only
+        return skip, tuple(ids[skip:per])
+
+    j = 0
+    while j < len(batch):
+        where = place(j)
+        skip, ids = blocks(j)
+        if where is None or not ids or ids != tuple(range(ids[0], ids[0] + len(ids))):
+            k, v = spec_slice(spec, i0 + j, *batch[j], block_size)
+            scatter_chunk(caches, spec.block_ids[i0 + j], k, v, skip_blocks=skip,
+                          key_layout=key_layout)
+            j += 1
+            continue
+        g = 1  # whole chunks that follow on: the same places, the next blocks
+        if skip == 0 and len(ids) == per:
+            while j + g < len(batch) and place(j + g) == where and blocks(j + g) == (
+                    0, tuple(range(ids[0] + g * per, ids[0] + (g + 1) * per))):
+                g += 1
+        _copy_group(caches, view, j * slot_bytes, slot_bytes, g, where, skip, len(ids), ids[0],
+                    batch[j][0].shape, block_size, key_layout)
+        j += g
+
+
+def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
+                slot_bytes: int, g: int, where: tuple[int, int], src_block: int, nblk: int,
+                first_block: int, shape: torch.Size, block_size: int, key_layout: str) -> None:
+    """Blocks ``src_block .. src_block + nblk`` of ``g`` chunks in consecutive slots from
+    ``offset`` (keys/values ``[L, H, T, D]`` at ``where`` in each slot) into vLLM blocks
+    ``first_block ..`` of every layer: one strided copy per layer for keys, one for values."""
+    import numpy as np
+
+    layers, h, t, d = shape
+    e = caches[0].element_size()
+    itype = {2: np.int16, 4: np.int32}[e]
+    ttype = {2: torch.int16, 4: torch.int32}[e]
+    bs = block_size
+    if len(caches) != layers or t % bs or src_block + nblk > t // bs:
+        raise ValueError(f"chunk of shape {tuple(shape)} does not fit {len(caches)} layers "
+                         f"of {bs}-token blocks")
+    # source of each layer and kind: [G, blocks, H, bs, D] (d_bs keys read as [.., D, bs])
+    src_strides = (slot_bytes, bs * d * e, t * d * e, d * e, e)
+    dst_shape = (g, nblk, h, bs, d)
+    sb, sh = h * bs * 2 * d * e, bs * 2 * d * e  # vLLM block and head strides, bytes
+    for layer, cache in enumerate(caches):
+        nb, ch, cbs, d2 = cache.shape
+        if (ch, cbs, d2) != (h, bs, 2 * d) or first_block + g * nblk > nb:
+            raise ValueError(f"chunk of shape {tuple(shape[1:])} does not fit blocks of "
+                             f"{tuple(cache.shape[1:])} from block {first_block}")
+        dst = cache.view(ttype).numpy()  # [nb, H, bs, 2D] over the cache's memory
+        lay = layer * h * t * d * e + src_block * bs * d * e
+        for kind, src_off in enumerate(where):
+            src = np.ndarray(dst_shape, dtype=itype, buffer=view,
+                             offset=offset + src_off + lay, strides=src_strides)
+            if kind == 0 and key_layout == "d_bs":  # each K region holds [D, bs]
+                out = np.ndarray((g, nblk, h, d, bs), dtype=itype, buffer=dst,
+                                 offset=first_block * sb,
+                                 strides=(nblk * sb, sb, sh, bs * e, e))
+                np.copyto(out, src.transpose(0, 1, 2, 4, 3))
+            else:  # token rows; a block's V region follows its K region, per head
+                out = np.ndarray(dst_shape, dtype=itype, buffer=dst,
+                                 offset=first_block * sb + kind * bs * d * e,
+                                 strides=(nblk * sb, sb, sh, d * e, e))
+                np.copyto(out, src)
 
 
 def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,
