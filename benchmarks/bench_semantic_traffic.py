@@ -218,12 +218,13 @@ def gptcache_served(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray,
     return served, lat
 
 
-def replay_learning(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int) -> list[dict]:
+def replay_learning(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int,
+                    policy: object = None) -> list[dict]:
     """Answer learning on a replayed stream: the cache starts with the stored phrasings; each
     query is looked up; a hit is checked (a wrong one is fed back as contradicted, as a user
     regenerating would); a miss is answered by the "model" (the right answer; out-of-scope
     queries get an answer of their own) and stored. Recall and precision per quarter."""
-    cache = SemanticCache(embedder=default_embedder(), max_entries=None)
+    cache = SemanticCache(embedder=default_embedder(), max_entries=None, policy=policy)
     cache.store_many(w.stored, w.answers, embeddings=list(sv))
     order = list(range(len(w.queries)))
     random.Random(seed).shuffle(order)
@@ -256,7 +257,8 @@ TEMPLATES = ("To {x}, open the app, choose Help and follow the {x} steps.",
              "Go to Help in the app; the {x} page explains how to {x}.")
 
 
-def replay_shadow(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int) -> dict:
+def replay_shadow(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int,
+                  policy: object = None) -> dict:
     """Shadow mode on a labelled stream whose answers are texts: each intent's answer is one of
     three phrasings (templates), so agreement is decided by answer embeddings (the default
     ``answer_match``), not by equal labels. Estimated precision (agreement of would-be hits
@@ -267,7 +269,8 @@ def replay_shadow(w: FAQWorkload, sv: np.ndarray, qv: np.ndarray, seed: int) -> 
         x = label.removeprefix("answer:").replace("_", " ")
         return rng.choice(TEMPLATES).format(x=x)
 
-    cache = SemanticCache(embedder=default_embedder(), max_entries=None, mode="shadow")
+    cache = SemanticCache(embedder=default_embedder(), max_entries=None, mode="shadow",
+                          policy=policy)
     ids = cache.store_many(w.stored, [text(a) for a in w.answers], embeddings=list(sv))
     label_of = dict(zip(ids, w.answers, strict=True))  # entry id -> the right answer's label
     order = list(range(len(w.queries)))
@@ -543,12 +546,22 @@ def main() -> None:
                    f"{r['precision']:.3f}", f"{r['recall']:.3f}")
     console.print(t2)
     console.print(res["replay_learning"][4])
+    res["replay_learning_previous"] = prev = replay_learning(wl[bank], *vecs[bank], args.seed,
+                                                             policy=previous_default())
+    console.print(f"{PREVIOUS}: recall by quarter "
+                  f"{[round(r['recall'], 3) for r in prev[:4]]}, precision "
+                  f"{[round(r['precision'], 3) for r in prev[:4]]}")
+    res["shadow_previous"] = {}
     res["shadow"] = {}
     for name in ("clinc-dev (development)", bank, "clinc-dev-val (held out)"):
         res["shadow"][name] = s = replay_shadow(wl[name], *vecs[name], args.seed)
         console.print(f"shadow replay {name}: would-be hit rate {s['would_hit_rate']:.3f}, "
                       f"estimated precision {s['estimated_precision']:.3f}, measured "
                       f"{s['measured_precision']:.3f}")
+        res["shadow_previous"][name] = s = replay_shadow(wl[name], *vecs[name], args.seed,
+                                                         policy=previous_default())
+        console.print(f"  {PREVIOUS}: would-be hit rate {s['would_hit_rate']:.3f}, estimated "
+                      f"{s['estimated_precision']:.3f}, measured {s['measured_precision']:.3f}")
     if args.judge_samples:
         res["judge"] = j = judge_rows(wl["quora-pairs (held out)"],
                                       *vecs["quora-pairs (held out)"], args.judge_samples,
