@@ -64,7 +64,7 @@ class Hit:
     metadata: dict[str, Any]
     verified: bool = False  # a verifier confirmed this hit
     cluster: str = ""  # the answer cluster that served it
-    reason: str = ""  # the policy's reason: "vote" (a cluster hit), "threshold", "verified", ...
+    reason: str = ""  # the policy's reason: "centroid" (a cluster hit), "threshold", ...
 
 
 @dataclass(slots=True)
@@ -129,7 +129,7 @@ class _Slot:
     trust: float = 1.0
 
 
-# an entry whose trust fell below this is neither served nor counted as a vote
+# an entry whose trust fell below this is neither served nor part of its cluster's centroid
 _MIN_TRUST = 0.75
 # clusters a lookup may join into its nearest one when their answers agree (each join costs an
 # answer comparison: one embedding of two answers, once per cluster pair)
@@ -213,10 +213,11 @@ class SemanticCache:
     Parameters: ``embedder`` (None -> all-MiniLM-L6-v2; a model path, SentenceTransformer,
     callable or :class:`~semcomm.semantic.Embedder`), ``path`` (SQLite file; None -> memory),
     ``store`` (an entry store or a URL), ``policy`` (None ->
-    :class:`~semcomm.semantic.ClusterVotePolicy`: answer clusters vote, a lone entry needs
+    :class:`~semcomm.semantic.ClusterVotePolicy`: answer clusters served by their centroids, a
+    lone entry needs
     :data:`DEFAULT_THRESHOLD`, or with the default embedder :data:`VERIFIED_THRESHOLD` and the
     cross-encoder's yes (``cross_encoder``); a name from :data:`POLICIES` or a policy object), ``threshold``
-    (shortcut for the fixed-threshold policy, no votes), ``guard`` (the lexical near-miss guard; False
+    (shortcut for the fixed-threshold policy, no clusters), ``guard`` (the lexical near-miss guard; False
     disables it), ``context_turns``, ``max_entries`` / ``max_bytes`` with ``eviction``
     ("lru"/"lfu"), ``ttl`` (default TTL seconds) with ``refresh_on_hit`` (a hit restarts the
     entry's TTL; default False: an answer expires ``ttl`` seconds after it was stored however
@@ -232,7 +233,7 @@ class SemanticCache:
     ``cross_encoder`` (default "auto": with the default embedder and no ``policy=`` or
     ``threshold=``, the policy is ``ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=<the shipped
     CrossEncoderVerifier>, min_score=VERIFIED_MIN_SCORE)``: a lone candidate at cos >= 0.91 is
-    served only when the cross-encoder gives it ``P >= 0.65``; cluster votes and identical texts
+    served only when the cross-encoder gives it ``P >= 0.65``; cluster hits and identical texts
     are not scored; one MiniLM pair forward per scored lookup, see docs/BENCHMARKS.md; with
     another embedder "auto" means off, its cosines are on another scale. False: the plain
     0.92 rule. True: the best candidate at or above the threshold of a policy the cache builds
@@ -246,8 +247,11 @@ class SemanticCache:
     spacing aside) or, with ``answer_match`` (default 0.8: cosine of the two answers'
     embeddings, chosen on a development stream (docs/BENCHMARKS.md), checked against the stored query's near neighbours only; a callable
     ``f(answer_a, answer_b) -> bool``; None: same text only), mean the same, form one cluster.
-    The default policy (:class:`~semcomm.semantic.ClusterVotePolicy`) lets a cluster's
-    phrasings vote together, and the lexical guard waives its number, entity, date and
+    The default policy (:class:`~semcomm.semantic.ClusterVotePolicy`, ``rule="centroid"``)
+    serves a cluster by its centroid (the cache keeps one per cluster of 2+ phrasings,
+    :mod:`semcomm.semantic._centroids`; a lookup refused for a rival cluster alone joins the
+    two when their answers agree by ``answer_match``), and the lexical guard waives its number,
+    entity, date and
     question-word checks for a cluster whose own phrasings already differ in that respect (the
     answer evidently does not depend on it). :meth:`feedback` lowers the trust of an entry whose
     served answer was contradicted.
@@ -296,7 +300,7 @@ class SemanticCache:
         if isinstance(cross_encoder, str) and cross_encoder == "auto":
             # the default: with the default embedder (the cosine scale the band was measured
             # on), every lone candidate at cos >= VERIFIED_THRESHOLD is checked by the shipped
-            # cross-encoder; cluster votes and identical texts are not (docs/semantic.md)
+            # cross-encoder; cluster hits and identical texts are not (docs/semantic.md)
             cross_encoder = False
             if policy is None and threshold is None and \
                     getattr(self.embedder, "name", "") == DEFAULT_EMBEDDER_NAME:
@@ -921,7 +925,7 @@ class SemanticCache:
         """Tell the cache whether a served answer was right (``hit`` or its entry id).
 
         A contradiction (the user regenerated, a check disagreed) halves the entry's trust: an
-        entry below 0.75 is no longer served and does not vote for its cluster; a second
+        entry below 0.75 is no longer served and leaves its cluster's centroid; a second
         contradiction deletes it. A confirmation gives back a quarter. Returns the new trust
         (0.0 when the entry was deleted or is unknown)."""
         eid = hit.entry_id if isinstance(hit, Hit) else hit

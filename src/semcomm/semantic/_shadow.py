@@ -63,7 +63,7 @@ class ShadowRecord:
     scope: str
     similarity: float | None  # of the candidate it would serve, else of the best one; None: none
     would_serve: bool  # the policy would have served a stored answer
-    reason: str  # the policy's reason ("vote", "threshold", "below", ...)
+    reason: str  # the policy's reason ("centroid", "threshold", "below", ...)
     entry_id: str = ""  # the candidate's entry ("" when there was none)
     cluster: str = ""
     agree: bool | None = None  # the candidate's answer agrees with the real one
