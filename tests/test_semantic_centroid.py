@@ -228,3 +228,13 @@ def test_a_contradicted_member_leaves_its_cluster_centroid(emb) -> None:
     assert other is None and len(cc) == 0
     c.feedback(hit.entry_id, correct=True)  # trust 0.75 again: back in the sum
     assert c.lookup("query", embedding=Q) is not None and len(cc) == 1
+
+
+def test_clear_drops_the_centroids(emb) -> None:
+    c = cache(emb)
+    between_two(c, None)
+    assert c.lookup("query", embedding=Q) is not None and c._centroids
+    c.clear()
+    assert not c._centroids and c.lookup("query", embedding=Q) is None
+    between_two(c, 0.75)  # built again from the new entries: B is a rival again
+    assert c.lookup("query", embedding=Q) is None

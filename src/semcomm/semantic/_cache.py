@@ -1126,6 +1126,8 @@ class SemanticCache:
             self._answer_refs.clear()
             self._members.clear()
             self._waived.clear()
+            self._centroids.clear()
+            self._distinct_answers.clear()
             self._bytes = 0
             if hasattr(self.backend, "poll"):
                 self.backend.poll()  # consume our own clear
