@@ -238,3 +238,20 @@ def test_clear_drops_the_centroids(emb) -> None:
     assert not c._centroids and c.lookup("query", embedding=Q) is None
     between_two(c, 0.75)  # built again from the new entries: B is a rival again
     assert c.lookup("query", embedding=Q) is None
+
+
+@pytest.mark.parametrize("b_cos", [0.75, 0.60])
+def test_many_clusters_take_rivals_from_a_wider_neighbourhood(emb, monkeypatch, b_cos) -> None:
+    import semcomm.semantic._cache as cache_mod
+
+    # three candidates per lookup: A's phrasings; B's are no candidates, only rivals
+    full = SemanticCache(embedder=emb, policy=ClusterVotePolicy(), guard=False, candidates=3)
+    between_two(full, b_cos)
+    monkeypatch.setattr(cache_mod, "_RIVAL_SCAN_ROWS", 1)  # two clusters count as many
+    wide = SemanticCache(embedder=emb, policy=ClusterVotePolicy(), guard=False, candidates=3)
+    between_two(wide, b_cos)
+    wide.lookup("query", embedding=Q)  # recounts the clusters the stores left dirty
+    assert len(next(iter(wide._centroids.values()))) == 2  # from now on: "many" clusters
+    a, b = full.lookup("query", embedding=Q), wide.lookup("query", embedding=Q)
+    assert (a.answer if a else None) == (b.answer if b else None)
+    assert (b is None) == (b_cos == 0.75)  # B's centroid is found among the neighbours

@@ -134,6 +134,12 @@ _MIN_TRUST = 0.75
 # clusters a lookup may join into its nearest one when their answers agree (each join costs an
 # answer comparison: one embedding of two answers, once per cluster pair)
 _MAX_MERGES = 2
+# above this many cluster centroids in a partition (a product of about 0.35 ms on the loaded box
+# of docs/BENCHMARKS.md), a lookup's rival is the best centroid among the clusters of its
+# _RIVAL_NEIGHBOURS nearest entries instead of all of them: on the development FAQ sets the two
+# agree on every margin decision from 16 neighbours on (benchmarks/bench_semantic_rule.py sets)
+_RIVAL_SCAN_ROWS = 8192
+_RIVAL_NEIGHBOURS = 32
 # differing cluster pairs remembered (cleared when full)
 _MAX_DISTINCT_PAIRS = 65_536
 # one contradiction costs this much trust; an agreement gives back half of it
@@ -566,7 +572,7 @@ class SemanticCache:
             cc.discard(s.cluster)
 
     def _merge_rival(self, part: str, vec: np.ndarray, cands: list[Candidate],
-                     win: Candidate) -> bool:
+                     win: Candidate, among: list[str] | None) -> bool:
         """Join the cluster that blocked ``win`` (the nearest other centroid, or a nearer lone
         candidate) into ``win``'s when their answers agree (``answer_match``); refresh the
         candidates' cluster figures. False: no rival, or answers that differ (remembered)."""
@@ -575,7 +581,7 @@ class SemanticCache:
         keep = win.cluster_key
         with self._lock:
             cc = self._centroids.get(part)
-            other = cc.nearest_other(vec, keep) if cc is not None else None
+            other = cc.nearest_other(vec, keep, among) if cc is not None else None
         lone = max((c for c in cands if c.centroid is None and c.cluster_key != keep),
                    key=lambda c: c.similarity, default=None)
         if lone is not None and (other is None or lone.similarity >= other[1]):
@@ -605,7 +611,7 @@ class SemanticCache:
                 if c.cluster_key == gone:
                     c.cluster = keep
                 c.centroid = c.cohesion = c.rival = None
-            self._cluster_views(part, vec, cands)
+            self._cluster_views(part, vec, cands, among)
         log.debug("joined answer cluster %s (%d entries) into %s", gone, moved, keep)
         return True
 
@@ -635,7 +641,8 @@ class SemanticCache:
         self._stats.linked += len(moved)
         return len(moved)
 
-    def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate]) -> None:
+    def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate],
+                       among: list[str] | None = None) -> None:
         """Fill in each candidate's cluster centroid, cohesion and rival (see
         :mod:`._centroids`): the centroid rule of the default policy reads them."""
         cc = self._centroids.get(part)
@@ -652,7 +659,7 @@ class SemanticCache:
                       if m in self._slots and self._slots[m].partition == part
                       and self._slots[m].trust >= _MIN_TRUST]
             cc.recount(cluster, vectors_of(labels) if labels else np.zeros((0, self.dim)))
-        views = cc.view(vec, [c.cluster_key for c in cands])
+        views = cc.view(vec, [c.cluster_key for c in cands], among)
         for c in cands:
             v = views.get(c.cluster_key)
             if v is not None:
@@ -780,8 +787,18 @@ class SemanticCache:
             idx = self._indexes.get(part)
             cands: list[Candidate] = []
             expired: list[str] = []
+            among: list[str] | None = None  # rival clusters (None: all of the partition)
             if idx is not None and len(idx):
-                labels, sims = idx.search(vec, self.k)
+                cc = self._centroids.get(part) if getattr(self.policy, "uses_centroids",
+                                                          False) else None
+                wide = cc is not None and len(cc) > _RIVAL_SCAN_ROWS
+                labels, sims = idx.search(vec, max(self.k, _RIVAL_NEIGHBOURS) if wide
+                                          else self.k)
+                if wide:  # many clusters: rivals among a wider neighbourhood's clusters
+                    among = [self._slots[e].cluster for e in
+                             (self._labels.get(int(x)) for x in labels.tolist())
+                             if e is not None and e in self._slots]
+                    labels, sims = labels[: self.k], sims[: self.k]
                 # candidates below the policy's floor can never be served; one is looked at only
                 # as the runner-up a scorer reads next to a servable best, otherwise they are
                 # not guarded or offered at all
@@ -814,7 +831,7 @@ class SemanticCache:
                 self._unindex(expired)
                 self._stats.expired += len(expired)
             if getattr(self.policy, "uses_centroids", False):
-                self._cluster_views(part, vec, cands)
+                self._cluster_views(part, vec, cands, among)
         if expired:
             self.backend.delete(expired)
         decision = self.policy.decide(query, cands, threshold=threshold)
@@ -824,7 +841,7 @@ class SemanticCache:
             # are one answer cluster the store did not link (e.g. a bulk load of answers worded
             # differently); join them and decide again
             win = blocked(cands) if blocked is not None and decision.candidate is None else None
-            if win is None or not self._merge_rival(part, vec, cands, win):
+            if win is None or not self._merge_rival(part, vec, cands, win, among):
                 break
             decision = self.policy.decide(query, cands, threshold=threshold)
         self._stats.verifications += decision.verifications

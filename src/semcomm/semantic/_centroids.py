@@ -143,37 +143,50 @@ class ClusterCentroids:
             self._rows[moved] = row
         self._keys.pop()
 
-    def nearest_other(self, query: np.ndarray, cluster: str) -> tuple[str, float] | None:
-        """The cluster other than ``cluster`` whose centroid is nearest ``query``, and its
-        cosine (None: no other)."""
-        n = len(self._keys)
-        if n == 0 or (n == 1 and cluster in self._rows):
-            return None
-        sims = self._mat[:n] @ np.asarray(query, dtype=np.float32).reshape(self.dim)
-        row = self._rows.get(cluster)
-        if row is not None:
-            sims[row] = -np.inf
-        best = int(np.argmax(sims))
-        return self._keys[best], float(sims[best])
+    def _rows_sims(self, query: np.ndarray, among: Sequence[str] | None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, cosines of ``query`` to their centroids): every row, or only the rows of the
+        clusters in ``among``."""
+        q = np.asarray(query, dtype=np.float32).reshape(self.dim)
+        if among is None:
+            rows = np.arange(len(self._keys))
+            return rows, self._mat[: len(self._keys)] @ q
+        rows = np.fromiter(dict.fromkeys(self._rows[c] for c in among if c in self._rows),
+                           dtype=np.int64)
+        return rows, (self._mat[rows] @ q if len(rows) else np.zeros(0, np.float32))
 
-    def view(self, query: np.ndarray, clusters: Sequence[str]) -> dict[str, CentroidView]:
-        """How ``query`` (a unit vector) sits against each of ``clusters`` that has a centroid:
-        one ``(clusters in the partition) x dim`` product for the whole lookup."""
+    def nearest_other(self, query: np.ndarray, cluster: str,
+                      among: Sequence[str] | None = None) -> tuple[str, float] | None:
+        """The cluster other than ``cluster`` whose centroid is nearest ``query``, and its
+        cosine (None: no other); ``among``: look only at these clusters."""
+        rows, sims = self._rows_sims(query, among)
+        own = self._rows.get(cluster)
+        keep = rows != own if own is not None else np.ones(len(rows), bool)
+        if not keep.any():
+            return None
+        rows, sims = rows[keep], sims[keep]
+        best = int(np.argmax(sims))
+        return self._keys[int(rows[best])], float(sims[best])
+
+    def view(self, query: np.ndarray, clusters: Sequence[str],
+             among: Sequence[str] | None = None) -> dict[str, CentroidView]:
+        """How ``query`` (a unit vector) sits against each of ``clusters`` that has a centroid.
+        The rival is the best other centroid of the partition: one ``(clusters) x dim``
+        product for the whole lookup; with ``among`` (the cache passes the clusters of a
+        wider neighbour search when the partition holds many clusters), the best other
+        centroid of ``among`` and ``clusters``, so the cost stays bounded."""
         want = [c for c in dict.fromkeys(clusters) if c in self._rows]
         if not want:
             return {}
-        q = np.asarray(query, dtype=np.float32).reshape(self.dim)
-        sims = self._mat[: len(self._keys)] @ q  # (clusters,)
-        first = int(np.argmax(sims))
-        if len(sims) > 1:
-            top = sims.copy()
-            top[first] = -np.inf
-            second = float(top.max())
-        else:
-            second = -1.0
+        rows, sims = self._rows_sims(query, None if among is None else [*clusters, *among])
+        by_row = dict(zip(rows.tolist(), sims.tolist(), strict=True))
+        top = np.argpartition(-sims, 1)[:2] if len(sims) > 2 else np.arange(len(sims))
+        order = top[np.argsort(-sims[top], kind="stable")]
+        first = int(rows[order[0]])
+        second = float(sims[order[1]]) if len(order) > 1 else -1.0
         out: dict[str, CentroidView] = {}
         for c in want:
             row = self._rows[c]
-            rival = second if row == first else float(sims[first])
-            out[c] = CentroidView(float(sims[row]), float(self._coh[row]), rival, self._n[c])
+            rival = second if row == first else float(by_row[first])
+            out[c] = CentroidView(float(by_row[row]), float(self._coh[row]), rival, self._n[c])
         return out
