@@ -46,7 +46,7 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (896, 896), (128, 89
           (4864, 896), (896, 4864), (4, 8), (12, 20), (200, 100)]
 
 
-@pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 10])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 6, 8, 10, 13])
 @pytest.mark.parametrize(("rows", "cols"), SHAPES)
 def test_products_are_f_linears_bits(mv: ExactMatVec, one_thread: None, rows: int, cols: int,
                                      offset: int) -> None:

@@ -19,7 +19,8 @@ That is for a row starting 16-byte aligned; a row that starts ``a`` floats past 
 in ``s`` (up to the first boundary), its chunks from there on, and its last ``a`` products added
 to ``y`` in order after the lanes' reduction. It holds when the rows come in whole groups of 4 (a
 tail row rounds otherwise). :class:`ExactMatVec` runs that order with 512-bit registers (four rows a register, their four-lane chunks brought together by a 4 x 4 transpose of
-128-bit lanes, 8 rows at a time), in a small C library compiled once with the system's C
+128-bit lanes, 8 rows at a time, the chunks before a row's first 64-byte boundary as a partial
+step so that every whole step loads whole cache lines), in a small C library compiled once with the system's C
 compiler and cached under ``$SEMCOMM_HOME/kernels``. Nothing is assumed: :meth:`matches` checks
 a weight's products against ``F.linear`` bit for bit on this machine before it is used, and
 where there is no C compiler, no AVX-512 or any check fails, the caller keeps ``F.linear``.
@@ -89,18 +90,23 @@ static inline __m512 sc_start(const float* w, int64_t K, const float* x, int64_t
     return _mm512_set_ps(0, 0, 0, s[3], 0, 0, 0, s[2], 0, 0, 0, s[1], 0, 0, 0, s[0]);
 }
 
+/* acc plus `n` (1-3) chunks of 4 columns from column k, in order (a partial step) */
+static inline __m512 sc_part(__m512 acc, const float* w, int64_t K, const float* x, int64_t k,
+                             int64_t n) {
+    __mmask16 m = (__mmask16)((1u << (4 * n)) - 1);
+    __m512 xv = _mm512_maskz_loadu_ps(m, x + k), T0, T1, T2, T3;
+    SC_PRODUCTS_M(w, K, k, xv, m, T0, T1, T2, T3);
+    acc = _mm512_add_ps(acc, T0);
+    if (n > 1) acc = _mm512_add_ps(acc, T1);
+    if (n > 2) acc = _mm512_add_ps(acc, T2);
+    return acc;
+}
+
 /* the chunks left after the whole 16-column steps (fewer than 4), then the reduction of the
    lanes and the columns after the last whole chunk */
 static inline void sc_finish(__m512 acc, const float* w, int64_t K, const float* x,
                              int64_t k, int64_t rem, float* y) {
-    if (rem) {
-        __mmask16 m = (__mmask16)((1u << (4 * rem)) - 1);
-        __m512 xv = _mm512_maskz_loadu_ps(m, x + k), T0, T1, T2, T3;
-        SC_PRODUCTS_M(w, K, k, xv, m, T0, T1, T2, T3);
-        acc = _mm512_add_ps(acc, T0);
-        if (rem > 1) acc = _mm512_add_ps(acc, T1);
-        if (rem > 2) acc = _mm512_add_ps(acc, T2);
-    }
+    if (rem) acc = sc_part(acc, w, K, x, k, rem);
     float l[16];
     _mm512_storeu_ps(l, acc);
     for (int r = 0; r < 4; r++) {
@@ -116,13 +122,26 @@ static inline void sc_finish(__m512 acc, const float* w, int64_t K, const float*
 void semcomm_matvec(const float* W, const float* x, float* y, int64_t N, int64_t K) {
     int64_t peel = 4 - (int64_t)(((uintptr_t)W % 16) / 4);  /* up to the first 16-byte boundary */
     int64_t chunks = (K - peel) / 4;
-    int64_t steps = chunks / 4, rem = chunks % 4, k_end = peel + 16 * steps;
+    /* the chunks before the rows' first 64-byte boundary go as a partial step, so that every
+       whole step loads whole cache lines (the rows share their alignment when K % 16 == 0) */
+    int64_t lead = 0;
+    if (K % 16 == 0) {
+        int64_t a = (int64_t)(((uintptr_t)(W + peel)) % 64);
+        lead = a ? (64 - a) / 16 : 0;
+        if (lead > chunks) lead = chunks;
+    }
+    int64_t k_lead = peel + 4 * lead;
+    int64_t steps = (chunks - lead) / 4, rem = (chunks - lead) % 4, k_end = k_lead + 16 * steps;
     int64_t n = 0;
     for (; n + 8 <= N; n += 8) {
         const float* wa = W + n * K;
         const float* wb = wa + 4 * K;
         __m512 aa = sc_start(wa, K, x, peel), ab = sc_start(wb, K, x, peel);
-        for (int64_t k = peel; k < k_end; k += 16) {
+        if (lead) {
+            aa = sc_part(aa, wa, K, x, peel, lead);
+            ab = sc_part(ab, wb, K, x, peel, lead);
+        }
+        for (int64_t k = k_lead; k < k_end; k += 16) {
             __m512 xv = _mm512_loadu_ps(x + k);
             SC_STEP(aa, wa, K, k, xv);
             SC_STEP(ab, wb, K, k, xv);
@@ -133,7 +152,8 @@ void semcomm_matvec(const float* W, const float* x, float* y, int64_t N, int64_t
     for (; n < N; n += 4) {
         const float* wa = W + n * K;
         __m512 aa = sc_start(wa, K, x, peel);
-        for (int64_t k = peel; k < k_end; k += 16) {
+        if (lead) aa = sc_part(aa, wa, K, x, peel, lead);
+        for (int64_t k = k_lead; k < k_end; k += 16) {
             __m512 xv = _mm512_loadu_ps(x + k);
             SC_STEP(aa, wa, K, k, xv);
         }
