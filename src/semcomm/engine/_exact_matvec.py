@@ -14,16 +14,18 @@ checked on random data, is for a row ``w`` of ``K`` (a multiple of 4) and ``x``,
   ``c = 1, 2, ...`` in order;
 * ``y = (a[0] + a[2]) + (a[1] + a[3])``, and a bias is added to ``y`` afterwards.
 
-That is for a row starting 16-byte aligned; a row that starts ``a`` floats past a 16-byte boundary
-(safetensors' memory-mapped weights here start 8 bytes past one) has ``4 - a`` leading products
-in ``s`` (up to the first boundary), its chunks from there on, and its last ``a`` products added
-to ``y`` in order after the lanes' reduction. It holds when the rows come in whole groups of 4 (a
-tail row rounds otherwise). :class:`ExactMatVec` runs that order with 512-bit registers (four rows a register, their four-lane chunks brought together by a 4 x 4 transpose of
-128-bit lanes, 8 rows at a time, the chunks before a row's first 64-byte boundary as a partial
-step so that every whole step loads whole cache lines), in a small C library compiled once with the system's C
-compiler and cached under ``$SEMCOMM_HOME/kernels``. Nothing is assumed: :meth:`matches` checks
-a weight's products against ``F.linear`` bit for bit on this machine before it is used, and
-where there is no C compiler, no AVX-512 or any check fails, the caller keeps ``F.linear``.
+That is for a row starting 16-byte aligned; a row that starts ``a`` floats past a 16-byte
+boundary (safetensors' memory-mapped weights here start 8 bytes past one) has ``4 - a`` leading
+products in ``s`` (up to the first boundary), its chunks from there on, and its last ``a``
+products added to ``y`` in order after the lanes' reduction. It holds when the rows come in
+whole groups of 4 (a tail row rounds otherwise). :class:`ExactMatVec` runs that order with
+512-bit registers (four rows a register, their four-lane chunks brought together by a 4 x 4
+transpose of 128-bit lanes, 8 rows at a time, the chunks before a row's first 64-byte boundary
+as a partial step so that every whole step loads whole cache lines), in a small C library
+compiled once with the system's C compiler and cached under ``$SEMCOMM_HOME/kernels``. Nothing
+is assumed: :meth:`matches` checks a weight's products against ``F.linear`` bit for bit on this
+machine before it is used, and where there is no C compiler, no AVX-512 or any check fails, the
+caller keeps ``F.linear``.
 """
 
 from __future__ import annotations
