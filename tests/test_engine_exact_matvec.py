@@ -132,3 +132,22 @@ def test_a_model_moved_to_bfloat16_is_checked_again(mv: ExactMatVec, one_thread:
     model.to(torch.bfloat16)  # the lean decoder's weights are the model's, now bfloat16
     assert lean.fast_matvec() is None
     assert steps_equal(lean, runner, model)
+
+
+def test_the_full_lm_head_runs_through_it_with_the_heads_bits(mv: ExactMatVec,
+                                                              one_thread: None) -> None:
+    from semcomm.engine import HFEngine
+
+    from ._engine_models import reference_greedy
+
+    model = tiny_model("llama")
+    lean, _ = lean_and_reference(model)
+    lm = model.get_output_embeddings()
+    h = torch.randn(1, 1, 64)
+    with torch.inference_mode():
+        assert torch.equal(lean.head_logits(h, lm), lm(h))
+    assert list(lean._head_ok.values()) == [True]  # checked once, then through the kernel
+    # an engine without the greedy head (every step's logits from the full head) is exact
+    ids = prompt_ids(30)
+    engine = HFEngine(model, device="cpu", greedy_head=False)
+    assert engine.generate(ids, max_new_tokens=12).token_ids == reference_greedy(model, ids, 12)

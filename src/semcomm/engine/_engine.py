@@ -774,7 +774,8 @@ class HFEngine:
                     step, cache)
                 if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
                     return head.logits(h)[None]
-                return lm(h).reshape(1, -1).float()
+                full = lean.head_logits(h, lm) if lean is not None else lm(h)  # same bits
+                return full.reshape(1, -1).float()
 
         t_dec = time.perf_counter()
         for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):

@@ -111,6 +111,7 @@ class LeanDecoder:
         # for the weights' storage and dtype: a model moved to another dtype is checked again)
         self._matvec_ok: bool | None = None
         self._matvec_key: tuple[Any, ...] = ()
+        self._head_ok: dict[tuple[Any, ...], bool] = {}  # LM-head weights checked, by storage
 
     def _weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return [(w, b) for p in self.layers for w, b in
@@ -133,6 +134,20 @@ class LeanDecoder:
                 logger.info("exact matvec off for this model: its weights are not float32 or "
                             "a weight's products differ from F.linear's")
         return mv if self._matvec_ok else None
+
+    def head_logits(self, h: torch.Tensor, lm: Any) -> torch.Tensor:
+        """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``): through the exact matvec when
+        the step's products run through it and the head is a linear layer whose weight matched
+        ``F.linear`` through it (checked once a weight); else the head itself."""
+        mv = self.fast_matvec()
+        if mv is None or not isinstance(lm, torch.nn.Linear) or h.dtype != torch.float32:
+            return lm(h)  # type: ignore[no-any-return]
+        w, b = lm.weight, lm.bias
+        key = (w.data_ptr(), w.dtype, tuple(w.shape), b is None)
+        ok = self._head_ok.get(key)
+        if ok is None:
+            ok = self._head_ok[key] = mv.matches(w.detach(), None if b is None else b.detach())
+        return mv.linear(h, w, b) if ok else lm(h)
 
     def fast_attention(self) -> ExactAttention | None:
         """The exact attention at one thread for a float32 model, else None (SDPA); each call
