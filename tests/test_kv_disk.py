@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -459,3 +460,21 @@ def test_put_many_validates_the_whole_batch_first(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError):
         store.put_many(bad)
     assert len(store) == 0 and chunk_files(tmp_path) == []
+
+
+def test_a_reopened_store_knows_its_shard_directories(kvdir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.kv import _disk
+
+    DiskStore(kvdir).close()
+    store = DiskStore(kvdir, refresh_s=None)
+    made: list[str] = []
+    real = os.makedirs
+    monkeypatch.setattr(_disk.os, "makedirs", lambda p, **kw: (made.append(p), real(p, **kw)))
+    items = singles(8, seed=60)
+    for k, v in items:
+        store.put(k, v)
+    assert made == [] and all(store.get(k) == v for k, v in items)
+    shutil.rmtree(kvdir / items[0][0].hex()[:2])  # a shard removed under the store: made again
+    store.put(*items[0])
+    assert len(made) == 1 and store.get(items[0][0]) == items[0][1]

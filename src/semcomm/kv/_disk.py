@@ -589,6 +589,7 @@ class DiskStore(StoreBase, LruPinning):
                 continue
             # the removals of stale files below move the mtime: those shards are listed again
             self._shard_mtimes[shard.name] = mtime if abs(start - mtime) > _RACY_NS else -1
+            self._shard_dirs.add(shard.path)  # exists: a write there needs no makedirs
             for ent in entries:
                 if ent.name.endswith(_TMP_SUFFIX):
                     self._maybe_remove_tmp(ent, now)
