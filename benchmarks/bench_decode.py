@@ -8,7 +8,8 @@ count, in one process:
 * ``engine cold``: ``HFEngine.generate`` with a memory store: cold TTFT (whole prefill) and
   decode tokens/s;
 * ``engine warm``: the same request again (the whole prompt restored with its logits), decode
-  tokens/s;
+  tokens/s (at one thread in float32 its lean steps run the exact matvec and attention kernels,
+  engine/_exact_matvec.py and engine/_exact_attention.py, same bits);
 * ``engine full head``: the same with ``greedy_head=False`` (every step runs the float32 LM
   head; engine/_greedy_head.py; float32 only), and ``engine forward`` with ``lean_decode=False``
   too (every step is the model's own forward, the engine's decode before both), so each one's
