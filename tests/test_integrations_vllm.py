@@ -24,6 +24,7 @@ from semcomm.errors import ConfigError
 from semcomm.integrations._vllm_core import (
     ChunkSaver,
     ConnectorSettings,
+    LayerwiseLoad,
     LoadSpec,
     NamespaceFactory,
     RequestPlan,
@@ -36,6 +37,7 @@ from semcomm.integrations._vllm_core import (
     load_slot_bytes,
     model_dir_fingerprint,
     ordered_layers,
+    read_slots,
     scatter_chunk,
     spec_slice,
     tenant_of,
@@ -156,10 +158,24 @@ def test_layers_are_ordered_by_index() -> None:
     ({"stroe": "memory"}, "unknown"), ({"store": "s3://bucket"}, "unknown store tier"),
     ({"store": []}, "tier spec"), ({"chunk_size": 0}, "chunk_size"),
     ({"codec": "zip"}, "codec"), ({"seal": "yes"}, "seal"), ({"disk_bytes": -1}, "disk_bytes"),
+    ({"layerwise_load": "yes"}, "layerwise_load"),
 ])
 def test_bad_settings_are_refused(extra: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_layerwise_load_setting_and_its_environment_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SEMCOMM_VLLM_LAYERWISE_LOAD", raising=False)
+    assert ConnectorSettings.from_extra_config({}).layerwise_load is False
+    assert ConnectorSettings.from_extra_config({"layerwise_load": True}).layerwise_load is True
+    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "1")
+    assert ConnectorSettings.from_extra_config({}).layerwise_load is True
+    assert ConnectorSettings.from_extra_config({"layerwise_load": False}).layerwise_load is False
+    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "maybe")
+    with pytest.raises(ConfigError, match="SEMCOMM_VLLM_LAYERWISE_LOAD"):
+        ConnectorSettings.from_extra_config({})
 
 
 def test_settings_and_tiered_store(tmp_path: Path) -> None:
@@ -488,6 +504,78 @@ def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path)
     assert n == 3
     for c in got:
         assert c[3:9].any() and not c[9:].any()  # chunks 0-2 written, nothing from 3 on
+
+
+@pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
+@pytest.mark.parametrize(("blocks", "skip", "partial"), [
+    ("consecutive", 0, False), ("consecutive", 1, True), ("scattered", 0, False)])
+def test_layerwise_load_writes_each_layer_as_the_batched_load(
+        tmp_path: Path, layout: str, blocks: str, skip: int, partial: bool) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
+    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, layout) == 6
+    got = [torch.zeros_like(c) for c in want]
+    slot = load_slot_bytes(got, CS, BS)
+    view = memoryview(bytearray(6 * slot))
+    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
+                       codec=get_codec("lossless"))
+    assert len(batch) == 6
+    load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
+                         key_layout=layout)
+    load.wait(0)  # layer 0 is in place once wait returns, whatever the thread does next
+    assert torch.equal(got[0], want[0])
+    load.wait(None)
+    assert load.join() == set() and not load.alive
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.integrations import _vllm_core
+
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    slot = load_slot_bytes(got, CS, BS)
+    view = memoryview(bytearray(6 * slot))
+    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
+                       codec=get_codec("lossless"))
+    order: list[int] = []
+    real = _vllm_core.write_slots
+
+    def flaky(*a: Any, layers: range, **kw: Any) -> None:
+        order.append(layers.start)
+        if layers.start == 1:
+            raise MemoryError("layer 1")
+        real(*a, layers=layers, **kw)
+
+    monkeypatch.setattr(_vllm_core, "write_slots", flaky)
+    load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
+                         key_layout="d_bs")
+    load.wait(L - 1)  # never hangs: a failed copy releases every layer
+    bad = load.join()
+    assert order == [0, 1]  # layer order; nothing after the failure
+    assert bad == {b for ids in _BLOCKS["consecutive"] for b in ids}  # all of it recomputed
+    assert got[0].any() and not got[2].any()
+
+
+def test_layerwise_read_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    f = tmp_path / keys[2].hex()[:2] / f"{keys[2].hex()}.sckv"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    f.write_bytes(bytes(raw))
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    slot = load_slot_bytes(got, CS, BS)
+    batch = read_slots(store, spec, 0, 6, memoryview(bytearray(6 * slot)), slot,
+                       chunk_size=CS, dtype="bfloat16", codec=get_codec("lossless"))
+    assert len(batch) == 2  # known before the forward starts: the rest is a miss
 
 
 @pytest.mark.parametrize("case", ["absent", "other_namespace", "wrong_dtype", "sealed_other"])

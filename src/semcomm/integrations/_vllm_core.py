@@ -50,9 +50,11 @@ from ..kv import (
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "KEY_LAYOUTS",
+    "LAYERWISE_ENV",
     "TENANT_PARAM",
     "ChunkSaver",
     "ConnectorSettings",
+    "LayerwiseLoad",
     "LoadSpec",
     "NamespaceFactory",
     "RequestPlan",
@@ -66,10 +68,12 @@ __all__ = [
     "load_slot_bytes",
     "model_dir_fingerprint",
     "ordered_layers",
+    "read_slots",
     "scatter_chunk",
     "spec_slice",
     "tenant_of",
     "tokenizer_dir_fingerprint",
+    "write_slots",
 ]
 
 logger = logging.getLogger("semcomm.integrations.vllm")
@@ -101,9 +105,12 @@ class ConnectorSettings:
     redis_ttl_s: int | None = None  # expiry of Redis chunks
     max_pending_bytes: int = 512 * _MIB  # saves queued for the background writer
     tenant_param: str = TENANT_PARAM
+    # loads read and verified in start_load_kv, then copied into vLLM's blocks layer by layer
+    # on a thread while the forward pass runs (wait_for_layer_load waits for each layer)
+    layerwise_load: bool = False
 
     _KEYS = frozenset({"store", "chunk_size", "codec", "seal", "memory_bytes", "disk_bytes",
-                       "redis_ttl_s", "max_pending_bytes", "tenant_param"})
+                       "redis_ttl_s", "max_pending_bytes", "tenant_param", "layerwise_load"})
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -146,8 +153,23 @@ class ConnectorSettings:
         param = d.get("tenant_param", TENANT_PARAM)
         if not isinstance(param, str) or not param:
             raise ConfigError("SemcommConnector: tenant_param must be a non-empty string")
+        layerwise = d.get("layerwise_load")
+        if layerwise is None:
+            env = os.environ.get(LAYERWISE_ENV, "").strip().lower()
+            if env not in ("", "0", "1", "false", "true"):
+                raise ConfigError(f"SemcommConnector: {LAYERWISE_ENV} must be 0 or 1, got "
+                                  f"{env!r}")
+            layerwise = env in ("1", "true")
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"SemcommConnector: layerwise_load must be true or false, got "
+                              f"{layerwise!r}")
         return cls(store=tiers, chunk_size=chunk, codec=codec, seal=seal, redis_ttl_s=ttl,
-                   tenant_param=param, **ints)
+                   tenant_param=param, layerwise_load=layerwise, **ints)
+
+
+LAYERWISE_ENV = "SEMCOMM_VLLM_LAYERWISE_LOAD"
+"""Environment default of ``layerwise_load`` when ``kv_connector_extra_config`` leaves it out
+(``1``/``true`` or ``0``/``false``); vLLM's worker processes inherit it."""
 
 
 def _tier_kind(spec: str) -> str:
@@ -700,19 +722,8 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     done = 0
     for i0 in range(0, n, per_batch):
         want = min(n, i0 + per_batch) - i0
-        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for j in range(want):
-            key = spec.keys[i0 + j]
-            try:
-                got = into(key, view[j * slot_bytes : (j + 1) * slot_bytes])
-            except Exception as exc:
-                logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
-                got = None
-            kv = None if got is None else _usable(got, key, spec, chunk_size=chunk_size,
-                                                   dtype=dtype, codec=codec)
-            if kv is None:
-                break
-            batch.append(kv)
+        batch = read_slots(store, spec, i0, want, view, slot_bytes, chunk_size=chunk_size,
+                           dtype=dtype, codec=codec)
         _write_batch(caches, spec, i0, batch, view, slot_bytes, block_size, key_layout)
         done += len(batch)
         if len(batch) < want:
@@ -720,11 +731,49 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     return done
 
 
+def read_slots(store: ChunkStore, spec: LoadSpec, i0: int, want: int, view: memoryview,
+               slot_bytes: int, *, chunk_size: int, dtype: str, codec: Any
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Read chunks ``i0 .. i0 + want`` of ``spec`` into consecutive ``slot_bytes`` slots of
+    ``view`` (the store's ``get_into``: verified bytes), stopping at the first that fails
+    (absent, corrupt, another tenant's, the wrong size or codec, the backend down): the
+    usable ``(k, v)`` before it, which may view the slots."""
+    into = store.get_into  # type: ignore[attr-defined]
+    batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for j in range(want):
+        key = spec.keys[i0 + j]
+        try:
+            got = into(key, view[j * slot_bytes : (j + 1) * slot_bytes])
+        except Exception as exc:
+            logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+            got = None
+        kv = None if got is None else _usable(got, key, spec, chunk_size=chunk_size,
+                                               dtype=dtype, codec=codec)
+        if kv is None:
+            break
+        batch.append(kv)
+    return batch
+
+
+def write_slots(caches: Sequence[torch.Tensor], spec: LoadSpec,
+                batch: Sequence[tuple[torch.Tensor, torch.Tensor]], view: memoryview,
+                slot_bytes: int, *, block_size: int, key_layout: str = "d_bs",
+                layers: range | None = None) -> None:
+    """Write the chunks :func:`read_slots` read from chunk 0 of ``spec`` into vLLM's blocks,
+    of every layer or only of ``layers`` (a layer-by-layer load calls it once per layer)."""
+    _check_layout(key_layout)
+    _write_batch(caches, spec, 0, batch, view, slot_bytes, block_size, key_layout, layers)
+
+
 def _write_batch(caches: Sequence[torch.Tensor], spec: LoadSpec, i0: int,
                  batch: Sequence[tuple[torch.Tensor, torch.Tensor]], view: memoryview,
-                 slot_bytes: int, block_size: int, key_layout: str) -> None:
-    """Write chunks ``i0 ..`` of ``spec``, read into consecutive slots of ``view``."""
+                 slot_bytes: int, block_size: int, key_layout: str,
+                 layers: range | None = None) -> None:
+    """Write chunks ``i0 ..`` of ``spec``, read into consecutive slots of ``view`` (into the
+    blocks of ``layers`` only, when given)."""
     import numpy as np
+
+    sel = range(len(caches)) if layers is None else layers
 
     if not batch:
         return
@@ -759,7 +808,8 @@ def _write_batch(caches: Sequence[torch.Tensor], spec: LoadSpec, i0: int,
         skip, ids = blocks(j)
         if where is None or not ids or ids != tuple(range(ids[0], ids[0] + len(ids))):
             k, v = spec_slice(spec, i0 + j, *batch[j], block_size)
-            scatter_chunk(caches, spec.block_ids[i0 + j], k, v, skip_blocks=skip,
+            scatter_chunk(caches[sel.start : sel.stop], spec.block_ids[i0 + j],
+                          k[sel.start : sel.stop], v[sel.start : sel.stop], skip_blocks=skip,
                           key_layout=key_layout)
             j += 1
             continue
@@ -769,16 +819,18 @@ def _write_batch(caches: Sequence[torch.Tensor], spec: LoadSpec, i0: int,
                     0, tuple(range(ids[0] + g * per, ids[0] + (g + 1) * per))):
                 g += 1
         _copy_group(caches, view, j * slot_bytes, slot_bytes, g, where, skip, len(ids), ids[0],
-                    batch[j][0].shape, block_size, key_layout)
+                    batch[j][0].shape, block_size, key_layout, sel)
         j += g
 
 
 def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
                 slot_bytes: int, g: int, where: tuple[int, int], src_block: int, nblk: int,
-                first_block: int, shape: torch.Size, block_size: int, key_layout: str) -> None:
+                first_block: int, shape: torch.Size, block_size: int, key_layout: str,
+                only: range | None = None) -> None:
     """Blocks ``src_block .. src_block + nblk`` of ``g`` chunks in consecutive slots from
     ``offset`` (keys/values ``[L, H, T, D]`` at ``where`` in each slot) into vLLM blocks
-    ``first_block ..`` of every layer: one strided copy per layer for keys, one for values."""
+    ``first_block ..`` of every layer (of the layers in ``only``, when given): one strided
+    copy per layer for keys, one for values."""
     import numpy as np
 
     layers, h, t, d = shape
@@ -793,7 +845,8 @@ def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
     src_strides = (slot_bytes, bs * d * e, t * d * e, d * e, e)
     dst_shape = (g, nblk, h, bs, d)
     sb, sh = h * bs * 2 * d * e, bs * 2 * d * e  # vLLM block and head strides, bytes
-    for layer, cache in enumerate(caches):
+    for layer in range(len(caches)) if only is None else only:
+        cache = caches[layer]
         nb, ch, cbs, d2 = cache.shape
         if (ch, cbs, d2) != (h, bs, 2 * d) or first_block + g * nblk > nb:
             raise ValueError(f"chunk of shape {tuple(shape[1:])} does not fit blocks of "
@@ -813,6 +866,94 @@ def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
                                  offset=first_block * sb + kind * bs * d * e,
                                  strides=(nblk * sb, sb, sh, d * e, e))
                 np.copyto(out, src)
+
+
+class LayerwiseLoad:
+    """Chunks already read and verified (:func:`read_slots`), copied into vLLM's blocks on a
+    thread, layer by layer in model order, while the forward pass runs.
+
+    ``wait(layer)`` blocks until that layer's keys and values are in place (vLLM calls
+    ``wait_for_layer_load`` before each layer's attention); ``join()`` waits for the thread and
+    returns the blocks to report as failed: every loaded block when a copy raised (the forward
+    may have read a half-written layer; vLLM recomputes them), else none. One per step: the
+    connector joins it before the step's load errors are collected and before the next load.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor],
+                 jobs: Sequence[tuple[LoadSpec, memoryview, list[tuple[torch.Tensor,
+                                                                       torch.Tensor]]]],
+                 *, slot_bytes: int, block_size: int, key_layout: str,
+                 cpus: set[int] | None = None) -> None:
+        self._caches = list(caches)
+        self._jobs = list(jobs)
+        self._slot = slot_bytes
+        self._bs = block_size
+        self._layout = key_layout
+        self._cpus = cpus
+        self._done = 0  # layers fully written
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.waited_s = 0.0  # time the forward spent in wait()
+        self.copy_s = 0.0  # the thread's time from start to the last layer
+        self._thread = threading.Thread(target=self._run, name="semcomm-kv-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        if self._cpus:
+            try:  # off the cores the forward's OpenMP threads are bound to
+                os.sched_setaffinity(0, self._cpus)
+            except OSError:
+                pass
+        try:
+            for layer in range(len(self._caches)):
+                one = range(layer, layer + 1)
+                for spec, view, batch in self._jobs:
+                    write_slots(self._caches, spec, batch, view, self._slot,
+                                block_size=self._bs, key_layout=self._layout, layers=one)
+                with self._cond:
+                    self._done = layer + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # reported as failed blocks by join()
+            logger.warning("semcomm KV layer-by-layer load failed (%s); recomputing", exc)
+            self.error = exc
+        finally:
+            self.copy_s = time.perf_counter() - t0
+            with self._cond:
+                self._done = len(self._caches)
+                self._cond.notify_all()
+
+    def wait(self, layer: int | None) -> None:
+        """Until ``layer`` (an index in model order; None: every layer) is written."""
+        import time
+
+        need = len(self._caches) if layer is None or layer < 0 else min(layer + 1,
+                                                                         len(self._caches))
+        if self._done >= need:
+            return
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._done < need:
+                self._cond.wait()
+        self.waited_s += time.perf_counter() - t0
+
+    def join(self) -> set[int]:
+        """Wait for the thread; the blocks to report as failed (see the class docstring)."""
+        self._thread.join()
+        if self.error is None:
+            return set()
+        bad: set[int] = set()
+        for spec, _view, batch in self._jobs:
+            for j in range(len(batch)):
+                skip = spec.skip_blocks if j == 0 else 0
+                bad.update(spec.block_ids[j][skip:])
+        return bad
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
 
 def load_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: str,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -52,6 +53,7 @@ from ..kv import get_codec, staging_buffer
 from ._vllm_core import (
     ChunkSaver,
     ConnectorSettings,
+    LayerwiseLoad,
     LoadSpec,
     NamespaceFactory,
     RequestPlan,
@@ -64,6 +66,7 @@ from ._vllm_core import (
     load_slot_bytes,
     model_dir_fingerprint,
     ordered_layers,
+    read_slots,
     tenant_of,
     tokenizer_dir_fingerprint,
 )
@@ -86,6 +89,10 @@ written into vLLM's blocks (at least one chunk). Read and then copied while they
 the CPU's caches (32 MiB of L3 here); measured outside vLLM on SmolLM2-135M's 2,016-token load,
 1 to 16 chunks a batch took the same 12 ms (17 ms chunk by chunk before, torch copies)."""
 
+_LAYERWISE_MAX_BYTES = 1 << 30
+"""A layer-by-layer load holds every chunk of the step in one buffer (each layer's copy needs
+all of them); a step whose chunks need more than this loads as usual, batch by batch."""
+
 
 def _cpu_key_layout(vllm_config: VllmConfig, block_size: int) -> tuple[str, str]:
     """vLLM's CPU attention ISA and how it lays out a block's keys (see KEY_LAYOUTS)."""
@@ -103,6 +110,35 @@ def _cpu_key_layout(vllm_config: VllmConfig, block_size: int) -> tuple[str, str]
     except Exception:  # a vLLM without this helper: keep vLLM's bytes as they are
         isa = "unknown"
     return isa, "d_bs" if isa == "vec" else "bs_d"
+
+
+def _spare_cpus() -> set[int] | None:
+    """CPUs this process may use other than the calling thread's (vLLM binds the forward's
+    OpenMP threads, this one included, to its cores; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` keeps
+    others free): where the copy thread runs. None when there are none."""
+    import os
+
+    try:
+        mine = os.sched_getaffinity(0)
+        allowed = set(range(os.cpu_count() or 0))
+        status = Path("/proc/self/status").read_text()
+        for line in status.splitlines():  # the process's cpuset, not this thread's mask
+            if line.startswith("Cpus_allowed_list:"):
+                allowed = _cpu_list(line.split(":", 1)[1])
+    except (OSError, ValueError, AttributeError):
+        return None
+    spare = allowed - mine
+    return spare or None
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``"0-3,6"`` -> ``{0, 1, 2, 3, 6}``."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 @dataclass
@@ -161,6 +197,12 @@ class SemcommConnector(KVConnectorBase_V1):
         # are registered, so that no request's time to first token pays for it
         self._load_buf: memoryview | None = None
         self._slot_bytes = 0
+        # layer-by-layer loads (settings.layerwise_load): the step's copy thread, the buffer
+        # holding all of the step's chunks, layer name -> index in model order
+        self._layerwise: LayerwiseLoad | None = None
+        self._all_buf: memoryview | None = None
+        self._layer_index: dict[str, int] = {}
+        self.layer_waits = 0  # wait_for_layer_load calls that found a load in flight
         self.loaded_chunks = self.missed_chunks = 0
         self.load_seconds = 0.0  # time spent in start_load_kv (reads, checks, copies)
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
@@ -231,6 +273,13 @@ class SemcommConnector(KVConnectorBase_V1):
         if self._registered:
             self._load_buffer([t for _, t in self._registered])
 
+    def _named_caches(self) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`_caches` with each layer's name."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        found = {name: layer.kv_cache for name, layer in ctx.items()
+                 if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)}
+        return ordered_layers(found) if found else list(self._registered)
+
     def _caches(self) -> list[torch.Tensor]:
         """Each attention layer's paged KV tensor, in model order.
 
@@ -246,11 +295,18 @@ class SemcommConnector(KVConnectorBase_V1):
         return [t for _, t in ordered_layers(found)]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._join_layerwise()  # the previous step's (joined there already; never two at once)
         meta = self._get_connector_metadata()
         assert isinstance(meta, SemcommConnectorMetadata)
         if not meta.loads:
             return
         t0 = time.perf_counter()
+        if self.settings.layerwise_load and self._start_layerwise(meta.loads):
+            took = time.perf_counter() - t0
+            self.load_seconds += took
+            logger.debug("SemcommConnector: %d loads read in %.1f ms, copying layer by layer",
+                         len(meta.loads), took * 1e3)
+            return
         caches = self._caches()
         buffer = self._load_buffer(caches)
         for spec in meta.loads:
@@ -261,10 +317,7 @@ class SemcommConnector(KVConnectorBase_V1):
                              slot_bytes=self._slot_bytes)
             self.loaded_chunks += done
             if done < len(spec.keys):  # a miss from here on: vLLM recomputes these blocks
-                self.missed_chunks += len(spec.keys) - done
-                for j in range(done, len(spec.keys)):
-                    skip = spec.skip_blocks if j == 0 else 0
-                    self._load_errors.update(spec.block_ids[j][skip:])
+                self._miss(spec, done)
         took = time.perf_counter() - t0
         self.load_seconds += took
         logger.debug("SemcommConnector: %d loads in %.1f ms", len(meta.loads), took * 1e3)
@@ -280,14 +333,74 @@ class SemcommConnector(KVConnectorBase_V1):
             self._load_buf = staging_buffer(max(1, _LOAD_BUFFER_BYTES // slot) * slot)
         return self._load_buf
 
+    def _miss(self, spec: LoadSpec, done: int) -> None:
+        """Chunks ``done ..`` of ``spec`` failed: report their blocks so vLLM recomputes them."""
+        self.missed_chunks += len(spec.keys) - done
+        for j in range(done, len(spec.keys)):
+            skip = spec.skip_blocks if j == 0 else 0
+            self._load_errors.update(spec.block_ids[j][skip:])
+
+    def _start_layerwise(self, loads: list[LoadSpec]) -> bool:
+        """Read and verify every chunk of the step now (a failure is a miss reported for this
+        step, as in the batched path), then copy them on a thread, layer by layer. False (and
+        nothing read) when the store cannot read into a buffer or the chunks need more than
+        ``_LAYERWISE_MAX_BYTES``: the caller loads as usual."""
+        if getattr(self.store, "get_into", None) is None:
+            return False
+        named = self._named_caches()
+        if not named:
+            return False
+        caches = [t for _, t in named]
+        slot = load_slot_bytes(caches, self.chunk_size, self.block_size)
+        need = sum(len(spec.keys) for spec in loads) * slot
+        if need > _LAYERWISE_MAX_BYTES:
+            return False
+        if self._all_buf is None or self._all_buf.nbytes < need or slot != self._slot_bytes:
+            # grown to the largest step seen, faulted in once, then reused
+            self._slot_bytes = slot
+            self._load_buf = None
+            self._all_buf = staging_buffer(max(need, _LOAD_BUFFER_BYTES // slot * slot, slot))
+        self._layer_index = {name: i for i, (name, _) in enumerate(named)}
+        jobs = []
+        at = 0
+        for spec in loads:
+            n = len(spec.keys)
+            view = self._all_buf[at : at + n * slot]
+            at += n * slot
+            batch = read_slots(self.store, spec, 0, n, view, slot, chunk_size=self.chunk_size,
+                               dtype=self.dtype, codec=self.codec)
+            self.loaded_chunks += len(batch)
+            if len(batch) < n:
+                self._miss(spec, len(batch))
+            if batch:
+                jobs.append((spec, view, batch))
+        if jobs:
+            self._layerwise = LayerwiseLoad(caches, jobs, slot_bytes=slot,
+                                            block_size=self.block_size,
+                                            key_layout=self.key_layout, cpus=_spare_cpus())
+        return True
+
+    def _join_layerwise(self) -> None:
+        """Wait for the step's copy thread; a copy that failed reports its blocks."""
+        load, self._layerwise = self._layerwise, None
+        if load is not None:
+            self._load_errors.update(load.join())
+            logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms",
+                         load.copy_s * 1e3, load.waited_s * 1e3)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        load = self._layerwise
+        if load is None:
+            return  # nothing in flight: the batched path loads in start_load_kv
+        self.layer_waits += 1
+        load.wait(self._layer_index.get(layer_name))  # an unknown name: every layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # chunks are copied once per step in wait_for_save (all layers at once)
 
     def wait_for_save(self) -> None:
+        self._join_layerwise()  # the forward is over: every layer was written
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -309,6 +422,7 @@ class SemcommConnector(KVConnectorBase_V1):
             self._saver.submit(ns, items)  # type: ignore[arg-type]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._join_layerwise()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -318,6 +432,7 @@ class SemcommConnector(KVConnectorBase_V1):
             self._saver.flush()
 
     def shutdown(self) -> None:
+        self._join_layerwise()
         if self._saver is not None:
             self._saver.close()
             self._saver = None
