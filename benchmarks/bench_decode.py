@@ -355,13 +355,15 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
     return row
 
 
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def _dtypes(r: dict[str, Any]) -> str:
     """The row's dtype, or the engine's and vLLM's where they differ."""
     vd = r.get("vllm_dtype", r["dtype"])
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     if vd == r["dtype"]:
         return str(r["dtype"])
-    return f"{short.get(r['dtype'], r['dtype'])}, vLLM {short.get(vd, vd)}"
+    return f"{_SHORT.get(r['dtype'], r['dtype'])}, vLLM {_SHORT.get(vd, vd)}"
 
 
 def _vllm_tokens(r: dict[str, Any]) -> str:
@@ -415,10 +417,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     def label(r: dict[str, Any]) -> str:
         vd = r.get("vllm_dtype", r["dtype"])
-        vs = "" if vd == r["dtype"] else f" (vLLM {vd[:4]})"
+        vs = "" if vd == r["dtype"] else f" (vLLM {_SHORT.get(vd, vd)})"
         ratio = r.get("engine_warm_tps_over_vllm")
         rs = f"\nengine/vLLM {ratio:.2f}x" if ratio else ""
-        return f"{r['model'].split('-')[0]}\n{r['dtype'][:4]}{vs} x{r['threads']}{rs}"
+        ed = _SHORT.get(r["dtype"], r["dtype"])
+        return f"{r['model'].split('-')[0]}\n{ed}{vs} x{r['threads']}{rs}"
 
     labels = [label(r) for r in rows]
     series = [("engine (warm)", "engine_warm_tps"),
