@@ -91,7 +91,8 @@ the CPU's caches (32 MiB of L3 here); measured outside vLLM on SmolLM2-135M's 2,
 
 _LAYERWISE_MAX_BYTES = 1 << 30
 """A layer-by-layer load holds every chunk of the step in one buffer (each layer's copy needs
-all of them); a step whose chunks need more than this loads as usual, batch by batch."""
+all of them), made when the caches are registered for a ``max_model_len`` prompt and at most
+this large; a step whose chunks do not fit loads as usual, batch by batch."""
 
 
 def _cpu_key_layout(vllm_config: VllmConfig, block_size: int) -> tuple[str, str]:
@@ -203,6 +204,7 @@ class SemcommConnector(KVConnectorBase_V1):
         self._all_buf: memoryview | None = None
         self._layer_index: dict[str, int] = {}
         self.layer_waits = 0  # wait_for_layer_load calls that found a load in flight
+        self.layer_wait_seconds = 0.0  # of the forward's time, spent waiting for layer copies
         self.loaded_chunks = self.missed_chunks = 0
         self.load_seconds = 0.0  # time spent in start_load_kv (reads, checks, copies)
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
@@ -271,7 +273,16 @@ class SemcommConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._registered = ordered_layers(kv_caches)
         if self._registered:
-            self._load_buffer([t for _, t in self._registered])
+            caches = [t for _, t in self._registered]
+            self._load_buffer(caches)
+            if self.settings.layerwise_load:
+                # every chunk of a max_model_len prompt, made and faulted in now: a buffer
+                # made by the first load cost 90 ms of its TTFT here
+                slot = load_slot_bytes(caches, self.chunk_size, self.block_size)
+                chunks = -(-int(self._vllm_config.model_config.max_model_len)
+                           // self.chunk_size)
+                self._all_buf = staging_buffer(max(1, min(chunks * slot,
+                                                          _LAYERWISE_MAX_BYTES) // slot) * slot)
 
     def _named_caches(self) -> list[tuple[str, torch.Tensor]]:
         """:meth:`_caches` with each layer's name."""
@@ -353,13 +364,8 @@ class SemcommConnector(KVConnectorBase_V1):
         caches = [t for _, t in named]
         slot = load_slot_bytes(caches, self.chunk_size, self.block_size)
         need = sum(len(spec.keys) for spec in loads) * slot
-        if need > _LAYERWISE_MAX_BYTES:
-            return False
         if self._all_buf is None or self._all_buf.nbytes < need or slot != self._slot_bytes:
-            # grown to the largest step seen, faulted in once, then reused
-            self._slot_bytes = slot
-            self._load_buf = None
-            self._all_buf = staging_buffer(max(need, _LOAD_BUFFER_BYTES // slot * slot, slot))
+            return False  # never made inside a request's TTFT (see register_kv_caches)
         self._layer_index = {name: i for i, (name, _) in enumerate(named)}
         jobs = []
         at = 0
@@ -385,6 +391,7 @@ class SemcommConnector(KVConnectorBase_V1):
         load, self._layerwise = self._layerwise, None
         if load is not None:
             self._load_errors.update(load.join())
+            self.layer_wait_seconds += load.waited_s
             logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms",
                          load.copy_s * 1e3, load.waited_s * 1e3)
 
