@@ -114,18 +114,21 @@ def _cpu_key_layout(vllm_config: VllmConfig, block_size: int) -> tuple[str, str]
 
 
 def _spare_cpus() -> set[int] | None:
-    """CPUs this process may use other than the calling thread's (vLLM binds the forward's
-    OpenMP threads, this one included, to its cores; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` keeps
-    others free): where the copy thread runs. None when there are none."""
+    """CPUs this process may use other than the calling thread's: where the copy thread runs.
+
+    vLLM binds the forward's OpenMP threads (the worker's main thread included) to its cores,
+    so the main thread's mask (and ``/proc/self/status``, which shows it) is those cores only;
+    the process's cpuset (cgroup v2 ``cpuset.cpus.effective``, else every CPU) minus them is
+    what ``VLLM_CPU_NUM_OF_RESERVED_CPU`` left free. None when there are none.
+    """
     import os
 
     try:
         mine = os.sched_getaffinity(0)
         allowed = set(range(os.cpu_count() or 0))
-        status = Path("/proc/self/status").read_text()
-        for line in status.splitlines():  # the process's cpuset, not this thread's mask
-            if line.startswith("Cpus_allowed_list:"):
-                allowed = _cpu_list(line.split(":", 1)[1])
+        cpuset = Path("/sys/fs/cgroup/cpuset.cpus.effective")
+        if cpuset.is_file() and cpuset.read_text().strip():
+            allowed &= _cpu_list(cpuset.read_text())
     except (OSError, ValueError, AttributeError):
         return None
     spare = allowed - mine
