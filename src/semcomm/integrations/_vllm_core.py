@@ -107,8 +107,9 @@ class ConnectorSettings:
     tenant_param: str = TENANT_PARAM
     # loads read and verified in start_load_kv, then copied into vLLM's blocks layer by layer
     # on a thread while the forward pass runs (wait_for_layer_load waits for each layer);
-    # False: read and copied batch by batch inside start_load_kv
-    layerwise_load: bool = True
+    # False (the default: not measured faster, docs/BENCHMARKS.md): read and copied batch by
+    # batch inside start_load_kv
+    layerwise_load: bool = False
 
     _KEYS = frozenset({"store", "chunk_size", "codec", "seal", "memory_bytes", "disk_bytes",
                        "redis_ttl_s", "max_pending_bytes", "tenant_param", "layerwise_load"})
@@ -160,7 +161,7 @@ class ConnectorSettings:
             if env not in ("", "0", "1", "false", "true"):
                 raise ConfigError(f"SemcommConnector: {LAYERWISE_ENV} must be 0 or 1, got "
                                   f"{env!r}")
-            layerwise = env not in ("0", "false")
+            layerwise = env in ("1", "true")
         if not isinstance(layerwise, bool):
             raise ConfigError(f"SemcommConnector: layerwise_load must be true or false, got "
                               f"{layerwise!r}")
