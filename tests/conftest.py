@@ -48,3 +48,14 @@ def own_redis() -> Iterator[RedisServer]:
     """A redis-server for one test alone (outage tests stop and restart it)."""
     with running_redis() as server:
         yield server
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch at one thread for the test (the exact CPU kernels run at one thread only)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

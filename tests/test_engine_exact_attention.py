@@ -4,8 +4,6 @@ guards that keep SDPA where it does not apply or differs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,14 +22,6 @@ def att() -> ExactAttention:
         pytest.skip("no exact attention here (needs x86-64 with AVX-512, a C++ compiler and "
                     "torch's headers)")
     return kernel
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

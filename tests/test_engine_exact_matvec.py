@@ -3,8 +3,6 @@ every weight alignment, and the lean step's guard that keeps F.linear where they
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,14 +20,6 @@ def mv() -> ExactMatVec:
     if kernel is None:
         pytest.skip("no exact matvec here (needs x86-64 with AVX-512 and a C compiler)")
     return kernel
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def weight_at(rows: int, cols: int, offset: int, seed: int) -> torch.Tensor:
