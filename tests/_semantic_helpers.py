@@ -20,6 +20,18 @@ def bow_embed(texts: list[str], dim: int = 64) -> np.ndarray:
     return out
 
 
+def unit(v: np.ndarray) -> np.ndarray:
+    """``v`` scaled to unit length, as float32."""
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def at(base: np.ndarray, other: np.ndarray, cos: float) -> np.ndarray:
+    """A unit vector at cosine ``cos`` from unit ``base``, towards ``other``."""
+    o = other - (other @ base) * base
+    o = o / np.linalg.norm(o)
+    return unit(cos * base + np.sqrt(1 - cos * cos) * o)
+
+
 class Clock:
     """A settable clock for TTL tests."""
 

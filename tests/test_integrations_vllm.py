@@ -489,13 +489,18 @@ def test_load_into_writes_what_chunk_by_chunk_loading_writes(
             assert len(copies) < 6  # ... several in one copy per layer
 
 
-def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path)
-    ns, keys = _six_random_chunks(store)
-    f = tmp_path / keys[3].hex()[:2] / f"{keys[3].hex()}.sckv"
+def _flip_a_byte(root: Path, key: bytes) -> None:
+    """Flip one bit in the middle of ``key``'s chunk file in the DiskStore at ``root``."""
+    f = root / key.hex()[:2] / f"{key.hex()}.sckv"
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2] ^= 1
     f.write_bytes(bytes(raw))
+
+
+def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    _flip_a_byte(tmp_path, keys[3])
     spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
     got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     slot = load_slot_bytes(got, CS, BS)
@@ -566,10 +571,7 @@ def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
 def test_layerwise_read_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
     store = DiskStore(tmp_path)
     ns, keys = _six_random_chunks(store)
-    f = tmp_path / keys[2].hex()[:2] / f"{keys[2].hex()}.sckv"
-    raw = bytearray(f.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    f.write_bytes(bytes(raw))
+    _flip_a_byte(tmp_path, keys[2])
     spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
     got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     slot = load_slot_bytes(got, CS, BS)

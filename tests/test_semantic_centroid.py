@@ -11,22 +11,11 @@ from semcomm.errors import ConfigError
 from semcomm.semantic import CallableEmbedder, ClusterVotePolicy, SemanticCache
 from semcomm.semantic._centroids import ClusterCentroids
 
-from ._semantic_helpers import minilm  # noqa: F401  (a fixture)
+from ._semantic_helpers import at, minilm, unit  # noqa: F401  (minilm: a fixture)
 
 DIM = 16
 E = np.eye(DIM, dtype=np.float32)
 Q = E[0]  # every lookup below is this vector
-
-
-def unit(v: np.ndarray) -> np.ndarray:
-    return (v / np.linalg.norm(v)).astype(np.float32)
-
-
-def at(base: np.ndarray, other: np.ndarray, cos: float) -> np.ndarray:
-    """A unit vector at cosine ``cos`` from unit ``base``, towards ``other``."""
-    o = other - (other @ base) * base
-    o = o / np.linalg.norm(o)
-    return unit(cos * base + np.sqrt(1 - cos * cos) * o)
 
 
 @pytest.fixture

@@ -22,18 +22,9 @@ from semcomm.semantic import (
 )
 from semcomm.semantic._entry import Entry, decode_entry, encode_entry
 
+from ._semantic_helpers import at, unit
+
 DIM = 16
-
-
-def unit(v: np.ndarray) -> np.ndarray:
-    return (v / np.linalg.norm(v)).astype(np.float32)
-
-
-def at(base: np.ndarray, other: np.ndarray, cos: float) -> np.ndarray:
-    """A unit vector at cosine ``cos`` from unit ``base``, towards ``other``."""
-    o = other - (other @ base) * base
-    o = o / np.linalg.norm(o)
-    return unit(cos * base + np.sqrt(1 - cos * cos) * o)
 
 
 def _bow(texts: list[str]) -> np.ndarray:
