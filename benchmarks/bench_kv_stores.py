@@ -27,13 +27,17 @@ the engine and the vLLM connector; in rounds 2-3, 6-7, ... the flush pass puts c
 ("bytes hashed at put": what a put of bytes from anywhere else costs). Gets read and drop
 each chunk; ``get_into`` reads into one reused buffer (LMCache reads into its staging pool): a
 ``bytearray``, and ``semcomm.kv.staging_buffer`` (huge pages) as ``get_into_staging``; the
-DiskStore at its three durabilities (``flush``: one ``put`` per chunk; ``write-behind``: one
+DiskStore at its three durabilities (``flush``: one ``put`` per chunk, and one ``put_many`` of
+the whole pass, written by the caller and the store's ``writer_threads`` helpers and returning
+once every chunk is in its file and the index: the point LMCache's put is timed to, with its 4
+writer threads; ``write-behind``: one
 ``put`` per chunk, then ``flush()``, timed to the point LMCache's put is timed to, every file
 written and indexed, with the time until every ``put`` returned beside LMCache's time until every
 ``submit_put_task`` returned; ``fsync``: ``put_many`` per batch of ``--batch`` chunks, run last
 in each round). Every put pass starts from a synced filesystem (``os.sync`` before it: no pass
 pays for another's dirty pages, deleted files or new directories); LMCache's goes first in even
-rounds and last in odd ones, and the order of semcomm's two passes alternates too. CPU seconds
+rounds and last in odd ones, and semcomm's three passes rotate (each first, second and last
+in turn). CPU seconds
 of each put pass (all threads of the process) are kept beside the wall times. Then a restart (a
 new store on the same directory: chunks found) and a tamper test (one payload byte flipped:
 served or rejected).
@@ -308,7 +312,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     staging = staging_buffer(one)  # the same, from semcomm's staging allocator (huge pages)
     stores: list[DiskStore] = []
     labels = ("semcomm disk flush", "semcomm disk fsync (put_many)", "semcomm disk write-behind",
-              "semcomm disk flush (bytes hashed at put)")
+              "semcomm disk flush (bytes hashed at put)", "semcomm disk flush (put_many)")
     written: dict[str, list[tuple[ChunkKey, bytes]]] = {}  # each store's chunks, last round
     seeds = iter(range(1, 1 << 30))
 
@@ -337,7 +341,9 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         behind = DiskStore(work / f"p{tokens}-behind", capacity_bytes=8 << 30,
                            durability="write-behind", writer_threads=args.writer_threads,
                            max_pending_bytes=args.max_pending_mib << 20)
-        stores = [flush, fsync, behind]
+        many = DiskStore(work / f"p{tokens}-many", capacity_bytes=8 << 30,
+                         writer_threads=args.writer_threads)
+        stores = [flush, fsync, behind, many]
         f, g = flush, fsync
         # the flush pass of rounds 2-3, 6-7, ... puts plain bytes (hashed at put) instead of
         # chunks just encoded: both kinds from the same store, each with LMCache first and last
@@ -357,10 +363,12 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
             acc.append(time.perf_counter() - t0)  # every put returned (LMCache: submitted)
             b.flush()  # timed to the same point as LMCache's: every file written and indexed
 
+        def put_many(m: DiskStore = many, label: str = labels[4]) -> None:
+            m.put_many(written[label])  # returns once every chunk is written and indexed
+
         ours = [(flush_label, put_flush, plain if flush_label == labels[3] else fresh),
-                (labels[2], put_behind, fresh)]
-        if r % 2:
-            ours.reverse()
+                (labels[2], put_behind, fresh), (labels[4], put_many, fresh)]
+        ours = ours[r % 3:] + ours[: r % 3]  # each of ours first, second and last in turn
         timed: dict[str, float] = {}
         cpus: dict[str, float] = {}  # CPU seconds of the pass (all of our threads)
         # every put pass starts from a synced filesystem: no pass pays for another's dirty
@@ -438,7 +446,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
     checks = lm("checks")
     mine = {}
     last_flush = flush_label
-    for label, st in zip(labels, stores):
+    for label, st in zip((*labels[:3], labels[4]), stores):
         st.close()  # write-behind: writes what is still queued (flush() already did)
         reopened = DiskStore(st.path, capacity_bytes=8 << 30)
         found = len(reopened)
@@ -452,6 +460,7 @@ def paired_size(lm: LMCacheServer, tokens: int, args: argparse.Namespace,
         shutil.rmtree(st.path, ignore_errors=True)
     rows: list[dict[str, Any]] = []
     for backend in ("lmcache-disk", "lmcache-cpu", "semcomm disk flush",
+                    "semcomm disk flush (put_many)",
                     "semcomm disk write-behind", "semcomm disk fsync (put_many)",
                     "semcomm disk flush (bytes hashed at put)", "semcomm memory"):
         cb = theirs_bytes if backend.startswith("lmcache") else one
@@ -494,6 +503,7 @@ def compare_lmcache(args: argparse.Namespace, console: Console, work: Path) -> d
     ratios: list[dict[str, Any]] = []
     for t in tokens:
         for ours, theirs in (("semcomm disk flush", "lmcache-disk"),
+                             ("semcomm disk flush (put_many)", "lmcache-disk"),
                              ("semcomm disk write-behind", "lmcache-disk"),
                              ("semcomm disk flush (bytes hashed at put)", "lmcache-disk"),
                              ("semcomm disk fsync (put_many)", "lmcache-disk"),

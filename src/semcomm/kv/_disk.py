@@ -28,7 +28,8 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,106 @@ _FALLOCATE = _load_fallocate()
 _NO_PREALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
 
 
+class _Batch:
+    """One ``put_many``'s writes, taken one job at a time by its caller and by helper threads.
+
+    The caller writes too and waits only for jobs a helper has already taken, never for a
+    helper to be scheduled (a woken thread can get a CPU milliseconds later on a loaded
+    machine): a helper that starts after the caller took the last job finds nothing to do.
+    """
+
+    __slots__ = ("_done", "_fn", "_jobs", "_left", "_lock", "_next", "results")
+
+    def __init__(self, fn: Callable[[_Job], str | None], jobs: Sequence[_Job]) -> None:
+        self._fn = fn  # writes one job: its temporary (or final) path, None on failure
+        self._jobs = jobs
+        self.results: list[str | None] = [None] * len(jobs)  # one writer per index
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._next = 0  # the next job to take; guarded by _lock
+        self._left = len(jobs)  # jobs not yet written (taken or not); guarded by _lock
+
+    def drain(self) -> None:
+        """Write jobs until none is left to take (the caller's and each helper's loop)."""
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self._jobs):
+                    return
+                self._next = i + 1
+            try:
+                self.results[i] = self._fn(self._jobs[i])
+            except Exception:  # _stage reports OSErrors itself; anything else: a failed write
+                logger.exception("DiskStore: writing chunk %s failed",
+                                 self._jobs[i].key.hex()[:16])
+            finally:
+                with self._lock:
+                    self._left -= 1
+                    if not self._left:
+                        self._done.notify_all()
+
+    def wait(self) -> None:
+        """Return once every job has been written (by whichever thread took it)."""
+        with self._lock:
+            while self._left:
+                self._done.wait()
+
+
+class _Helpers:
+    """The process's helper threads of batched writes (``DiskStore.put_many``), started once.
+
+    Shared by every store of the process; a helper runs ``_Batch.drain`` of whatever batch it
+    is handed. ``warm`` starts them ahead of the first batch (a thread start waits for the new
+    thread to run); a forked child starts its own again (``after_fork``).
+    """
+
+    MAX = 8  # helper threads at most, whatever the stores ask for
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._started = 0  # threads asked for so far (the pool starts one per idle-less submit)
+
+    def _get(self, n: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.MAX,
+                                                thread_name_prefix="semcomm-kv-put")
+            pool = self._pool
+            start = max(0, min(n, self.MAX) - self._started)
+            self._started += start
+        for _ in range(start):  # each submit with no idle thread starts one
+            pool.submit(time.sleep, 0.005)
+        return pool
+
+    def warm(self, n: int) -> None:
+        if n > 0:
+            self._get(n)
+
+    def run(self, batch: _Batch, helpers: int) -> None:
+        """Write ``batch`` with the caller and up to ``helpers`` helper threads; wait for all."""
+        if helpers > 0:
+            pool = self._get(helpers)
+            for _ in range(helpers):
+                try:
+                    pool.submit(batch.drain)
+                except RuntimeError:  # interpreter shutting down: the caller writes it all
+                    break
+        batch.drain()
+        batch.wait()
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None  # the parent's threads do not exist here
+        self._started = 0
+
+
+_HELPERS = _Helpers()
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HELPERS.after_fork)
+
+
 def _same_file(path: str, ino: int) -> bool:
     """True when ``path`` still names the file whose inode is ``ino``."""
     try:
@@ -434,6 +535,9 @@ class DiskStore(StoreBase, LruPinning):
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
         # raises ValueError for bad values before anything touches the directory
+        if isinstance(writer_threads, bool) or not isinstance(writer_threads, int) or (
+                writer_threads < 1):
+            raise ValueError(f"writer threads must be an int >= 1, got {writer_threads!r}")
         queue: WriteQueue[_Job] | None = None
         if durability == "write-behind":
             queue = WriteQueue(self._write_queued, max_bytes=max_pending_bytes,
@@ -454,7 +558,10 @@ class DiskStore(StoreBase, LruPinning):
         self._fsync = durability == "fsync"
         self._behind = durability == "write-behind"
         self._queue = queue  # write-behind: the threads writing accepted chunks
-        # write-behind: the newest accepted job of each key not yet written; an entry leaves
+        # write-behind: threads writing the queue; "flush"/"fsync": helpers of a put_many
+        self._writer_threads = writer_threads
+        # the newest accepted job of each key not yet written (write-behind's queue, and a
+        # "flush"/"fsync" put_many's batch while it is written); an entry leaves
         # in _finish in the same hold of _lock that indexes the file (or drops the chunk),
         # so a key is always in one of the two, and its bytes are reserved while it is here
         self._queued: dict[ChunkKey, _Job] = {}
@@ -493,6 +600,8 @@ class DiskStore(StoreBase, LruPinning):
             self._evict_to(0, None)
         if queue is not None:
             queue.start()  # the writer threads, here rather than in the first put
+        else:
+            _HELPERS.warm(writer_threads)  # put_many's helpers, here rather than in a put_many
         if refresh_s is not None:
             _REFRESHER.add(self)  # the process's refresher thread re-lists it from now on
 
@@ -899,29 +1008,63 @@ class DiskStore(StoreBase, LruPinning):
         """``put`` of each (key, value), with the store's durability for the whole batch.
 
         Every value is validated before anything is written: a malformed one raises
-        ``InvalidInputError`` and none of the batch is stored. ``"flush"``: written one after
-        the other, as ``put``; ``"write-behind"``: queued, as ``put``; ``"fsync"``: every
-        temporary file, one filesystem sync, the renames, one sync per directory.
+        ``InvalidInputError`` and none of the batch is stored. ``"write-behind"``: queued, as
+        ``put``. ``"flush"`` and ``"fsync"``: room is made for the whole batch, then its chunks
+        are written concurrently, by the caller and up to ``writer_threads`` helper threads
+        (the process's, shared by its stores; the caller waits only for chunks a helper has
+        taken), each to a temporary file; ``"flush"`` renames each into place as soon as it
+        is written, ``"fsync"`` syncs the filesystem once, then renames them all and syncs
+        each directory once. When it returns every chunk of the batch is in its final file
+        and in the index (or counted in ``stats().errors`` and absent), with the promise of
+        ``put`` for the store's durability; events come in the batch's order. A key given
+        twice is written once, with its last value (the last ``put`` wins).
         """
-        checked = []
+        checked: dict[ChunkKey, tuple[bytes, ChunkKey | None]] = {}
         for k, v in items:
             k = check_key(k)
-            checked.append((k, *validate_chunk(k, v)))
-        if not self._fsync:
-            for k, v, parent in checked:
-                if self._behind:
-                    self._put_behind(k, v, parent)
-                    continue
+            value, parent = validate_chunk(k, v)
+            checked.pop(k, None)  # a repeated key: its last value, at its last place
+            checked[k] = (value, parent)
+        if self._behind:
+            for k, (v, parent) in checked.items():
+                self._put_behind(k, v, parent)
+            return
+        if len(checked) == 1:  # nothing to share out: put's own path
+            for k, (v, parent) in checked.items():
                 job = self._admit(k, v, parent)
                 if job is not None:
-                    self._finish(job, self._write(job, sync=False))
+                    self._finish(job, self._write(job, sync=self._fsync))
             return
-        jobs = [j for j in (self._admit(k, v, p) for k, v, p in checked) if j is not None]
-        staged = [(j, self._stage(j)) for j in jobs]  # temporary files, not yet synced
-        if any(tmp is not None for _, tmp in staged):
+        # in _queued while being written: no reader or re-listing of this process indexes a
+        # renamed file before _finish does (it would count its bytes beside the reservation)
+        jobs = [j for j in (self._admit(k, v, p, queue=True) for k, (v, p) in checked.items())
+                if j is not None]
+        if not jobs:
+            return
+        batch = _Batch(self._stage if self._fsync else self._stage_and_rename, jobs)
+        try:
+            _HELPERS.run(batch, min(self._writer_threads, len(jobs) - 1))
+        finally:
+            if self._fsync:
+                self._rename_synced(jobs, batch.results)
+            else:
+                for job, path in zip(jobs, batch.results):
+                    self._finish(job, path is not None)
+
+    def _stage_and_rename(self, job: _Job) -> str | None:
+        """Write one chunk to its final file ("flush"): its path, None on failure."""
+        tmp = self._stage(job)
+        if tmp is None or not self._rename(job, tmp):
+            return None
+        return tmp
+
+    def _rename_synced(self, jobs: list[_Job], staged: list[str | None]) -> None:
+        """"fsync" put_many's second half: one filesystem sync, the renames, a sync per
+        directory renamed into; every job finished (indexed, or released if it failed)."""
+        if any(tmp is not None for tmp in staged):
             self._sync_root()
         dirs: set[str] = set()
-        for job, tmp in staged:
+        for job, tmp in zip(jobs, staged):
             ok = False
             if tmp is not None and self._rename(job, tmp):
                 dirs.add(os.path.dirname(tmp))
