@@ -620,19 +620,26 @@ class HFEngine:
             with torch.no_grad():
                 k_all, v_all = ca.stack_range(pre.cache, lo, len(ids))
                 k_all, v_all = k_all.cpu(), v_all.cpu()
+            batch = []
             for i in todo:
                 s, e = spans[i]
-                data = have[i] or self._encode(keys, i, s, e, k_all[:, :, s - lo : e - lo],
-                                               v_all[:, :, s - lo : e - lo])
-                try:
-                    self.store.put(keys[i], data)
-                except (StoreError, BackendUnavailableError) as exc:
-                    logger.warning("KV store put failed (%s); stopping the store of this prompt",
-                                   exc)
-                    complete = False
-                    break
-                stats.bytes_stored += len(data)
-                stats.chunks_stored += 1
+                batch.append((keys[i], have[i] or self._encode(
+                    keys, i, s, e, k_all[:, :, s - lo : e - lo], v_all[:, :, s - lo : e - lo])))
+            # one batch: a DiskStore writes its chunks concurrently (docs/kv.md, put_many)
+            put_many = getattr(self.store, "put_many", None)
+            try:
+                if put_many is not None:
+                    put_many(batch)
+                else:
+                    for key, data in batch:
+                        self.store.put(key, data)
+            except (StoreError, BackendUnavailableError) as exc:
+                logger.warning("KV store put failed (%s); the prompt's chunks are not all stored",
+                               exc)
+                complete = False
+            else:
+                stats.bytes_stored += sum(len(data) for _, data in batch)
+                stats.chunks_stored += len(batch)
         if complete and self.keep_logits and keys and not stats.logits_restored:
             self._store_logits(pre, keys[-1])  # beside the final chunk, so a whole hit needs no forward
         stats.store_ms = (time.perf_counter() - t0) * 1e3
