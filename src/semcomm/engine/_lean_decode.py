@@ -21,7 +21,10 @@ once every weight of the model has given ``F.linear``'s bits through it, and its
 through :class:`~semcomm.engine._exact_attention.ExactAttention` (SDPA's bits, each cached key
 and value read once for all the query heads that share it) once it has given SDPA's bits for
 the model's head shapes; anywhere else, and where a check fails, they are ``F.linear`` and SDPA
-as in the model.
+as in the model. For a catalog model whose GGUF is beside its directory, the products whose
+weights the GGUF's quantized codes reproduce bit for bit run through
+:class:`~semcomm.engine._quant_matvec.QuantMatVec` instead (the same MKL order from int8 codes
+and per-block scales, a third of the bytes), each one checked against ``F.linear`` first.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ import torch.nn.functional as F
 
 from ._exact_attention import ExactAttention
 from ._exact_matvec import ExactMatVec
+from ._quant_matvec import (
+    GGUF_LAYER_NAMES,
+    QuantMatVec,
+    QuantWeight,
+    find_gguf,
+    layer_weight_names,
+    load_codes,
+)
 
 __all__ = ["LeanDecoder"]
 
@@ -85,6 +96,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _bind(qmv: QuantMatVec, qw: QuantWeight) -> Any:
+    """``f(x, weight, bias)`` with ``F.linear``'s bits from the codes (``weight`` unused)."""
+    fn = qmv.linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        return fn(x, qw, bias)
+
+    return linear
+
+
 def _is(module: Any, suffix: str) -> bool:
     name = type(module).__name__
     return any(name == f + suffix for f in _FAMILIES)
@@ -112,6 +134,13 @@ class LeanDecoder:
         self._matvec_ok: bool | None = None
         self._matvec_key: tuple[Any, ...] = ()
         self._head_ok: dict[tuple[Any, ...], bool] = {}  # LM-head weights checked, by storage
+        # the GGUF's codes of the weights they reproduce (by GGUF name), the kernel that runs
+        # them, and per layer the 7 products (q, k, v, o, gate, up, down): a quantized-code
+        # product where its check passed, else None (the float32 kernel)
+        self.quant: dict[str, QuantWeight] = {}
+        self.qmatvec: QuantMatVec | None = None
+        self._qlins: list[tuple[Any, ...]] | None = None
+        self._gguf: tuple[Any, str] | None = None  # (GGUF path, digest) to read the codes from
 
     def _weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return [(w, b) for p in self.layers for w, b in
@@ -133,7 +162,53 @@ class LeanDecoder:
             if not self._matvec_ok:
                 logger.info("exact matvec off for this model: its weights are not float32 or "
                             "a weight's products differ from F.linear's")
+            self._qlins = self._quant_lins() if self._matvec_ok else None
         return mv if self._matvec_ok else None
+
+    def _quant_lins(self) -> list[tuple[Any, ...]] | None:
+        """Per layer, the 7 products through the quantized codes where their check against
+        ``F.linear`` passes here (at one thread), else None; None where no weight has codes."""
+        qmv = self.qmatvec
+        if qmv is None:
+            return None
+        if not self.quant and self._gguf is not None:
+            self.quant = load_codes(self._gguf, layer_weight_names(self.layers))
+            self._gguf = None
+        if not self.quant:
+            return None
+        out: list[tuple[Any, ...]] = []
+        used: dict[str, int] = {}
+        failed: list[str] = []
+        for p in self.layers:
+            row: list[Any] = []
+            for attr in ("wq", "wk", "wv", "wo", "wg", "wu", "wd"):
+                name = f"blk.{p.index}.{GGUF_LAYER_NAMES[attr]}.weight"
+                qw = self.quant.get(name)
+                w = getattr(p, attr)
+                b = getattr(p, "b" + attr[1], None) if attr in ("wq", "wk", "wv", "wo") else None
+                if qw is not None and not qmv.matches(qw, w, b):
+                    failed.append(name)
+                    qw = None
+                if qw is None:
+                    row.append(None)
+                    continue
+                used[qw.kind] = used.get(qw.kind, 0) + 1
+                row.append(_bind(qmv, qw))
+            out.append(tuple(row))
+        n = sum(used.values())
+        total = 7 * len(self.layers)
+        logger.info("quantized-code matvec on for %d of %d weights (%s, %.0f MB of codes); "
+                    "the float32 kernel for the rest%s", n, total,
+                    ", ".join(f"{k} {v}" for k, v in sorted(used.items())),
+                    sum(q.nbytes for q in self.quant.values()) / 2**20,
+                    f" (products differ from F.linear's: {', '.join(failed)})" if failed else "")
+        return out if n else None
+
+    def quant_in_use(self) -> int:
+        """How many of the step's products run through the quantized codes now."""
+        if self.fast_matvec() is None or self._qlins is None:
+            return 0
+        return sum(f is not None for row in self._qlins for f in row)
 
     def head_logits(self, h: torch.Tensor, lm: Any) -> torch.Tensor:
         """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``): through the exact matvec when
@@ -205,6 +280,10 @@ class LeanDecoder:
         cpu32 = all(p.wq.dtype == torch.float32 and p.wq.device.type == "cpu" for p in out)
         lean = cls(base, out, ExactMatVec.shared() if matvec and cpu32 else None,
                    ExactAttention.shared() if matvec and cpu32 else None)
+        if lean.matvec is not None:
+            lean.qmatvec = QuantMatVec.shared()
+            # a catalog model with its GGUF: the codes are read on the first step at one thread
+            lean._gguf = find_gguf(model) if lean.qmatvec is not None else None
         lean.fast_matvec()  # checks the weights now when running at one thread
         return lean
 
@@ -218,13 +297,17 @@ class LeanDecoder:
         sdpa = F.scaled_dot_product_attention
         mv = self.fast_matvec()
         lin: Any = mv.linear if mv is not None else F.linear  # the same bits either way
+        qlins = self._qlins if mv is not None else None
+        plain = (lin,) * 7
         att = self.fast_attention()
         for p in self.layers:
             d = p.head_dim
+            lq, lk, lv, lo, lg, lu, ld = (
+                plain if qlins is None else (f or lin for f in qlins[p.index]))
             h = _rms(x, p.ln1, p.eps1)
-            q = lin(h, p.wq, p.bq).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, d]
-            k = lin(h, p.wk, p.bk).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, d]
-            v = lin(h, p.wv, p.bv).view(1, 1, -1, d).transpose(1, 2)
+            q = lq(h, p.wq, p.bq).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, d]
+            k = lk(h, p.wk, p.bk).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, d]
+            v = lv(h, p.wv, p.bv).view(1, 1, -1, d).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = layers[p.index].update(k, v)
@@ -239,7 +322,7 @@ class LeanDecoder:
                          is_causal=False)
             o = o.reshape(o.shape[0], -1, 1, d).transpose(1, 2).contiguous()
             o = o.reshape(1, 1, -1).contiguous()
-            x = x + lin(o, p.wo, p.bo)
+            x = x + lo(o, p.wo, p.bo)
             h = _rms(x, p.ln2, p.eps2)
-            x = x + lin(p.act(lin(h, p.wg)) * lin(h, p.wu), p.wd)
+            x = x + ld(p.act(lg(h, p.wg, None)) * lu(h, p.wu, None), p.wd, None)
         return _rms(x, self.norm_w, self.norm_eps)

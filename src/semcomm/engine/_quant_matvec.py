@@ -1,0 +1,570 @@
+"""float32 matrix-vector products with MKL's bits, from the GGUF's quantized codes.
+
+The catalog's models (``semcomm.models``) are GGUF files dequantized by transformers with
+gguf-py's numpy ``gguf.quants.dequantize``, so every loaded float32 weight element is
+``fl(fl(A * q) + B)`` for a small integer code ``q`` and a float32 scale ``A`` and offset ``B``
+per block of 16 or 32 elements along a row (``B`` absent for the types without one):
+
+* Q8_0, Q5_0: ``d * q`` (blocks of 32, ``d`` a float16 read as float32);
+* Q4_1: ``d * q + m`` (blocks of 32);
+* Q4_K: ``(d * sc) * q - (dmin * m)`` (sub-blocks of 32; ``x - y`` is ``x + (-y)`` in IEEE
+  arithmetic, signed zeros included, so ``B = -(dmin * m)``);
+* Q6_K: ``(d * sc) * q`` (sub-blocks of 16).
+
+A float32 decode step reads every weight once a token (Qwen2.5-0.5B: 1.43 GB of its layers),
+and :class:`~semcomm.engine._exact_matvec.ExactMatVec` is bound by those bytes. This kernel
+reads the codes as int8 with the per-block ``A`` (and ``B``) instead, about 1.1-1.3 bytes a
+weight, rebuilds each weight in registers with exactly those float32 operations (a multiply,
+then an add; compiled with ``-ffp-contract=off``, so never one fused multiply-add) and sums the
+products in the same MKL order as the float32 kernel does for the float32 row's alignment (see
+that module: ``peel`` leading products summed in order, four lanes of chunks of 4, the lanes'
+reduction, the last ``4 - peel`` products after it). The products are computed from
+block-aligned 16-column loads; lane ``l`` of MKL's order is then the lane of the columns
+``k = peel + l (mod 4)``, and the first and last steps add only the lanes that are MKL's.
+
+Nothing is assumed: a weight's codes are used only where (1) their reconstruction equals the
+loaded float32 weight bit for bit, every element (the rows of the GGUF tensor are matched to
+the loaded rows by content, so a permutation transformers applied, as for Llama's q/k rows, is
+found, not presumed), and (2) the kernel's products equal ``F.linear``'s bits on random rows,
+checked at one thread before use. Any weight failing either keeps the float32 kernel or
+``F.linear``. The codes are built once from the GGUF beside a catalog model's directory and
+cached under ``$SEMCOMM_HOME/quant`` by the GGUF's digest and the tensor; ``SEMCOMM_QUANT_MATVEC=0``
+turns the path off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ._exact_matvec import build_library, cpu_has_avx512
+
+__all__ = [
+    "GGUF_LAYER_NAMES",
+    "QuantMatVec",
+    "QuantWeight",
+    "codes_from_blocks",
+    "find_gguf",
+    "layer_weight_names",
+    "load_codes",
+    "peel_of",
+    "quant_enabled",
+]
+
+logger = logging.getLogger("semcomm.engine")
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+/* 4 x 4 transpose of 128-bit lanes: T_j = [a.c_j, b.c_j, c.c_j, d.c_j] */
+#define SQ_T4(a, b, c, d, T0, T1, T2, T3) {                                     \
+    __m512 t0 = _mm512_shuffle_f32x4(a, b, 0x44), t1 = _mm512_shuffle_f32x4(a, b, 0xEE); \
+    __m512 t2 = _mm512_shuffle_f32x4(c, d, 0x44), t3 = _mm512_shuffle_f32x4(c, d, 0xEE); \
+    T0 = _mm512_shuffle_f32x4(t0, t2, 0x88); T1 = _mm512_shuffle_f32x4(t0, t2, 0xDD); \
+    T2 = _mm512_shuffle_f32x4(t1, t3, 0x88); T3 = _mm512_shuffle_f32x4(t1, t3, 0xDD); }
+
+/* one row's 16 products from column k: w = fl(fl(A q) + B), p = fl(w x) */
+static inline __attribute__((always_inline)) __m512 sq_row(
+        const int8_t* q, const float* A, const float* B, int64_t bi, __m512 xv, const int hasb) {
+    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+    w = _mm512_mul_ps(w, _mm512_set1_ps(A[bi]));
+    if (hasb) w = _mm512_add_ps(w, _mm512_set1_ps(B[bi]));
+    return _mm512_mul_ps(w, xv);
+}
+
+/* rows n..n+3, columns k..k+15: T_j = chunk j (4 columns) of the 4 rows */
+#define SQ_P4(n, k, xv, T0, T1, T2, T3) {                                        \
+    int64_t bi_ = (k) >> gshift;                                                  \
+    __m512 a_ = sq_row(Q + (n) * K + (k), A + (n) * nb, B + (n) * nb, bi_, xv, hasb);            \
+    __m512 b_ = sq_row(Q + ((n) + 1) * K + (k), A + ((n) + 1) * nb, B + ((n) + 1) * nb, bi_, xv, hasb); \
+    __m512 c_ = sq_row(Q + ((n) + 2) * K + (k), A + ((n) + 2) * nb, B + ((n) + 2) * nb, bi_, xv, hasb); \
+    __m512 d_ = sq_row(Q + ((n) + 3) * K + (k), A + ((n) + 3) * nb, B + ((n) + 3) * nb, bi_, xv, hasb); \
+    SQ_T4(a_, b_, c_, d_, T0, T1, T2, T3); }
+
+#define SQ_STEP(acc, n, k, xv) {                                                  \
+    __m512 T0, T1, T2, T3;                                                        \
+    SQ_P4(n, k, xv, T0, T1, T2, T3);                                              \
+    acc = _mm512_add_ps(acc, T0); acc = _mm512_add_ps(acc, T1);                   \
+    acc = _mm512_add_ps(acc, T2); acc = _mm512_add_ps(acc, T3); }
+
+/* the first 16 columns of rows n..n+3: the first `peel` products summed in order into the
+   lane of MKL's a[0] (lane peel % 4), the rest of the first chunk's lanes added after it */
+#define SQ_FIRST(acc, n, xv) {                                                    \
+    float s_[16] = {0};                                                           \
+    __m512 T0, T1, T2, T3, P_[4];                                                 \
+    for (int r_ = 0; r_ < 4; r_++)                                                \
+        P_[r_] = sq_row(Q + ((n) + r_) * K, A + ((n) + r_) * nb, B + ((n) + r_) * nb, 0, xv, hasb); \
+    for (int r_ = 0; r_ < 4; r_++) {                                              \
+        float p_[16];                                                             \
+        _mm512_storeu_ps(p_, P_[r_]);                                             \
+        float v_ = p_[0];                                                         \
+        for (int64_t j_ = 1; j_ < peel; j_++) v_ = v_ + p_[j_];                   \
+        s_[4 * r_ + (peel & 3)] = v_;                                             \
+    }                                                                             \
+    acc = _mm512_loadu_ps(s_);                                                    \
+    SQ_T4(P_[0], P_[1], P_[2], P_[3], T0, T1, T2, T3);                            \
+    acc = _mm512_mask_add_ps(acc, first, acc, T0); acc = _mm512_add_ps(acc, T1); \
+    acc = _mm512_add_ps(acc, T2); acc = _mm512_add_ps(acc, T3); }
+
+/* the last 16 columns of rows n..n+3, the lanes' reduction and the 4 - peel last products */
+#define SQ_LAST(acc, n, xv) {                                                     \
+    __m512 T0, T1, T2, T3, P_[4];                                                 \
+    int64_t kl_ = K - 16;                                                         \
+    for (int r_ = 0; r_ < 4; r_++)                                                \
+        P_[r_] = sq_row(Q + ((n) + r_) * K + kl_, A + ((n) + r_) * nb, B + ((n) + r_) * nb, \
+                        kl_ >> gshift, xv, hasb);                                 \
+    SQ_T4(P_[0], P_[1], P_[2], P_[3], T0, T1, T2, T3);                            \
+    acc = _mm512_add_ps(acc, T0); acc = _mm512_add_ps(acc, T1);                   \
+    acc = _mm512_add_ps(acc, T2); acc = _mm512_mask_add_ps(acc, last, acc, T3);  \
+    float l_[16];                                                                 \
+    _mm512_storeu_ps(l_, acc);                                                    \
+    for (int r_ = 0; r_ < 4; r_++) {                                              \
+        float p_[16];                                                             \
+        _mm512_storeu_ps(p_, P_[r_]);                                             \
+        const float* a4 = l_ + 4 * r_;                                            \
+        float v_ = (a4[peel & 3] + a4[(peel + 2) & 3]) + (a4[(peel + 1) & 3] + a4[(peel + 3) & 3]); \
+        for (int64_t j_ = 12 + peel; j_ < 16; j_++) v_ = v_ + p_[j_];             \
+        y[(n) + r_] = v_;                                                         \
+    }                                                                             \
+}
+
+static inline __attribute__((always_inline)) void sq_body(
+        const int8_t* Q, const float* A, const float* B, const float* x, float* y,
+        int64_t N, int64_t K, int64_t gshift, int64_t peel, const int hasb) {
+    int64_t nb = K >> gshift, steps = K / 16;
+    __mmask16 first = 0, last = 0;  /* lanes of the first chunk / of the last chunk in MKL's lanes */
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < 4; m++) {
+            if (m >= peel) first |= (__mmask16)(1u << (4 * r + m));
+            if (m < peel) last |= (__mmask16)(1u << (4 * r + m));
+        }
+    __m512 x0 = _mm512_loadu_ps(x), xl = _mm512_loadu_ps(x + K - 16);
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) {
+        __m512 aa, ab;
+        SQ_FIRST(aa, n, x0);
+        SQ_FIRST(ab, n + 4, x0);
+        for (int64_t k = 16; k < K - 16; k += 16) {
+            __m512 xv = _mm512_loadu_ps(x + k);
+            SQ_STEP(aa, n, k, xv);
+            SQ_STEP(ab, n + 4, k, xv);
+        }
+        SQ_LAST(aa, n, xl);
+        SQ_LAST(ab, n + 4, xl);
+    }
+    for (; n < N; n += 4) {
+        __m512 aa;
+        SQ_FIRST(aa, n, x0);
+        for (int64_t k = 16; k < K - 16; k += 16) {
+            __m512 xv = _mm512_loadu_ps(x + k);
+            SQ_STEP(aa, n, k, xv);
+        }
+        SQ_LAST(aa, n, xl);
+    }
+    (void)steps;
+}
+
+/* y[N] = W[N, K] x[K] in MKL's order for float32 rows starting `peel` floats before a 16-byte
+   boundary (1-4; 4: aligned), W[n, k] = fl(fl(A[n, k >> gshift] Q[n, k]) + B[n, k >> gshift])
+   (no add where B is NULL); N % 4 == 0, K % 16 == 0, K >= 32, gshift 4 or 5 */
+void semcomm_qmatvec(const int8_t* Q, const float* A, const float* B, const float* x, float* y,
+                     int64_t N, int64_t K, int64_t gshift, int64_t peel) {
+    if (B) sq_body(Q, A, B, x, y, N, K, gshift, peel, 1);
+    else sq_body(Q, A, A, x, y, N, K, gshift, peel, 0);
+}
+"""
+
+_FLAGS = ["-O2", "-mavx512f", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_shared: QuantMatVec | None | bool = None
+
+QK_K = 256
+
+
+def quant_enabled() -> bool:
+    """False where ``SEMCOMM_QUANT_MATVEC=0`` turns the quantized-code path off."""
+    return os.environ.get("SEMCOMM_QUANT_MATVEC", "1") != "0"
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """One weight's codes: ``weight[n, k] == fl(fl(a[n, k // group] * q[n, k]) + b[...])``
+    (no add where ``b`` is None), for a float32 weight whose rows start ``peel`` floats before
+    a 16-byte boundary (4: aligned; the summation order depends on it)."""
+
+    q: torch.Tensor  # int8 [N, K]
+    a: torch.Tensor  # float32 [N, K // group]
+    b: torch.Tensor | None  # float32 [N, K // group] or None
+    group: int  # 16 or 32
+    kind: str  # the GGUF type (Q5_0, Q4_K, ...)
+    peel: int = 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.q.shape[0]), int(self.q.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return (self.q.numel() + self.a.numel() * 4
+                + (0 if self.b is None else self.b.numel() * 4))
+
+    def reconstruct(self) -> torch.Tensor:
+        """The float32 weight the codes stand for, with the same float32 operations."""
+        n, k = self.shape
+        w = self.q.view(n, k // self.group, self.group).to(torch.float32) * self.a[..., None]
+        if self.b is not None:
+            w = w + self.b[..., None]
+        return w.view(n, k)
+
+    def equals(self, weight: torch.Tensor) -> bool:
+        """Whether the reconstruction equals ``weight`` bit for bit (signed zeros and NaN
+        payloads included), row block by row block."""
+        if tuple(weight.shape) != self.shape or weight.dtype != torch.float32:
+            return False
+        n, k = self.shape
+        step = max(4, (1 << 22) // max(1, k))
+        for r in range(0, n, step):
+            part = QuantWeight(self.q[r:r + step], self.a[r:r + step],
+                               None if self.b is None else self.b[r:r + step], self.group,
+                               self.kind)
+            if not torch.equal(part.reconstruct().view(torch.int32),
+                               weight[r:r + step].contiguous().view(torch.int32)):
+                return False
+        return True
+
+
+def _f16(col: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(col).view(np.float16).astype(np.float32)
+
+
+def codes_from_blocks(kind: str, blocks: np.ndarray, rows: int, cols: int,
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """``(q int8 [rows, cols], a float32 [rows, cols // g], b float32 or None, g)`` from a
+    GGUF tensor's raw blocks (uint8, ``rows * cols / block_size`` blocks in row order), such
+    that gguf-py's dequantized value of element ``[n, k]`` is ``fl(fl(a * q) + b)`` of its block
+    (per gguf-py's formulas; the caller checks the reconstruction). Raises ValueError for a
+    type this module does not take."""
+    blocks = np.asarray(blocks, dtype=np.uint8)
+    if kind == "Q8_0":
+        blocks = blocks.reshape(-1, 34)
+        a = _f16(blocks[:, :2])
+        q = blocks[:, 2:].view(np.int8)
+        b = None
+        g = 32
+    elif kind == "Q5_0":
+        blocks = blocks.reshape(-1, 22)
+        a = _f16(blocks[:, :2])
+        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32).reshape(-1, 1)
+        qh = ((qh >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1).astype(np.uint8)
+        qs = blocks[:, 6:22]
+        ql = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+        q = (ql | (qh << 4)).astype(np.int8) - np.int8(16)
+        b = None
+        g = 32
+    elif kind == "Q4_1":
+        blocks = blocks.reshape(-1, 20)
+        a = _f16(blocks[:, :2])
+        b = _f16(blocks[:, 2:4])
+        qs = blocks[:, 4:20]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8)
+        g = 32
+    elif kind == "Q4_K":
+        blocks = blocks.reshape(-1, 144)
+        n = blocks.shape[0]
+        d = _f16(blocks[:, 0:2])
+        dmin = _f16(blocks[:, 2:4])
+        sc3 = blocks[:, 4:16].reshape(n, 3, 4)
+        dd, mm, md = sc3[:, 0], sc3[:, 1], sc3[:, 2]
+        sc = np.concatenate([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], axis=1)
+        mn = np.concatenate([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], axis=1)
+        a = (d * sc.astype(np.float32)).reshape(n, 8)  # [n, 8] float32, as gguf-py
+        b = -(dmin * mn.astype(np.float32)).reshape(n, 8)
+        qs = blocks[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(n, QK_K).astype(np.int8)
+        g = 32
+    elif kind == "Q6_K":
+        blocks = blocks.reshape(-1, 210)
+        n = blocks.shape[0]
+        scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        d = _f16(blocks[:, 208:210])
+        a = (d * scales).reshape(n, 16)
+        b = None
+        sh2 = np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        sh4 = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        lo: np.ndarray = ((blocks[:, :128].reshape(n, -1, 1, 64) >> sh2) & 0x0F).reshape(n, -1, 32)
+        hi: np.ndarray = ((blocks[:, 128:192].reshape(n, -1, 1, 32) >> sh4) & 0x03).reshape(
+            n, -1, 32)
+        q = ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(n, QK_K)
+        g = 16
+    else:
+        raise ValueError(f"quantized-code matvec: GGUF type {kind} is not supported")
+    if cols % g or (rows * cols) % q.shape[1]:
+        raise ValueError(f"{kind}: a {rows}x{cols} tensor does not hold whole blocks")
+    q = np.ascontiguousarray(q).reshape(rows, cols)
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(rows, cols // g)
+    if b is not None:
+        b = np.ascontiguousarray(b, dtype=np.float32).reshape(rows, cols // g)
+    return q, a, b, g
+
+
+class QuantMatVec:
+    """``linear(x, qw, bias)`` for one float32 row ``x`` ``[1, 1, K]`` from a
+    :class:`QuantWeight`, bit for bit as ``F.linear`` on the weight it stands for, for the
+    weights :meth:`matches` accepted. Load it with :meth:`shared`."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        fn = lib.semcomm_qmatvec
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+        fn.restype = None
+        self._lib = lib
+        self._fn = fn
+        self.path = path
+
+    @classmethod
+    def shared(cls) -> QuantMatVec | None:
+        """The process's kernel (compiled once, cached by source digest); None where
+        ``SEMCOMM_QUANT_MATVEC=0``, without AVX-512 or a C compiler."""
+        global _shared
+        with _lock:
+            if _shared is None:
+                _shared = cls._load() or False
+            return _shared if isinstance(_shared, QuantMatVec) else None
+
+    @classmethod
+    def _load(cls) -> QuantMatVec | None:
+        if not quant_enabled() or not cpu_has_avx512():
+            return None
+        path = build_library("qmatvec", _SOURCE, _FLAGS, ("cc", "gcc"))
+        if path is None:
+            return None
+        try:
+            return cls(path)
+        except OSError as exc:
+            logger.info("quantized-code matvec off: %s", exc)
+            return None
+
+    @staticmethod
+    def supports(qw: QuantWeight) -> bool:
+        n, k = qw.shape
+        return (n > 0 and n % 4 == 0 and k >= 32 and k % 16 == 0 and qw.group in (16, 32)
+                and 1 <= qw.peel <= 4 and qw.q.dtype == torch.int8 and qw.q.is_contiguous()
+                and qw.a.dtype == torch.float32 and qw.a.is_contiguous()
+                and (qw.b is None or (qw.b.dtype == torch.float32 and qw.b.is_contiguous())))
+
+    def linear(self, x: torch.Tensor, qw: QuantWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        n, k = qw.shape
+        assert x.numel() == k and x.dtype == torch.float32
+        y = torch.empty((1, 1, n), dtype=torch.float32)
+        self._fn(qw.q.data_ptr(), qw.a.data_ptr(), 0 if qw.b is None else qw.b.data_ptr(),
+                 x.data_ptr(), y.data_ptr(), n, k, 4 if qw.group == 16 else 5, qw.peel)
+        return y if bias is None else y + bias
+
+    def matches(self, qw: QuantWeight, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                samples: int = 2, seed: int = 0, xs: list[torch.Tensor] | None = None) -> bool:
+        """Whether :meth:`linear` gives ``F.linear(x, weight, bias)``'s bits on ``samples``
+        random rows (of growing scale) and on the rows ``xs``, at the current thread count.
+        ``qw.peel`` must be the weight's (:func:`peel_of`)."""
+        if not self.supports(qw) or tuple(weight.shape) != qw.shape or qw.peel != peel_of(weight):
+            return False
+        gen = torch.Generator().manual_seed(seed)
+        rows = [torch.randn((1, 1, qw.shape[1]), generator=gen) * (1.0 + 8 * i)
+                for i in range(samples)] + list(xs or ())
+        with torch.inference_mode():
+            for x in rows:
+                x = x.reshape(1, 1, -1).to(torch.float32)
+                if not torch.equal(self.linear(x, qw, bias).view(torch.int32),
+                                   F.linear(x, weight, bias).view(torch.int32)):
+                    return False
+        return True
+
+
+def peel_of(weight: torch.Tensor) -> int:
+    """The leading products MKL sums in order for a row of ``weight`` (up to its first 16-byte
+    boundary: 4 where the rows are aligned)."""
+    return 4 - (weight.data_ptr() % 16) // 4
+
+
+# ------------------------------------------------------------------ GGUF codes for a model
+
+GGUF_LAYER_NAMES = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+                "wg": "ffn_gate", "wu": "ffn_up", "wd": "ffn_down"}
+
+
+def find_gguf(model: Any) -> tuple[Path, str] | None:
+    """``(GGUF path, its SHA-256)`` for a catalog model loaded from its converted directory
+    (``semcomm-model.json`` names the GGUF, kept in ``../gguf``), else None."""
+    cfg = getattr(model, "config", None)
+    src = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not src:
+        return None
+    try:
+        man = json.loads((Path(src) / "semcomm-model.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name, digest = man.get("gguf_file"), man.get("gguf_sha256")
+    if not isinstance(name, str) or not isinstance(digest, str):
+        return None
+    path = Path(src).parent / "gguf" / name
+    return (path, digest) if path.is_file() else None
+
+
+def _cache_dir(digest: str) -> Path:
+    from ..security import semcomm_home
+
+    return semcomm_home() / "quant" / digest[:32]
+
+
+def _row_keys(w: torch.Tensor) -> list[bytes]:
+    rows = w.contiguous().view(torch.int32).numpy()
+    return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
+
+
+def _match_rows(qw: QuantWeight, weight: torch.Tensor) -> QuantWeight | None:
+    """``qw`` with its rows in ``weight``'s order, matched by content (bit-equal rows); None
+    where some row of ``weight`` is no row of the reconstruction."""
+    have: dict[bytes, int] = {}
+    for i, key in enumerate(_row_keys(qw.reconstruct())):
+        have.setdefault(key, i)
+    try:
+        perm = torch.tensor([have[k] for k in _row_keys(weight)], dtype=torch.long)
+    except KeyError:
+        return None
+    return QuantWeight(qw.q[perm].contiguous(), qw.a[perm].contiguous(),
+                       None if qw.b is None else qw.b[perm].contiguous(), qw.group, qw.kind)
+
+
+def _save(path: Path, qw: QuantWeight) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    arrays = {"q": qw.q.numpy(), "a": qw.a.numpy(), "group": np.array(qw.group)}
+    if qw.b is not None:
+        arrays["b"] = qw.b.numpy()
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
+    os.replace(tmp, path)
+
+
+def _load(path: Path, kind: str) -> QuantWeight | None:
+    try:
+        with np.load(path) as z:
+            b = torch.from_numpy(z["b"].copy()) if "b" in z.files else None
+            return QuantWeight(torch.from_numpy(z["q"].copy()), torch.from_numpy(z["a"].copy()),
+                               b, int(z["group"]), kind)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _from_gguf(tensor: Any, weight: torch.Tensor) -> QuantWeight | None:
+    kind = tensor.tensor_type.name
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the dims reversed
+    if (rows, cols) != tuple(weight.shape):
+        return None
+    try:
+        q, a, b, g = codes_from_blocks(kind, tensor.data, rows, cols)
+    except ValueError:
+        return None
+    qw = QuantWeight(torch.from_numpy(q), torch.from_numpy(a),
+                     None if b is None else torch.from_numpy(b), g, kind)
+    if qw.equals(weight):
+        return qw
+    return _match_rows(qw, weight)  # e.g. Llama's q/k rows, permuted by transformers
+
+
+def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tensor],
+               ) -> dict[str, QuantWeight]:
+    """The codes of the ``weights`` (by their GGUF names: ``blk.3.attn_q.weight``,
+    ``output.weight``) from ``gguf_file`` (``(path, SHA-256)``, :func:`find_gguf`): each one's
+    reconstruction equals the loaded weight bit for bit (checked here, every load); the others
+    are left out. Built from the GGUF once, then read from ``$SEMCOMM_HOME/quant``. Empty
+    where the path is off or there is no GGUF."""
+    if not quant_enabled() or gguf_file is None:
+        return {}
+    path, digest = gguf_file
+    t0 = time.perf_counter()
+    cache = _cache_dir(digest)
+    out: dict[str, QuantWeight] = {}
+    todo: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu":
+            continue
+        w = w.detach()
+        file = cache / f"{name}.{w.shape[0]}x{w.shape[1]}.npz"
+        kind = _kinds(cache).get(name, "")
+        qw = _load(file, kind) if file.exists() else None
+        if qw is not None and qw.equals(w):
+            out[name] = qw
+        else:
+            todo[name] = w
+    if todo:
+        try:
+            import gguf
+        except ImportError:
+            logger.info("quantized-code matvec off: the gguf package is not installed")
+            return out
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except (OSError, ValueError) as exc:
+            logger.info("quantized-code matvec off: cannot read %s: %s", path, exc)
+            return out
+        tensors = {t.name: t for t in reader.tensors}
+        kinds = dict(_kinds(cache))
+        for name, w in todo.items():
+            t = tensors.get(name)
+            qw = _from_gguf(t, w) if t is not None else None
+            if qw is None:
+                continue
+            out[name] = qw
+            kinds[name] = qw.kind
+            try:
+                _save(cache / f"{name}.{w.shape[0]}x{w.shape[1]}.npz", qw)
+            except OSError as exc:
+                logger.info("quantized codes not cached: %s", exc)
+        try:
+            _write_kinds(cache, kinds)
+        except OSError:
+            pass
+    for name, qw in out.items():
+        qw.peel = peel_of(weights[name])
+    logger.info("quantized codes for %d of %d weights (%s) in %.1f s", len(out), len(weights),
+                ", ".join(f"{k} {n}" for k, n in sorted(Counter(q.kind for q in out.values())
+                                                      .items())), time.perf_counter() - t0)
+    return out
+
+
+def _kinds(cache: Path) -> dict[str, str]:
+    try:
+        data = json.loads((cache / "kinds.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _write_kinds(cache: Path, kinds: dict[str, str]) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".kinds.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(kinds, sort_keys=True))
+    os.replace(tmp, cache / "kinds.json")
+
+
+def layer_weight_names(layers: Any) -> dict[str, torch.Tensor]:
+    """GGUF names of a lean decoder's layer weights: ``{"blk.0.attn_q.weight": wq, ...}``."""
+    return {f"blk.{p.index}.{g}.weight": getattr(p, attr) for p in layers
+            for attr, g in GGUF_LAYER_NAMES.items()}
