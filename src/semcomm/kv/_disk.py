@@ -481,6 +481,9 @@ class DiskStore(StoreBase, LruPinning):
       beyond it ``put`` waits for the writers (backpressure). A caller that waits (``flush``,
       ``close``, a held-back ``put``) writes queued chunks itself meanwhile (``WriteQueue``). A write that fails is counted in
       ``stats().errors`` and the chunk is absent.
+    * **Batched writes.** :meth:`put_many` with ``"flush"`` or ``"fsync"`` writes its chunks
+      concurrently (the caller and up to ``writer_threads`` helper threads of the process) and
+      returns with the same promise as ``put``, every chunk of the batch indexed.
     * **Preallocated files.** A chunk of ``_PREALLOCATE_MIN`` bytes or more has its blocks
       allocated in one ``fallocate`` before it is written (off for good where the filesystem
       cannot; a full disk fails the write).
