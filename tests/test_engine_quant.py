@@ -57,8 +57,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
 
 def codes(kind: str, blocks: np.ndarray, rows: int, cols: int) -> QuantWeight:
     q, a, b, g = codes_from_blocks(kind, blocks, rows, cols)
-    return QuantWeight(torch.from_numpy(q), torch.from_numpy(a),
-                       None if b is None else torch.from_numpy(b), g, kind)
+    return QuantWeight.from_rows(torch.from_numpy(q), torch.from_numpy(a),
+                                 None if b is None else torch.from_numpy(b), g, kind)
 
 
 def gguf_weight(kind: str, blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
@@ -145,7 +145,8 @@ def test_a_corrupted_code_or_scale_is_refused(qmv: QuantMatVec, one_thread: None
     good.peel = peel_of(w)
     assert good.equals(w) and qmv.matches(good, w)
     for part in ("q", "a"):
-        bad = QuantWeight(good.q.clone(), good.a.clone(), None, good.group, good.kind, good.peel)
+        bad = QuantWeight(good.q.clone(), good.a.clone(), None, good.n, good.k, good.group,
+                          good.kind, good.peel)
         t = getattr(bad, part)
         flat = t.view(-1)
         i = flat.numel() // 3
@@ -154,11 +155,21 @@ def test_a_corrupted_code_or_scale_is_refused(qmv: QuantMatVec, one_thread: None
         assert not qmv.matches(bad, w)  # and the products' check, each on its own
 
 
-def test_kernel_refuses_shapes_it_does_not_take(qmv: QuantMatVec) -> None:
-    q = torch.zeros(6, 64, dtype=torch.int8)  # rows not in whole groups of 4
-    assert not qmv.supports(QuantWeight(q, torch.zeros(6, 2), None, 32, "Q8_0"))
-    q = torch.zeros(8, 16, dtype=torch.int8)  # shorter than two 16-column steps
-    assert not qmv.supports(QuantWeight(q, torch.zeros(8, 1), None, 16, "Q6_K"))
+def test_codes_and_shapes_the_kernel_does_not_take_are_refused() -> None:
+    with pytest.raises(ValueError, match="quads"):  # rows not in whole groups of 4
+        QuantWeight.from_rows(torch.zeros(6, 64, dtype=torch.int8), torch.zeros(6, 2), None,
+                              32, "Q8_0")
+    short = QuantWeight.from_rows(torch.zeros(8, 16, dtype=torch.int8), torch.zeros(8, 1),
+                                  None, 16, "Q6_K")  # shorter than two 16-column steps
+    assert not QuantMatVec.supports(short)
+    odd = QuantWeight.from_rows(torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 8), None,
+                                8, "Q8_0")  # blocks of 8: not a type here
+    assert not QuantMatVec.supports(odd)
+    ok = QuantWeight.from_rows(torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 2), None,
+                               32, "Q8_0")
+    assert QuantMatVec.supports(ok)
+    q, a, _ = ok.rows()  # the quads give back the row-major arrays
+    assert q.shape == (8, 64) and a.shape == (8, 2)
 
 
 def test_no_codes_without_a_gguf_or_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,117 +70,126 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 
-/* 4 x 4 transpose of 128-bit lanes: T_j = [a.c_j, b.c_j, c.c_j, d.c_j] */
-#define SQ_T4(a, b, c, d, T0, T1, T2, T3) {                                     \
-    __m512 t0 = _mm512_shuffle_f32x4(a, b, 0x44), t1 = _mm512_shuffle_f32x4(a, b, 0xEE); \
-    __m512 t2 = _mm512_shuffle_f32x4(c, d, 0x44), t3 = _mm512_shuffle_f32x4(c, d, 0xEE); \
-    T0 = _mm512_shuffle_f32x4(t0, t2, 0x88); T1 = _mm512_shuffle_f32x4(t0, t2, 0xDD); \
-    T2 = _mm512_shuffle_f32x4(t1, t3, 0x88); T3 = _mm512_shuffle_f32x4(t1, t3, 0xDD); }
+/* Layout. A "quad" is 4 rows; chunk c of a quad is its 16 codes of columns 4c..4c+3, row by
+   row, so that one 16-lane vector holds chunk c of 4 rows, lane 4i + m being MKL's lane of
+   column 4c + m of row i: products are added to the accumulator as they are, no transpose.
+   The rows come in groups of 16 (4 quads) read as one stream: chunk c of the group's 4 quads
+   is 64 bytes (one cache line), quad after quad; the scales (offsets) of block b of the
+   group's 16 rows are 16 floats, quad after quad. Quads left after the last whole group
+   follow, each on its own: its chunks in order, its scales 4 floats a block. */
 
-/* one row's 16 products from column k: w = fl(fl(A q) + B), p = fl(w x) */
-static inline __attribute__((always_inline)) __m512 sq_row(
-        const int8_t* q, const float* A, const float* B, int64_t bi, __m512 xv, const int hasb) {
-    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-    w = _mm512_mul_ps(w, _mm512_set1_ps(A[bi]));
-    if (hasb) w = _mm512_add_ps(w, _mm512_set1_ps(B[bi]));
-    return _mm512_mul_ps(w, xv);
-}
+/* 16 products from 16 codes at p: w = fl(fl(A q) + B) (av / bv: the rows' scales spread over
+   their lanes), then fl(w x) */
+#define SQ_P(p, av, bv, xv) ({                                                      \
+    __m512 w_ = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p)))); \
+    w_ = _mm512_mul_ps(w_, av);                                                    \
+    if (hasb) w_ = _mm512_add_ps(w_, bv);                                          \
+    _mm512_mul_ps(w_, xv); })
 
-/* rows n..n+3, columns k..k+15: T_j = chunk j (4 columns) of the 4 rows */
-#define SQ_P4(n, k, xv, T0, T1, T2, T3) {                                        \
-    int64_t bi_ = (k) >> gshift;                                                  \
-    __m512 a_ = sq_row(Q + (n) * K + (k), A + (n) * nb, B + (n) * nb, bi_, xv, hasb);            \
-    __m512 b_ = sq_row(Q + ((n) + 1) * K + (k), A + ((n) + 1) * nb, B + ((n) + 1) * nb, bi_, xv, hasb); \
-    __m512 c_ = sq_row(Q + ((n) + 2) * K + (k), A + ((n) + 2) * nb, B + ((n) + 2) * nb, bi_, xv, hasb); \
-    __m512 d_ = sq_row(Q + ((n) + 3) * K + (k), A + ((n) + 3) * nb, B + ((n) + 3) * nb, bi_, xv, hasb); \
-    SQ_T4(a_, b_, c_, d_, T0, T1, T2, T3); }
+/* 4 rows' scales at s, each on its row's 4 lanes */
+#define SQ_SPREAD(s) _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s)))
 
-#define SQ_STEP(acc, n, k, xv) {                                                  \
-    __m512 T0, T1, T2, T3;                                                        \
-    SQ_P4(n, k, xv, T0, T1, T2, T3);                                              \
-    acc = _mm512_add_ps(acc, T0); acc = _mm512_add_ps(acc, T1);                   \
-    acc = _mm512_add_ps(acc, T2); acc = _mm512_add_ps(acc, T3); }
+#define SQ_X(c) _mm512_broadcast_f32x4(_mm_loadu_ps(x + 4 * (c)))
 
-/* the first 16 columns of rows n..n+3: the first `peel` products summed in order into the
-   lane of MKL's a[0] (lane peel % 4), the rest of the first chunk's lanes added after it */
-#define SQ_FIRST(acc, n, xv) {                                                    \
-    float s_[16] = {0};                                                           \
-    __m512 T0, T1, T2, T3, P_[4];                                                 \
-    for (int r_ = 0; r_ < 4; r_++)                                                \
-        P_[r_] = sq_row(Q + ((n) + r_) * K, A + ((n) + r_) * nb, B + ((n) + r_) * nb, 0, xv, hasb); \
-    for (int r_ = 0; r_ < 4; r_++) {                                              \
-        float p_[16];                                                             \
-        _mm512_storeu_ps(p_, P_[r_]);                                             \
-        float v_ = p_[0];                                                         \
-        for (int64_t j_ = 1; j_ < peel; j_++) v_ = v_ + p_[j_];                   \
-        s_[4 * r_ + (peel & 3)] = v_;                                             \
-    }                                                                             \
-    acc = _mm512_loadu_ps(s_);                                                    \
-    SQ_T4(P_[0], P_[1], P_[2], P_[3], T0, T1, T2, T3);                            \
-    acc = _mm512_mask_add_ps(acc, first, acc, T0); acc = _mm512_add_ps(acc, T1); \
-    acc = _mm512_add_ps(acc, T2); acc = _mm512_add_ps(acc, T3); }
+/* chunk 0: the first `peel` products of each row summed in order into MKL's lane a[0]
+   (lane peel % 4 of the row), the chunk's other lanes added after it */
+#define SQ_FIRST(acc, p) {                                                         \
+    float p_[16], s_[16] = {0};                                                    \
+    _mm512_storeu_ps(p_, p);                                                       \
+    for (int i_ = 0; i_ < 4; i_++) {                                               \
+        float v_ = p_[4 * i_];                                                     \
+        for (int64_t j_ = 1; j_ < peel; j_++) v_ = v_ + p_[4 * i_ + j_];           \
+        s_[4 * i_ + (peel & 3)] = v_;                                              \
+    }                                                                              \
+    acc = _mm512_mask_add_ps(_mm512_loadu_ps(s_), first, _mm512_loadu_ps(s_), p); }
 
-/* the last 16 columns of rows n..n+3, the lanes' reduction and the 4 - peel last products */
-#define SQ_LAST(acc, n, xv) {                                                     \
-    __m512 T0, T1, T2, T3, P_[4];                                                 \
-    int64_t kl_ = K - 16;                                                         \
-    for (int r_ = 0; r_ < 4; r_++)                                                \
-        P_[r_] = sq_row(Q + ((n) + r_) * K + kl_, A + ((n) + r_) * nb, B + ((n) + r_) * nb, \
-                        kl_ >> gshift, xv, hasb);                                 \
-    SQ_T4(P_[0], P_[1], P_[2], P_[3], T0, T1, T2, T3);                            \
-    acc = _mm512_add_ps(acc, T0); acc = _mm512_add_ps(acc, T1);                   \
-    acc = _mm512_add_ps(acc, T2); acc = _mm512_mask_add_ps(acc, last, acc, T3);  \
-    float l_[16];                                                                 \
-    _mm512_storeu_ps(l_, acc);                                                    \
-    for (int r_ = 0; r_ < 4; r_++) {                                              \
-        float p_[16];                                                             \
-        _mm512_storeu_ps(p_, P_[r_]);                                             \
-        const float* a4 = l_ + 4 * r_;                                            \
+/* the last chunk: its lanes before the rows' last 16-byte boundary into the lanes, then the
+   lanes' reduction, then the 4 - peel last products in order */
+#define SQ_LAST(acc, p, yq) {                                                      \
+    acc = _mm512_mask_add_ps(acc, last, acc, p);                                   \
+    float p_[16], l_[16];                                                          \
+    _mm512_storeu_ps(p_, p);                                                       \
+    _mm512_storeu_ps(l_, acc);                                                     \
+    for (int i_ = 0; i_ < 4; i_++) {                                               \
+        const float* a4 = l_ + 4 * i_;                                             \
         float v_ = (a4[peel & 3] + a4[(peel + 2) & 3]) + (a4[(peel + 1) & 3] + a4[(peel + 3) & 3]); \
-        for (int64_t j_ = 12 + peel; j_ < 16; j_++) v_ = v_ + p_[j_];             \
-        y[(n) + r_] = v_;                                                         \
-    }                                                                             \
+        for (int64_t j_ = peel; j_ < 4; j_++) v_ = v_ + p_[4 * i_ + j_];           \
+        (yq)[i_] = v_;                                                             \
+    }                                                                              \
 }
 
 static inline __attribute__((always_inline)) void sq_body(
         const int8_t* Q, const float* A, const float* B, const float* x, float* y,
         int64_t N, int64_t K, int64_t gshift, int64_t peel, const int hasb) {
-    int64_t nb = K >> gshift, steps = K / 16;
-    __mmask16 first = 0, last = 0;  /* lanes of the first chunk / of the last chunk in MKL's lanes */
-    for (int r = 0; r < 4; r++)
+    const int64_t nb = K >> gshift, cpb = ((int64_t)1 << gshift) / 4, C = K / 4;
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __mmask16 first = 0, last = 0;  /* MKL's lanes of the first chunk / of the last chunk */
+    for (int i = 0; i < 4; i++)
         for (int m = 0; m < 4; m++) {
-            if (m >= peel) first |= (__mmask16)(1u << (4 * r + m));
-            if (m < peel) last |= (__mmask16)(1u << (4 * r + m));
+            if (m >= peel) first |= (__mmask16)(1u << (4 * i + m));
+            if (m < peel) last |= (__mmask16)(1u << (4 * i + m));
         }
-    __m512 x0 = _mm512_loadu_ps(x), xl = _mm512_loadu_ps(x + K - 16);
-    int64_t n = 0;
-    for (; n + 8 <= N; n += 8) {
-        __m512 aa, ab;
-        SQ_FIRST(aa, n, x0);
-        SQ_FIRST(ab, n + 4, x0);
-        for (int64_t k = 16; k < K - 16; k += 16) {
-            __m512 xv = _mm512_loadu_ps(x + k);
-            SQ_STEP(aa, n, k, xv);
-            SQ_STEP(ab, n + 4, k, xv);
+    const int64_t groups = N / 16;
+    for (int64_t g = 0; g < groups; g++) {  /* 16 rows: 4 independent sums */
+        const int8_t* qg = Q + g * 16 * K;
+        const float* ag = A + g * 16 * nb;
+        const float* bg = B + g * 16 * nb;
+        __m512 A0 = SQ_SPREAD(ag), A1 = SQ_SPREAD(ag + 4), A2 = SQ_SPREAD(ag + 8), A3 = SQ_SPREAD(ag + 12);
+        __m512 B0 = A0, B1 = A1, B2 = A2, B3 = A3;
+        if (hasb) { B0 = SQ_SPREAD(bg); B1 = SQ_SPREAD(bg + 4); B2 = SQ_SPREAD(bg + 8); B3 = SQ_SPREAD(bg + 12); }
+        __m512 s0, s1, s2, s3, xv = SQ_X(0);
+        SQ_FIRST(s0, SQ_P(qg, A0, B0, xv));
+        SQ_FIRST(s1, SQ_P(qg + 16, A1, B1, xv));
+        SQ_FIRST(s2, SQ_P(qg + 32, A2, B2, xv));
+        SQ_FIRST(s3, SQ_P(qg + 48, A3, B3, xv));
+        for (int64_t b = 0; b < nb; b++) {
+            if (b) {
+                const float* ab = ag + 16 * b;
+                A0 = SQ_SPREAD(ab); A1 = SQ_SPREAD(ab + 4); A2 = SQ_SPREAD(ab + 8); A3 = SQ_SPREAD(ab + 12);
+                if (hasb) {
+                    const float* bb = bg + 16 * b;
+                    B0 = SQ_SPREAD(bb); B1 = SQ_SPREAD(bb + 4); B2 = SQ_SPREAD(bb + 8); B3 = SQ_SPREAD(bb + 12);
+                }
+            }
+            int64_t cs = b ? b * cpb : 1, ce = b + 1 < nb ? (b + 1) * cpb : C - 1;
+            for (int64_t c = cs; c < ce; c++) {
+                const int8_t* p = qg + 64 * c;
+                xv = SQ_X(c);
+                s0 = _mm512_add_ps(s0, SQ_P(p, A0, B0, xv));
+                s1 = _mm512_add_ps(s1, SQ_P(p + 16, A1, B1, xv));
+                s2 = _mm512_add_ps(s2, SQ_P(p + 32, A2, B2, xv));
+                s3 = _mm512_add_ps(s3, SQ_P(p + 48, A3, B3, xv));
+            }
         }
-        SQ_LAST(aa, n, xl);
-        SQ_LAST(ab, n + 4, xl);
+        const int8_t* p = qg + 64 * (C - 1);
+        xv = SQ_X(C - 1);
+        SQ_LAST(s0, SQ_P(p, A0, B0, xv), y + 16 * g);
+        SQ_LAST(s1, SQ_P(p + 16, A1, B1, xv), y + 16 * g + 4);
+        SQ_LAST(s2, SQ_P(p + 32, A2, B2, xv), y + 16 * g + 8);
+        SQ_LAST(s3, SQ_P(p + 48, A3, B3, xv), y + 16 * g + 12);
     }
-    for (; n < N; n += 4) {
-        __m512 aa;
-        SQ_FIRST(aa, n, x0);
-        for (int64_t k = 16; k < K - 16; k += 16) {
-            __m512 xv = _mm512_loadu_ps(x + k);
-            SQ_STEP(aa, n, k, xv);
+    for (int64_t r = groups * 4; r < N / 4; r++) {  /* the quads after the last group */
+        const int8_t* qq = Q + r * 4 * K;
+        const float *aq = A + r * 4 * nb, *bq = B + r * 4 * nb;
+        __m512 A0 = SQ_SPREAD(aq), B0 = hasb ? SQ_SPREAD(bq) : A0, s0, xv = SQ_X(0);
+        SQ_FIRST(s0, SQ_P(qq, A0, B0, xv));
+        for (int64_t b = 0; b < nb; b++) {
+            if (b) { A0 = SQ_SPREAD(aq + 4 * b); if (hasb) B0 = SQ_SPREAD(bq + 4 * b); }
+            int64_t cs = b ? b * cpb : 1, ce = b + 1 < nb ? (b + 1) * cpb : C - 1;
+            for (int64_t c = cs; c < ce; c++) {
+                xv = SQ_X(c);
+                s0 = _mm512_add_ps(s0, SQ_P(qq + 16 * c, A0, B0, xv));
+            }
         }
-        SQ_LAST(aa, n, xl);
+        xv = SQ_X(C - 1);
+        SQ_LAST(s0, SQ_P(qq + 16 * (C - 1), A0, B0, xv), y + 4 * r);
     }
-    (void)steps;
 }
 
 /* y[N] = W[N, K] x[K] in MKL's order for float32 rows starting `peel` floats before a 16-byte
    boundary (1-4; 4: aligned), W[n, k] = fl(fl(A[n, k >> gshift] Q[n, k]) + B[n, k >> gshift])
-   (no add where B is NULL); N % 4 == 0, K % 16 == 0, K >= 32, gshift 4 or 5 */
+   (no add where B is NULL), codes and scales laid out as above; N % 4 == 0, K % 4 == 0,
+   K >= 32, gshift 4 or 5 (blocks of 16 or 32 columns, K a multiple of the block) */
 void semcomm_qmatvec(const int8_t* Q, const float* A, const float* B, const float* x, float* y,
                      int64_t N, int64_t K, int64_t gshift, int64_t peel) {
     if (B) sq_body(Q, A, B, x, y, N, K, gshift, peel, 1);
@@ -203,20 +212,60 @@ def quant_enabled() -> bool:
 
 @dataclass(slots=True)
 class QuantWeight:
-    """One weight's codes: ``weight[n, k] == fl(fl(a[n, k // group] * q[n, k]) + b[...])``
-    (no add where ``b`` is None), for a float32 weight whose rows start ``peel`` floats before
-    a 16-byte boundary (4: aligned; the summation order depends on it)."""
+    """One weight's codes: ``weight[n, k] == fl(fl(A[n, k // group] * Q[n, k]) + B[...])``
+    (no add where there is no ``B``), for a float32 weight whose rows start ``peel`` floats
+    before a 16-byte boundary (4: aligned; the summation order depends on it).
 
-    q: torch.Tensor  # int8 [N, K]
-    a: torch.Tensor  # float32 [N, K // group]
-    b: torch.Tensor | None  # float32 [N, K // group] or None
+    ``q``, ``a`` and ``b`` are flat, laid out as the kernel reads them (groups of 16 rows,
+    4-column chunks of 4 rows at a time; the kernel's source describes it):
+    :meth:`from_rows` makes one from the row-major arrays, :meth:`rows` gives them back.
+    """
+
+    q: torch.Tensor  # int8 [N * K]
+    a: torch.Tensor  # float32 [N * K // group]
+    b: torch.Tensor | None  # float32 [N * K // group] or None
+    n: int
+    k: int
     group: int  # 16 or 32
     kind: str  # the GGUF type (Q5_0, Q4_K, ...)
     peel: int = 4
 
+    @classmethod
+    def from_rows(cls, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, group: int,
+                  kind: str) -> QuantWeight:
+        """From row-major ``q`` ``[N, K]``, ``a`` and ``b`` ``[N, K // group]`` (``N`` a
+        multiple of 4, ``K`` of ``group`` and of 4)."""
+        n, k = int(q.shape[0]), int(q.shape[1])
+        if n % 4 or k % 4 or k % group or tuple(a.shape) != (n, k // group):
+            raise ValueError(f"{kind}: {n}x{k} codes do not come in quads of whole blocks")
+        g, c = n // 16, k // 4
+
+        def lay(t: torch.Tensor, cols: int, inner: int) -> torch.Tensor:
+            head = t[:16 * g].reshape(g, 4, 4, cols, inner).permute(0, 3, 1, 2, 4)
+            tail = t[16 * g:].reshape(-1, 4, cols, inner).permute(0, 2, 1, 3)
+            return torch.cat([head.reshape(-1), tail.reshape(-1)])
+
+        return cls(lay(q, c, 4), lay(a, k // group, 1), None if b is None else lay(b, k // group, 1),
+                   n, k, group, kind)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row-major ``(q [N, K], a [N, K // group], b or None)``."""
+        k, g = self.k, self.n // 16
+
+        def unlay(t: torch.Tensor, cols: int, inner: int) -> torch.Tensor:
+            cut = 16 * g * cols * inner
+            head = t[:cut].reshape(g, cols, 4, 4, inner).permute(0, 2, 3, 1, 4)
+            tail = t[cut:].reshape(-1, cols, 4, inner).permute(0, 2, 1, 3)
+            return torch.cat([head.reshape(16 * g, cols * inner),
+                              tail.reshape(-1, cols * inner)])
+
+        nb = k // self.group
+        return (unlay(self.q, k // 4, 4), unlay(self.a, nb, 1),
+                None if self.b is None else unlay(self.b, nb, 1))
+
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.q.shape[0]), int(self.q.shape[1])
+        return self.n, self.k
 
     @property
     def nbytes(self) -> int:
@@ -224,28 +273,21 @@ class QuantWeight:
                 + (0 if self.b is None else self.b.numel() * 4))
 
     def reconstruct(self) -> torch.Tensor:
-        """The float32 weight the codes stand for, with the same float32 operations."""
-        n, k = self.shape
-        w = self.q.view(n, k // self.group, self.group).to(torch.float32) * self.a[..., None]
-        if self.b is not None:
-            w = w + self.b[..., None]
-        return w.view(n, k)
+        """The float32 weight as the codes give it, with gguf-py's float32 operations."""
+        q, a, b = self.rows()
+        n, k = self.n, self.k
+        w = q.reshape(n, k // self.group, self.group).to(torch.float32) * a[..., None]
+        if b is not None:
+            w = w + b[..., None]
+        return w.reshape(n, k)
 
     def equals(self, weight: torch.Tensor) -> bool:
         """Whether the reconstruction equals ``weight`` bit for bit (signed zeros and NaN
-        payloads included), row block by row block."""
+        payloads included)."""
         if tuple(weight.shape) != self.shape or weight.dtype != torch.float32:
             return False
-        n, k = self.shape
-        step = max(4, (1 << 22) // max(1, k))
-        for r in range(0, n, step):
-            part = QuantWeight(self.q[r:r + step], self.a[r:r + step],
-                               None if self.b is None else self.b[r:r + step], self.group,
-                               self.kind)
-            if not torch.equal(part.reconstruct().view(torch.int32),
-                               weight[r:r + step].contiguous().view(torch.int32)):
-                return False
-        return True
+        return torch.equal(self.reconstruct().view(torch.int32),
+                           weight.contiguous().view(torch.int32))
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -362,10 +404,13 @@ class QuantMatVec:
     @staticmethod
     def supports(qw: QuantWeight) -> bool:
         n, k = qw.shape
-        return (n > 0 and n % 4 == 0 and k >= 32 and k % 16 == 0 and qw.group in (16, 32)
+        nb = k // qw.group if qw.group in (16, 32) else 0
+        return (n > 0 and n % 4 == 0 and k >= 32 and k % 4 == 0 and nb * qw.group == k
                 and 1 <= qw.peel <= 4 and qw.q.dtype == torch.int8 and qw.q.is_contiguous()
-                and qw.a.dtype == torch.float32 and qw.a.is_contiguous()
-                and (qw.b is None or (qw.b.dtype == torch.float32 and qw.b.is_contiguous())))
+                and qw.q.numel() == n * k and qw.a.dtype == torch.float32
+                and qw.a.is_contiguous() and qw.a.numel() == n * nb
+                and (qw.b is None or (qw.b.dtype == torch.float32 and qw.b.is_contiguous()
+                                      and qw.b.numel() == n * nb)))
 
     def linear(self, x: torch.Tensor, qw: QuantWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -447,14 +492,17 @@ def _match_rows(qw: QuantWeight, weight: torch.Tensor) -> QuantWeight | None:
         perm = torch.tensor([have[k] for k in _row_keys(weight)], dtype=torch.long)
     except KeyError:
         return None
-    return QuantWeight(qw.q[perm].contiguous(), qw.a[perm].contiguous(),
-                       None if qw.b is None else qw.b[perm].contiguous(), qw.group, qw.kind)
+    q, a, b = qw.rows()
+    out = QuantWeight.from_rows(q[perm], a[perm], None if b is None else b[perm], qw.group,
+                                qw.kind)
+    return out if out.equals(weight) else None
 
 
 def _save(path: Path, qw: QuantWeight) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arrays = {"q": qw.q.numpy(), "a": qw.a.numpy(), "group": np.array(qw.group)}
+    arrays = {"q": qw.q.numpy(), "a": qw.a.numpy(), "group": np.array(qw.group),
+              "shape": np.array([qw.n, qw.k])}
     if qw.b is not None:
         arrays["b"] = qw.b.numpy()
     with open(tmp, "wb") as fh:
@@ -466,10 +514,12 @@ def _load(path: Path, kind: str) -> QuantWeight | None:
     try:
         with np.load(path) as z:
             b = torch.from_numpy(z["b"].copy()) if "b" in z.files else None
-            return QuantWeight(torch.from_numpy(z["q"].copy()), torch.from_numpy(z["a"].copy()),
-                               b, int(z["group"]), kind)
+            n, k = (int(v) for v in z["shape"])
+            qw = QuantWeight(torch.from_numpy(z["q"].copy()), torch.from_numpy(z["a"].copy()),
+                             b, n, k, int(z["group"]), kind)
     except (OSError, ValueError, KeyError):
         return None
+    return qw if QuantMatVec.supports(qw) else None
 
 
 def _from_gguf(tensor: Any, weight: torch.Tensor) -> QuantWeight | None:
@@ -479,10 +529,10 @@ def _from_gguf(tensor: Any, weight: torch.Tensor) -> QuantWeight | None:
         return None
     try:
         q, a, b, g = codes_from_blocks(kind, tensor.data, rows, cols)
+        qw = QuantWeight.from_rows(torch.from_numpy(q), torch.from_numpy(a),
+                                   None if b is None else torch.from_numpy(b), g, kind)
     except ValueError:
         return None
-    qw = QuantWeight(torch.from_numpy(q), torch.from_numpy(a),
-                     None if b is None else torch.from_numpy(b), g, kind)
     if qw.equals(weight):
         return qw
     return _match_rows(qw, weight)  # e.g. Llama's q/k rows, permuted by transformers
@@ -506,7 +556,7 @@ def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tens
         if w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu":
             continue
         w = w.detach()
-        file = cache / f"{name}.{w.shape[0]}x{w.shape[1]}.npz"
+        file = cache / f"{name}.{w.shape[0]}x{w.shape[1]}.g16.npz"
         kind = _kinds(cache).get(name, "")
         qw = _load(file, kind) if file.exists() else None
         if qw is not None and qw.equals(w):
@@ -534,7 +584,7 @@ def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tens
             out[name] = qw
             kinds[name] = qw.kind
             try:
-                _save(cache / f"{name}.{w.shape[0]}x{w.shape[1]}.npz", qw)
+                _save(cache / f"{name}.{w.shape[0]}x{w.shape[1]}.g16.npz", qw)
             except OSError as exc:
                 logger.info("quantized codes not cached: %s", exc)
         try:
