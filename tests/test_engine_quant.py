@@ -218,8 +218,14 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
     lean = eng._lean_decoder()
     assert lean is not None
     assert lean.quant_in_use() == 7 * model.config.num_hidden_layers  # every product
-    assert {q.kind for q in lean.quant.values()} == {"Q4_1"}
+    assert {q.kind for q in lean.quant.values()} == {"Q4_1", "Q8_0"}  # layers; tied head
     assert out.token_ids == ref
+    # the full LM head (sampling, greedy_head=False) from the embedding's Q8_0 codes
+    lm = model.get_output_embeddings()
+    h = torch.randn((1, 1, model.config.hidden_size), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        assert torch.equal(lean.head_logits(h, lm).view(torch.int32), lm(h).view(torch.int32))
+    assert any(k[0] == "codes" and ok for k, ok in lean._head_ok.items())
     # a corrupted code: that weight falls back to the float32 kernel, the rest keep the codes
     name = "blk.3.ffn_up.weight"
     lean.quant[name].q.view(-1)[100] += 1

@@ -141,6 +141,7 @@ class LeanDecoder:
         self.qmatvec: QuantMatVec | None = None
         self._qlins: list[tuple[Any, ...]] | None = None
         self._gguf: tuple[Any, str] | None = None  # (GGUF path, digest) to read the codes from
+        self._head: tuple[str, torch.Tensor] | None = None  # the LM head's GGUF name and weight
 
     def _weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return [(w, b) for p in self.layers for w, b in
@@ -172,7 +173,10 @@ class LeanDecoder:
         if qmv is None:
             return None
         if not self.quant and self._gguf is not None:
-            self.quant = load_codes(self._gguf, layer_weight_names(self.layers))
+            weights = layer_weight_names(self.layers)
+            if self._head is not None:
+                weights[self._head[0]] = self._head[1]
+            self.quant = load_codes(self._gguf, weights)
             self._gguf = None
         if not self.quant:
             return None
@@ -211,14 +215,28 @@ class LeanDecoder:
         return sum(f is not None for row in self._qlins for f in row)
 
     def head_logits(self, h: torch.Tensor, lm: Any) -> torch.Tensor:
-        """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``): through the exact matvec when
-        the step's products run through it and the head is a linear layer whose weight matched
-        ``F.linear`` through it (checked once a weight); else the head itself."""
+        """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``): from the GGUF's codes of the
+        head where they rebuilt its weight and their products matched ``F.linear`` (checked
+        once), else through the exact matvec when the step's products run through it and the
+        head is a linear layer whose weight matched ``F.linear`` through it (checked once a
+        weight); else the head itself."""
         mv = self.fast_matvec()
         if mv is None or not isinstance(lm, torch.nn.Linear) or h.dtype != torch.float32:
             return lm(h)  # type: ignore[no-any-return]
         w, b = lm.weight, lm.bias
         key = (w.data_ptr(), w.dtype, tuple(w.shape), b is None)
+        qw = self.quant.get(self._head[0]) if self._head is not None else None
+        if qw is not None and self.qmatvec is not None and (
+                self._head is not None and self._head[1].data_ptr() == w.data_ptr()):
+            qkey = ("codes", *key)
+            ok = self._head_ok.get(qkey)
+            if ok is None:
+                ok = self._head_ok[qkey] = self.qmatvec.matches(
+                    qw, w.detach(), None if b is None else b.detach())
+                logger.info("quantized-code LM head %s", "on" if ok else
+                            "off: its products differ from F.linear's")
+            if ok:
+                return self.qmatvec.linear(h, qw, b)
         ok = self._head_ok.get(key)
         if ok is None:
             ok = self._head_ok[key] = mv.matches(w.detach(), None if b is None else b.detach())
@@ -284,6 +302,11 @@ class LeanDecoder:
             lean.qmatvec = QuantMatVec.shared()
             # a catalog model with its GGUF: the codes are read on the first step at one thread
             lean._gguf = find_gguf(model) if lean.qmatvec is not None else None
+            lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            if isinstance(lm, torch.nn.Linear) and lm.bias is None:
+                tied = lm.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
+                lean._head = ("token_embd.weight" if tied else "output.weight",
+                              lm.weight.detach())
         lean.fast_matvec()  # checks the weights now when running at one thread
         return lean
 
