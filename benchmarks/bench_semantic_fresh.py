@@ -47,8 +47,11 @@ The default's lone-candidate cut (cos >= ``VERIFIED_THRESHOLD`` and cross-encode
 bound >= 0.90); the fresh sets are then reported once.
 
 Methods, in one run on the same MiniLM vectors: ``SemanticCache()`` (the default: the centroid
-rule for answer clusters), the previous default (the neighbour vote rule, lone cut 0.91 / 0.65;
-``--previous-rule`` / ``--previous-cut`` pick another), ``SemanticCache(cross_encoder=False)``, plain MiniLM cosine
+rule for answer clusters, floor 0.55, spread 0.10), the centroid rule at the stricter floor
+0.58 and spread 0.08 that ``bench_semantic_rule.py --pick goal`` chose on development traffic
+(``--candidate-centroid``; not adopted), the previous default (the neighbour vote rule, lone
+cut 0.91 / 0.65; ``--previous-rule`` / ``--previous-centroid`` / ``--previous-cut`` pick
+another), ``SemanticCache(cross_encoder=False)``, plain MiniLM cosine
 (nearest stored phrasing) at 0.80, 0.92 and at the cut calibrated on the matching validation
 set for the goal's precision, and GPTCache 0.1.44 (SQLite + Faiss, ``SearchDistanceEvaluation``) at cos 0.80 and 0.92. 95 %
 percentile-bootstrap intervals resample the lookups (2,000 resamples).
@@ -120,6 +123,10 @@ GOAL_PRECISION = {"faq": 0.95, "pairs": 0.90}
 QUORA_VAL = "quora-val (validation: the lone-candidate cut is chosen here)"
 PREVIOUS_CUT = (0.91, 0.65)  # the previous default's lone-candidate cut (its cluster rule: vote)
 PREVIOUS_RULE = "vote"  # the previous default's cluster rule (ClusterVotePolicy(rule=...))
+PREVIOUS_CENTROID = (0.55, 0.10)  # its centroid floor and spread with --previous-rule centroid
+# a stricter centroid rule measured beside the default: the floor and spread that
+# bench_semantic_rule.py --pick goal chose on development traffic (not adopted)
+CANDIDATE_CENTROID = (0.58, 0.08)
 HOLDOUT = "clinc-holdout (validation: chose the centroid rule)"
 HOLDOUT_SPLITS = 4
 
@@ -267,27 +274,47 @@ def lone_candidates(t: Traffic, floor: float = 0.80, k: int = 8, xv: Any = None)
     from semcomm.semantic import LexicalGuard
 
     g, xv = LexicalGuard(), xv or default_cross_verifier()
-    sims_all, ps, oks, exact = [], [], [], []
+    sims_all, ps, oks, exact, rivals = [], [], [], [], []
     for b, (sv, qv) in zip(t.blocks, t.vecs, strict=True):
         sims = qv @ sv.T
         top = np.argsort(-sims, axis=1)[:, :k]
         for i, q in enumerate(b.queries):
-            cos, p, ok, ex = -1.0, 0.0, False, False
+            cos, p, ok, ex, rival, found = -1.0, 0.0, False, False, -1.0, None
             for j in top[i]:
                 if sims[i, j] < floor:
                     break
                 c = b.stored[j]
+                if found is not None:  # the runner-up of another answer that passes the guard
+                    if b.answers[j] != b.answers[found] and g(q, c):
+                        rival = float(sims[i, j])
+                        break
+                    continue
                 if g(q, c):
                     cos, ok = float(sims[i, j]), right(b, b.answers[j], b.expected[i])
                     ex = " ".join(c.lower().split()) == " ".join(q.lower().split())
                     p = 1.0 if ex else xv.score(q, c)
-                    break
+                    found = int(j)
             sims_all.append(cos)
             ps.append(p)
             oks.append(ok)
             exact.append(ex)
+            rivals.append(rival)
     return {"similarity": sims_all, "score": ps, "right": oks, "exact": exact,
-            "n_positive": int(t.in_scope.sum())}
+            "rival": rivals, "n_positive": int(t.in_scope.sum())}
+
+
+def lead_scores(lc: dict, weight: float) -> list[float]:
+    """The lone candidates' cross-encoder scores moved by their lead over the rival
+    (``semcomm.semantic.lead_score``, as the policy computes it)."""
+    from semcomm.semantic import Candidate, lead_score
+
+    out = []
+    for cos, p, ex, rival in zip(lc["similarity"], lc["score"], lc["exact"], lc["rival"],
+                                 strict=True):
+        best = Candidate("best", "", cos, "a")
+        cands = [best] + ([Candidate("rival", "", rival, "b")] if rival > -1.0 else [])
+        out.append(1.0 if ex else lead_score(p, best, cands, weight))
+    return out
 
 
 def band_auc(t: Traffic, lc: dict, band: float = 0.88, xv: Any = None) -> dict:
@@ -330,16 +357,32 @@ def nearest_guarded(b: FAQWorkload, sv: np.ndarray, qv: np.ndarray, k: int = 8) 
 
 
 def calibrate(t: Traffic, out: Path, target: float, confidence: float, xv: Any = None,
-              json_name: str = "semantic_fresh_calibration.json") -> dict:
+              json_name: str = "semantic_fresh_calibration.json",
+              lead_weights: tuple[float, ...] = (0.0,)) -> dict:
     """Choose the default's lone-candidate cut on the validation set ``t`` only (``xv``: the
-    cross-encoder to score with; default the shipped one)."""
+    cross-encoder to score with; default the shipped one). With ``lead_weights`` besides 0,
+    each weight of the lead over the rival (``ThresholdPolicy(lead_weight=)``) gets its own
+    cut, and the weight whose cut has the most recall wins (the same rule on one more axis)."""
     from semcomm.semantic import VERIFIED_MIN_SCORE, VERIFIED_THRESHOLD, calibrate_scored_cut
 
     lc = lone_candidates(t, xv=xv)
     auc = band_auc(t, lc, xv=xv)
-    cut = calibrate_scored_cut(lc["similarity"], lc["score"], lc["right"], lc["n_positive"],
-                               exact=lc["exact"], target_precision=target,
-                               confidence=confidence)
+    sim = np.asarray(lc["similarity"])
+    band = (sim >= auc["band"]) & ~np.asarray(lc["exact"])
+    lead_rows, cut, weight = [], None, 0.0
+    for w in lead_weights:  # the cut's grid gains a third axis: the lead's weight
+        c = calibrate_scored_cut(lc["similarity"], lead_scores(lc, w), lc["right"],
+                                 lc["n_positive"], exact=lc["exact"], target_precision=target,
+                                 confidence=confidence)
+        moved = np.asarray(lead_scores(lc, w))[band]
+        ok = np.asarray(lc["right"])[band]
+        a, b = moved[ok], moved[~ok]
+        lead_rows.append({"lead_weight": w, "band_auc": float(
+            (a[:, None] > b[None, :]).mean() + 0.5 * (a[:, None] == b[None, :]).mean()),
+            **{f: getattr(c, f) for f in c.__slots__}})
+        if cut is None or (c.reached, c.recall) > (cut.reached, cut.recall):
+            cut, weight = c, w
+    assert cut is not None
     at = {}
     for name, (t0, p0) in (("shipped", (VERIFIED_THRESHOLD, VERIFIED_MIN_SCORE)),
                            ("previous", PREVIOUS_CUT)):
@@ -349,9 +392,17 @@ def calibrate(t: Traffic, out: Path, target: float, confidence: float, xv: Any =
         at[name] = {f: getattr(c, f) for f in c.__slots__ if f != "reached"}
     res = {"validation": t.name, "verifier": str((xv or default_cross_verifier()).path),
            "verifier_train": (xv or default_cross_verifier()).config.get("train"),
-           "target_precision": target, "confidence": confidence,
+           "target_precision": target, "confidence": confidence, "lead_weights": lead_rows,
+           "lead_weight": weight,
            "chosen": {f: getattr(cut, f) for f in cut.__slots__}, **at, "band_auc": auc}
-    console.print(f"lone-candidate cut chosen on {t.name}: cos >= {cut.threshold:.2f} and P >= "
+    for r in lead_rows:
+        console.print(f"  lead weight {r['lead_weight']:g}: cut cos >= {r['threshold']:.2f}, "
+                      f"P >= {r['min_score']:.2f}: {r['hits']} hits, precision "
+                      f"{r['precision']:.3f} (bound {r['lower_bound']:.3f}), recall "
+                      f"{r['recall']:.3f}; AUC of the moved score in the band "
+                      f"{r['band_auc']:.3f}")
+    console.print(f"lone-candidate cut chosen on {t.name} (lead weight {weight:g}): cos >= "
+                  f"{cut.threshold:.2f} and P >= "
                   f"{cut.min_score:.2f}: {cut.hits} hits, precision {cut.precision:.3f} (lower "
                   f"bound {cut.lower_bound:.3f} at {confidence:.0%}), recall {cut.recall:.3f}")
     for name, r in at.items():
@@ -421,6 +472,9 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="only: choose the lone-candidate cut on quora-val (validation) "
                          "(semantic_fresh_calibration.json)")
+    ap.add_argument("--lead-weights", default="0",
+                    help="--calibrate: comma-separated weights of the lead over the rival "
+                         "(ThresholdPolicy(lead_weight=)) to choose among, 0 = P alone")
     ap.add_argument("--target", type=float, default=GOAL_PRECISION["pairs"],
                     help="--calibrate: precision the cut's lower bound must reach")
     ap.add_argument("--confidence", type=float, default=0.9,
@@ -434,6 +488,13 @@ def main() -> None:
                     help="adapter folder of the previous default (default: the shipped one)")
     ap.add_argument("--previous-cut", type=float, nargs=2, metavar=("COS", "P"),
                     default=list(PREVIOUS_CUT), help="lone-candidate cut of the previous default")
+    ap.add_argument("--candidate-centroid", type=float, nargs=2, metavar=("FLOOR", "SPREAD"),
+                    default=list(CANDIDATE_CENTROID),
+                    help="centroid floor and spread of the stricter rule measured beside the "
+                         "default")
+    ap.add_argument("--previous-centroid", type=float, nargs=2, metavar=("FLOOR", "SPREAD"),
+                    default=list(PREVIOUS_CENTROID),
+                    help="centroid floor and spread of the previous default (centroid rule)")
     ap.add_argument("--previous-rule", default=PREVIOUS_RULE, choices=("vote", "centroid"),
                     help="cluster rule of the previous default")
     ap.add_argument("--speed-entries", type=int, default=100_000,
@@ -457,15 +518,19 @@ def main() -> None:
         calibrate(Traffic(QUORA_VAL, "pairs", [pairs_workload(2000, name="quora-val")],
                           role="validation"), args.out, args.target, args.confidence, xv=cand,
                   json_name=args.json_name if args.json_name != "semantic_fresh.json"
-                  else "semantic_fresh_calibration.json")
+                  else "semantic_fresh_calibration.json",
+                  lead_weights=tuple(float(x) for x in args.lead_weights.split(",")))
         return
     prev_xv = (default_cross_verifier() if args.previous_verifier is None
                else CrossEncoderVerifier(args.previous_verifier))
     pt, pp = args.previous_cut
     prule = args.previous_rule
-    prev_label = (f"previous default ({prule} rule, lone cut {pt:g} / {pp:g})"
+    pf, psp = args.previous_centroid
+    rule_label = (f"{prule} rule" if prule == "vote"
+                  else f"{prule} rule, floor {pf:g}, spread {psp:g}")
+    prev_label = (f"previous default ({rule_label}, lone cut {pt:g} / {pp:g})"
                   if args.previous_verifier is None
-                  else f"previous default ({prule} rule, {args.previous_verifier.name} verifier, "
+                  else f"previous default ({rule_label}, {args.previous_verifier.name} verifier, "
                        f"lone cut {pt:g} / {pp:g})")
     wl = workloads(args.block, args.blocks, args.seed, fresh=not args.validation_only)
     by_name = {t.name: t for t in wl}
@@ -487,8 +552,16 @@ def main() -> None:
         console.log(f"{t.name}: {sum(len(b.stored) for b in t.blocks)} stored, "
                     f"{sum(len(b.queries) for b in t.blocks)} lookups")
         rows: dict[str, dict] = {}
-        prev = ClusterVotePolicy(pt, scorer=prev_xv, min_score=pp, rule=prule)
+        prev = ClusterVotePolicy(pt, scorer=prev_xv, min_score=pp, rule=prule,
+                                 centroid_floor=pf, spread=psp)
+        cf, csp = args.candidate_centroid
+        strict = ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
+                                   min_score=VERIFIED_MIN_SCORE, centroid_floor=cf,
+                                   spread=csp)
         methods: list[tuple[str, dict]] = [("SemanticCache() default", {}),
+                                           (f"centroid rule at floor {cf:g}, spread {csp:g} "
+                                            "(--pick goal on development data)",
+                                            {"policy": strict}),
                                            (prev_label, {"policy": prev}),
                                            ("SemanticCache(cross_encoder=False)",
                                             {"cross_encoder": False})]
@@ -503,7 +576,8 @@ def main() -> None:
             rows[label] = r = run_method(
                 t, lambda b, sv, qv, kw=kw, lat=lat, st=st: served_semcomm(b, sv, qv, lat, st,
                                                                             **kw),
-                args.boot, args.seed, wrong_hits=100 if label.endswith("default") else 0)
+                args.boot, args.seed,
+                wrong_hits=100 if label.endswith("default") or "--pick goal" in label else 0)
             r["lookup_p50_ms"] = float(np.median(lat) * 1e3)
             r["scored_share"] = st.get("scored", 0) / max(1, len(lat))
             if st.get("scored"):  # the hit-path cost: one cross-encoder forward per scored lookup
@@ -596,6 +670,7 @@ def _plot(res: dict, path: Path) -> None:
             if "precision" not in r:
                 continue
             col = colours.get(m) or ("orange" if m.startswith("previous default") else
+                                     "brown" if m.startswith("centroid rule at") else
                                      "purple" if m.startswith("verifier ") else
                                      colours["GPTCache" if m.startswith("GPT") else "plain"])
             c = r["ci95"]
@@ -603,13 +678,16 @@ def _plot(res: dict, path: Path) -> None:
                         xerr=[[r["recall"] - c["recall"][0]], [c["recall"][1] - r["recall"]]],
                         yerr=[[r["precision"] - c["precision"][0]],
                               [c["precision"][1] - r["precision"]]],
-                        fmt="o" if col in ("red", "green", "orange", "purple") else "s", color=col, ms=5,
+                        fmt="o" if col in ("red", "green", "orange", "purple", "brown") else "s",
+                        color=col, ms=5,
                         capsize=2, alpha=0.9 if col == "red" else 0.6)
             short = (m.replace("plain MiniLM cosine", "cos").replace("GPTCache 0.1.44 at cos",
                                                                      "GPTCache")
                      .replace(" (cut calibrated on validation)", " (cal.)")
                      .replace("SemanticCache", "SC")
                      .replace("previous default (vote rule, lone cut 0.91 / 0.65)", "prev. (vote)")
+                     .replace("centroid rule at floor 0.58, spread 0.08 (--pick goal on "
+                              "development data)", "0.58 / 0.08")
                      .replace("previous default", "prev."))
             # GPTCache serves what plain cosine at its cut serves: its label goes below
             ax.annotate(short, (r["recall"], r["precision"]), fontsize=6,
@@ -625,7 +703,8 @@ def _plot(res: dict, path: Path) -> None:
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.suptitle("precision / recall with 95 % bootstrap intervals; red: SemanticCache() "
-                 "default, orange: previous default, green: cross_encoder=False, blue: plain cosine, black: GPTCache; "
+                 "default, brown: floor 0.58 / spread 0.08, orange: previous default, green: "
+                 "cross_encoder=False, blue: plain cosine, black: GPTCache; "
                  "dotted: the goal", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

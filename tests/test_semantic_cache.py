@@ -18,6 +18,7 @@ from semcomm.semantic import (
     ThresholdPolicy,
     calibrate_scored_cut,
     calibrate_threshold,
+    lead_score,
 )
 
 from ._semantic_helpers import Clock, bow_embed, minilm  # noqa: F401
@@ -385,6 +386,46 @@ def test_scorer_sees_best_and_runner_up(toy) -> None:
     # now two near-identical candidates: too close to call, the scorer refuses
     assert cache.lookup("alpha beta gamma") is None
     assert seen[-1][1] is not None
+
+
+def test_lead_weight_moves_the_score_by_the_lead_over_a_rival_of_another_answer() -> None:
+    """``lead_weight``: a lone candidate's score rises with its cosine lead over the nearest
+    candidate of another answer (rivals below 0.80 count as 0.80) and is left alone without a
+    weight; a rival of the same answer cluster is no rival."""
+    dim = 16
+    e = np.eye(dim, dtype=np.float32)
+
+    def near(cos: float, k: int) -> np.ndarray:
+        return (cos * e[0] + np.sqrt(1 - cos * cos) * e[k]).astype(np.float32)
+
+    emb = CallableEmbedder(lambda t: np.tile(e[15], (len(t), 1)), name="fixed16", dim=dim)
+
+    def build(weight: float, rival_answer: str | None) -> SemanticCache:
+        c = SemanticCache(embedder=emb, guard=False, policy=ThresholdPolicy(
+            0.9, scorer=lambda q, best, runner: 0.5, min_score=0.6, lead_weight=weight))
+        c.store("best", "answer A", embedding=near(0.95, 1))
+        if rival_answer is not None:
+            c.store("rival", rival_answer, embedding=near(0.94, 2))
+        return c
+
+    # P 0.5 alone is under 0.6; a lead of 0.15 over a far rival at weight 10 gives
+    # sigmoid(0 + 1.5) = 0.82
+    assert build(0.0, None).lookup("q", embedding=e[0]) is None
+    hit = build(10.0, None).lookup("q", embedding=e[0])
+    assert hit is not None and hit.answer == "answer A" and hit.reason == "scored-hit"
+    # a rival of another answer at 0.94: the lead is 0.01, sigmoid(0.1) = 0.52, refused
+    assert build(10.0, "answer B").lookup("q", embedding=e[0]) is None
+    # the same answer's other phrasing is no rival
+    assert build(10.0, "answer A").lookup("q", embedding=e[0]) is not None
+    from semcomm.semantic import Candidate
+
+    best = Candidate("b", "", 0.95, "x")
+    assert lead_score(0.5, best, [best], 10.0) == pytest.approx(1 / (1 + np.exp(-1.5)))
+    assert lead_score(0.5, best, [best, Candidate("r", "", 0.5, "y")], 10.0) == \
+        pytest.approx(1 / (1 + np.exp(-1.5)))  # a rival under 0.80 counts as 0.80
+    assert lead_score(0.3, best, [best], 0.0) == 0.3
+    with pytest.raises(ConfigError, match="lead_weight"):
+        ThresholdPolicy(0.9, lead_weight=-1.0)
 
 
 def test_sensitive_scopes_serve_only_verified_hits() -> None:

@@ -83,6 +83,41 @@ def test_a_tight_cluster_asks_for_a_closer_query_than_a_loose_one(emb) -> None:
     assert vote.lookup("query", embedding=Q) is not None
 
 
+def placed_cluster(c: SemanticCache, centre_cos: float, spread: float) -> float:
+    """Three phrasings around a centre at ``centre_cos`` from the query, ``spread`` apart from
+    it. Returns the query's cosine to a member."""
+    centre = unit(centre_cos * Q + np.sqrt(1 - centre_cos ** 2) * E[1])
+    for i, k in enumerate((2, 3, 4)):
+        c.store(f"t{i}", "answer T", embedding=unit(centre + spread * E[k]))
+    return float(unit(centre + spread * E[2]) @ Q)
+
+
+@pytest.mark.parametrize(("centre_cos", "spread", "member", "stricter"), [
+    # a loose cluster whose nearest phrasing is at 0.571: over the floor 0.55, under 0.58
+    (0.75, 0.85, (0.56, 0.58), {"centroid_floor": 0.58}),
+    # nearer phrasings (0.643), but the query is farther from the centroid than the members
+    # are, by more than a spread of 0.08 and less than the default 0.10
+    (0.75, 0.60, (0.64, 0.65), {"spread": 0.08}),
+])
+def test_floor_and_spread_each_refuse_a_query_at_the_edge_of_a_cluster(
+        emb, centre_cos, spread, member, stricter) -> None:
+    """The default (floor 0.55, spread 0.10) serves a query at the edge of a cluster; the
+    stricter values that ``bench_semantic_rule.py --pick goal`` chose on development traffic
+    (0.58 / 0.08, measured on held-out traffic and not adopted: docs/BENCHMARKS.md) refuse it,
+    each by its own test."""
+    default = ClusterVotePolicy()
+    assert (default.centroid_floor, default.spread, default.rival_margin) == (0.55, 0.10, 0.10)
+    c = SemanticCache(embedder=emb, policy=default, guard=False)
+    cos = placed_cluster(c, centre_cos, spread)
+    assert member[0] < cos < member[1]
+    hit = c.lookup("query", embedding=Q)
+    assert hit is not None and hit.answer == "answer T" and hit.reason == "centroid"
+    for kw in (stricter, {"centroid_floor": 0.58, "spread": 0.08}):
+        strict = SemanticCache(embedder=emb, policy=ClusterVotePolicy(**kw), guard=False)
+        placed_cluster(strict, centre_cos, spread)
+        assert strict.lookup("query", embedding=Q) is None
+
+
 def test_the_default_cache_uses_the_centroid_rule(emb) -> None:
     c = SemanticCache(embedder=emb)
     assert isinstance(c.policy, ClusterVotePolicy) and c.policy.rule == "centroid"

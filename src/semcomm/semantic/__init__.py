@@ -32,6 +32,7 @@ from ._index import (
 from ._judge import JudgeVerifier
 from ._policy import (
     DEFAULT_THRESHOLD,
+    LEAD_FLOOR,
     POLICIES,
     VERIFIED_MIN_SCORE,
     VERIFIED_THRESHOLD,
@@ -46,6 +47,7 @@ from ._policy import (
     Verifier,
     calibrate_scored_cut,
     calibrate_threshold,
+    lead_score,
     make_policy,
 )
 from ._redis import RedisEntryStore
@@ -65,6 +67,7 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "ENTRY_FORMAT_VERSION",
     "EVICTION_POLICIES",
+    "LEAD_FLOOR",
     "POLICIES",
     "VERIFIED_MIN_SCORE",
     "VERIFIED_THRESHOLD",
@@ -113,6 +116,7 @@ __all__ = [
     "decode_entry",
     "default_embedder",
     "encode_entry",
+    "lead_score",
     "make_index",
     "make_policy",
     "open_store",

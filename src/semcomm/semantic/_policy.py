@@ -40,6 +40,7 @@ from ..errors import ConfigError, InvalidInputError
 __all__ = [
     "CLUSTER_RULES",
     "DEFAULT_THRESHOLD",
+    "LEAD_FLOOR",
     "POLICIES",
     "VERIFIED_MIN_SCORE",
     "VERIFIED_THRESHOLD",
@@ -55,6 +56,7 @@ __all__ = [
     "Verifier",
     "calibrate_scored_cut",
     "calibrate_threshold",
+    "lead_score",
     "make_policy",
 ]
 
@@ -116,6 +118,30 @@ split without a margin (0.901 there, 0.872 on fresh pairs). docs/BENCHMARKS.md g
 held-out figures."""
 
 
+LEAD_FLOOR = 0.80
+"""A rival less similar than this counts as this similar in :func:`lead_score` (a lone
+candidate with no rival near it gets the lead it would have over a rival at 0.80)."""
+
+
+def lead_score(p: float, best: Candidate, candidates: Sequence[Candidate], weight: float,
+               floor: float = LEAD_FLOOR) -> float:
+    """``p`` (a verifier's P(right) for ``best``) moved by how far ``best`` leads its nearest
+    rival: ``sigmoid(logit(p) + weight * (best.similarity - max(rival, floor)))``, the rival
+    being the most similar candidate of another answer cluster. A query that sits as close to
+    another stored question as to the best one is more often wrong on QQP-style traffic (the
+    runner-up is a different question of the same topic): on the validation pairs this lead
+    separates right from wrong lone candidates about as well as the cross-encoder does, and the
+    two together better than either (docs/BENCHMARKS.md)."""
+    if not weight:
+        return p
+    rival = max((c.similarity for c in candidates if c.cluster_key != best.cluster_key),
+                default=floor)
+    lead = best.similarity - max(rival, floor)
+    q = min(max(p, 1e-6), 1.0 - 1e-6)
+    z = math.log(q / (1.0 - q)) + weight * lead
+    return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+
 class HitPolicy(Protocol):
     name: str
 
@@ -136,7 +162,9 @@ class ThresholdPolicy:
 
     With a ``scorer`` (e.g. :class:`~semcomm.semantic.LexicalVerifier` or the cross-encoder),
     the best candidate above the threshold must also score at least ``min_score`` given the
-    runner-up (an identical text, case and spacing aside, needs no score).
+    runner-up (an identical text, case and spacing aside, needs no score); with
+    ``lead_weight`` the score is first moved by the candidate's cosine lead over its nearest
+    rival of another answer (:func:`lead_score`).
     With a ``verifier``, candidates above the threshold are offered best first (at most
     ``max_verify``) and the first one the verifier accepts is served.
     """
@@ -145,12 +173,19 @@ class ThresholdPolicy:
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, *, verifier: Verifier | None = None,
                  max_verify: int = 2, scorer: Scorer | None = None,
-                 min_score: float = 0.5) -> None:
+                 min_score: float = 0.5, lead_weight: float = 0.0,
+                 lead_floor: float = LEAD_FLOOR) -> None:
         self.threshold = _check_threshold(threshold)
         self.verifier = verifier
         self.max_verify = max_verify
         self.scorer = scorer
         self.min_score = min_score
+        if not isinstance(lead_weight, (int, float)) or isinstance(lead_weight, bool) or \
+                not 0.0 <= float(lead_weight) <= 1000.0:
+            raise ConfigError(f"lead_weight must be logits per unit of cosine in [0, 1000], "
+                              f"got {lead_weight!r}")
+        self.lead_weight = float(lead_weight)
+        self.lead_floor = _check_threshold(lead_floor)
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
@@ -163,7 +198,8 @@ class ThresholdPolicy:
             runner = candidates[1] if len(candidates) > 1 else None
             same_text = " ".join(best.query.lower().split()) == " ".join(query.lower().split())
             if not same_text:
-                p = float(self.scorer(query, best, runner))
+                p = lead_score(float(self.scorer(query, best, runner)), best, candidates,
+                               self.lead_weight, self.lead_floor)
                 if p < self.min_score:
                     return Decision(None, verifications=1, reason="scored", score=p)
                 if self.verifier is None:
@@ -267,7 +303,10 @@ class ClusterVotePolicy(ThresholdPolicy):
     The centroid rule's defaults were chosen on development FAQ traffic only (CLINC150's
     development and banking intents, with a quarter of the intents left unstored so that their
     phrasings are near-miss out-of-scope queries; docs/BENCHMARKS.md) and measured once on
-    held-out traffic. A lone entry per answer (every answer distinct) behaves exactly like
+    held-out traffic. A stricter floor and spread chosen by the FAQ goal on every development
+    set (0.58 / 0.08, ``benchmarks/bench_semantic_rule.py --pick goal``) was measured once on
+    held-out traffic and not adopted: it cost 4.5 points of recall for 0.15 points of
+    out-of-scope hits there (docs/BENCHMARKS.md). A lone entry per answer (every answer distinct) behaves exactly like
     ``ThresholdPolicy(threshold)``.
     """
 
@@ -279,10 +318,11 @@ class ClusterVotePolicy(ThresholdPolicy):
                  margin: float = 0.2, floor: float = 0.6, support: int = 2,
                  verifier: Verifier | None = None, max_verify: int = 2,
                  scorer: Scorer | None = None, min_score: float = 0.5,
+                 lead_weight: float = 0.0, lead_floor: float = LEAD_FLOOR,
                  judge: Scorer | None = None, judge_floor: float = 0.85,
                  judge_min: float = 0.5) -> None:
         super().__init__(threshold, verifier=verifier, max_verify=max_verify, scorer=scorer,
-                         min_score=min_score)
+                         min_score=min_score, lead_weight=lead_weight, lead_floor=lead_floor)
         if rule not in CLUSTER_RULES:
             raise ConfigError(f"cluster rule must be one of {list(CLUSTER_RULES)}, got {rule!r}")
         self.rule = rule
