@@ -25,6 +25,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "KEY_LAYOUTS",
     "LAYERWISE_ENV",
     "TENANT_PARAM",
+    "TIMINGS_ENV",
     "ChunkSaver",
     "ConnectorSettings",
     "LayerwiseLoad",
@@ -59,6 +61,7 @@ __all__ = [
     "NamespaceFactory",
     "RequestPlan",
     "SaveSpec",
+    "Timings",
     "build_store",
     "chunk_size_for",
     "gather_chunk",
@@ -88,6 +91,33 @@ TENANT_PARAM = "semcomm_tenant"
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
                       torch.bfloat16: "bfloat16"}
 _MIB = 1 << 20
+
+
+TIMINGS_ENV = "SEMCOMM_VLLM_TIMINGS"
+"""A file path: each connector process appends one JSON line per store lookup (scheduler side),
+load, save and forward end (worker side) with its start (``at``: ``time.monotonic()``, the
+clock of vLLM's ``queued_ts`` / ``first_token_ts``) and duration (``benchmarks/bench_vllm.py``
+reads it to say where a warm request's time went). Unset: nothing is written."""
+
+
+class Timings:
+    """The ``SEMCOMM_VLLM_TIMINGS`` log: JSON lines, appended with one ``write`` each (lines
+    of several processes never interleave); off (a no-op) when the variable is unset."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path or None
+
+    def record(self, event: str, t0: float, seconds: float, **fields: Any) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"event": event, "at": t0, "ms": round(seconds * 1e3, 3),
+                           "pid": os.getpid(), **fields})
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as exc:  # a diagnostic must never fail a request
+            logger.warning("SemcommConnector: cannot write %s: %s", self.path, exc)
+            self.path = None
 
 
 # ---- settings and stores --------------------------------------------------------------------
@@ -685,7 +715,7 @@ def load_slot_bytes(caches: Sequence[torch.Tensor], chunk_size: int, block_size:
 def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor], *,
               chunk_size: int, block_size: int, dtype: str, codec: Any,
               key_layout: str = "d_bs", buffer: bytearray | memoryview | None = None,
-              slot_bytes: int = 0) -> int:
+              slot_bytes: int = 0, times: dict[str, float] | None = None) -> int:
     """Copy the spec's chunks into vLLM's paged caches; returns how many chunks were loaded.
 
     A chunk that fails (absent, corrupt, another tenant's, the wrong size or codec, the
@@ -699,7 +729,8 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     Any other chunk (the first when vLLM holds some of its blocks, the partial last one, a
     chunk another codec decoded into new memory) is written on its own (:func:`scatter_chunk`).
     Without such a store or buffer: :func:`iter_chunks` and :func:`scatter_chunk`, chunk by
-    chunk.
+    chunk. ``times`` (the batched path): seconds spent reading and checking chunks
+    (``"read_s"``) and copying them into the blocks (``"write_s"``) are added to it.
     """
     _check_layout(key_layout)
     into = getattr(store, "get_into", None)
@@ -722,11 +753,17 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     per_batch = view.nbytes // slot_bytes
     n = len(spec.keys)
     done = 0
+    clock = time.perf_counter
     for i0 in range(0, n, per_batch):
         want = min(n, i0 + per_batch) - i0
+        t0 = clock()
         batch = read_slots(store, spec, i0, want, view, slot_bytes, chunk_size=chunk_size,
                            dtype=dtype, codec=codec)
+        t1 = clock()
         _write_batch(caches, spec, i0, batch, view, slot_bytes, block_size, key_layout)
+        if times is not None:
+            times["read_s"] = times.get("read_s", 0.0) + t1 - t0
+            times["write_s"] = times.get("write_s", 0.0) + clock() - t1
         done += len(batch)
         if len(batch) < want:
             break

@@ -29,6 +29,7 @@ docs/vllm.md has the settings, commands and measurements. The vLLM-independent l
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ import torch
 from ..errors import ConfigError
 from ..kv import get_codec, staging_buffer
 from ._vllm_core import (
+    TIMINGS_ENV,
     ChunkSaver,
     ConnectorSettings,
     LayerwiseLoad,
@@ -58,6 +60,7 @@ from ._vllm_core import (
     NamespaceFactory,
     RequestPlan,
     SaveSpec,
+    Timings,
     build_store,
     chunk_size_for,
     dtype_name,
@@ -210,6 +213,7 @@ class SemcommConnector(KVConnectorBase_V1):
         self.layer_wait_seconds = 0.0  # of the forward's time, spent waiting for layer copies
         self.loaded_chunks = self.missed_chunks = 0
         self.load_seconds = 0.0  # time spent in start_load_kv (reads, checks, copies)
+        self._timings = Timings(os.environ.get(TIMINGS_ENV))
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
                     "attention ISA %s", role.name, self.settings.store, self.chunk_size,
                     self.block_size, self.dtype, self.codec.spec, self.isa)
@@ -226,11 +230,15 @@ class SemcommConnector(KVConnectorBase_V1):
             return 0, False
         lora = getattr(request, "lora_request", None)
         adapter = f"lora:{lora.lora_name}" if lora is not None else ""
+        t0, wall = time.perf_counter(), time.monotonic()
         plan = RequestPlan.new(request.request_id, self.namespaces.digest(tenant, adapter),
                                list(request.prompt_token_ids or []), self.chunk_size,
                                self.block_size, self.store)
         self._plans[request.request_id] = plan
-        return plan.matched_tokens(num_computed_tokens), False
+        matched = plan.matched_tokens(num_computed_tokens)
+        self._timings.record("lookup", wall, time.perf_counter() - t0, req=request.request_id,
+                             computed=num_computed_tokens, matched=matched)
+        return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -314,27 +322,35 @@ class SemcommConnector(KVConnectorBase_V1):
         assert isinstance(meta, SemcommConnectorMetadata)
         if not meta.loads:
             return
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.monotonic()
+        loaded = self.loaded_chunks
         if self.settings.layerwise_load and self._start_layerwise(meta.loads):
             took = time.perf_counter() - t0
             self.load_seconds += took
             logger.debug("SemcommConnector: %d loads read in %.1f ms, copying layer by layer",
                          len(meta.loads), took * 1e3)
+            self._timings.record("load", wall, took, reqs=[spec.req_id for spec in meta.loads],
+                                 chunks=self.loaded_chunks - loaded, layerwise=True)
             return
         caches = self._caches()
         buffer = self._load_buffer(caches)
+        split: dict[str, float] = {}  # read and copy seconds of the loads (timings log)
         for spec in meta.loads:
             # a batch of chunks at a time into the buffer, then straight into their blocks
             done = load_into(self.store, spec, caches, chunk_size=self.chunk_size,
                              block_size=self.block_size, dtype=self.dtype, codec=self.codec,
                              key_layout=self.key_layout, buffer=buffer,
-                             slot_bytes=self._slot_bytes)
+                             slot_bytes=self._slot_bytes, times=split)
             self.loaded_chunks += done
             if done < len(spec.keys):  # a miss from here on: vLLM recomputes these blocks
                 self._miss(spec, done)
         took = time.perf_counter() - t0
         self.load_seconds += took
         logger.debug("SemcommConnector: %d loads in %.1f ms", len(meta.loads), took * 1e3)
+        self._timings.record("load", wall, took, reqs=[spec.req_id for spec in meta.loads],
+                             chunks=self.loaded_chunks - loaded,
+                             read_ms=round(split.get("read_s", 0.0) * 1e3, 3),
+                             write_ms=round(split.get("write_s", 0.0) * 1e3, 3))
 
     def _load_buffer(self, caches: list[torch.Tensor]) -> memoryview:
         """The reused read buffer for loads: whole slots of one chunk each
@@ -411,12 +427,14 @@ class SemcommConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._join_layerwise()  # the forward is over: every layer was written
+        self._timings.record("forward_end", time.monotonic(), 0.0)
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, SemcommConnectorMetadata)
         if not meta.saves:
             return
+        t0, wall = time.perf_counter(), time.monotonic()
         caches = self._caches()
         if not caches:
             return
@@ -430,6 +448,7 @@ class SemcommConnector(KVConnectorBase_V1):
             by_ns.setdefault(spec.namespace, []).append((spec, k, v))
         for ns, items in by_ns.items():
             self._saver.submit(ns, items)  # type: ignore[arg-type]
+        self._timings.record("save", wall, time.perf_counter() - t0, chunks=len(meta.saves))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._join_layerwise()

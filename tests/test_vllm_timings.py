@@ -1,0 +1,93 @@
+"""The vLLM connector's timing log (SEMCOMM_VLLM_TIMINGS) and the load's read/copy split.
+
+Both are what ``benchmarks/bench_vllm.py`` reads to say where a warm request's time went; they
+run without vLLM (``semcomm.integrations._vllm_core``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from semcomm.integrations._vllm_core import (
+    ChunkSaver,
+    LoadSpec,
+    NamespaceFactory,
+    SaveSpec,
+    Timings,
+    load_into,
+    load_slot_bytes,
+)
+from semcomm.kv import DiskStore, chunk_keys, get_codec, staging_buffer
+
+L, H, BS, D, CS = 2, 2, 4, 8, 8  # layers, kv heads, block size, head size, chunk tokens
+
+
+def test_timings_append_one_json_line_per_record(tmp_path: Path) -> None:
+    log = tmp_path / "t.jsonl"
+    t = Timings(str(log))
+    t.record("lookup", 12.5, 0.0003, req="r1", matched=64)
+    t.record("load", 12.6, 0.0185, chunks=16)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(x["event"], x["at"], x["ms"]) for x in lines] == [("lookup", 12.5, 0.3),
+                                                             ("load", 12.6, 18.5)]
+    assert lines[0]["req"] == "r1" and lines[1]["chunks"] == 16 and "pid" in lines[0]
+
+
+def test_timings_from_several_threads_never_interleave(tmp_path: Path) -> None:
+    log = tmp_path / "t.jsonl"
+    t = Timings(str(log))
+
+    def burst(i: int) -> None:
+        for j in range(200):
+            t.record("forward_end", float(j), 0.0, thread=i, pad="x" * 300)
+
+    threads = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    lines = log.read_text().splitlines()
+    assert len(lines) == 800 and all(json.loads(x)["event"] == "forward_end" for x in lines)
+
+
+def test_timings_off_writes_nothing_and_a_bad_path_turns_them_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    Timings(None).record("load", 1.0, 0.1)  # unset: a no-op
+    Timings("").record("load", 1.0, 0.1)
+    assert list(tmp_path.iterdir()) == []
+    bad = Timings(str(tmp_path / "missing" / "t.jsonl"))
+    bad.record("load", 1.0, 0.1)  # never raises
+    assert bad.path is None and "cannot write" in caplog.text
+
+
+def test_load_into_reports_its_read_and_copy_time(tmp_path: Path) -> None:
+    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16",
+                          codec="lossless").digest(None)
+    keys = chunk_keys(ns, list(range(3 * CS + 1)), CS, include_partial=False)
+    g = torch.Generator().manual_seed(3)
+    items = []
+    for c in range(3):
+        k, v = (torch.randn(L, H, CS, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        items.append((SaveSpec(ns, keys[c], keys[c - 1] if c else None, c * CS, ()), k, v))
+    store = DiskStore(tmp_path, refresh_s=None)
+    saver = ChunkSaver(store, codec=get_codec("lossless"), dtype="bfloat16")
+    saver.submit(ns, items)  # type: ignore[arg-type]
+    saver.close()
+    caches = [torch.zeros(12, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    per = CS // BS
+    spec = LoadSpec(req_id="r", namespace=ns, keys=tuple(keys[:3]), first_chunk=0,
+                    block_ids=tuple(tuple(range(1 + c * per, 1 + (c + 1) * per))
+                                    for c in range(3)), skip_blocks=0)
+    slot = load_slot_bytes(caches, CS, BS)
+    times: dict[str, float] = {}
+    n = load_into(store, spec, caches, chunk_size=CS, block_size=BS, dtype="bfloat16",
+                  codec=get_codec("lossless"), buffer=staging_buffer(2 * slot),
+                  slot_bytes=slot, times=times)
+    assert n == 3
+    assert set(times) == {"read_s", "write_s"} and all(x > 0 for x in times.values())
+    assert any(bool(c[1:].any()) for c in caches)  # the chunks were written into the blocks
