@@ -232,3 +232,13 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
     lean._matvec_key = ()  # check again, as for another model
     assert lean.quant_in_use() == 7 * model.config.num_hidden_layers - 1
     assert eng.generate(ids, max_new_tokens=12).token_ids == ref
+    # a weight changed in place: the codes are read and compared again, that weight's no
+    # longer rebuild it (float32 kernel), the others' do (the corrupted one comes back intact)
+    with torch.no_grad():
+        model.model.layers[5].mlp.down_proj.weight[7, 11] += 0.25
+    assert lean.quant_in_use() == 7 * model.config.num_hidden_layers - 1
+    assert "blk.5.ffn_down.weight" not in lean.quant and name in lean.quant
+    with torch.no_grad():
+        ref2 = model.generate(x, attention_mask=torch.ones_like(x),
+                              generation_config=gc)[0, len(ids):].tolist()
+    assert eng.generate(ids, max_new_tokens=12).token_ids == ref2

@@ -134,6 +134,7 @@ class LeanDecoder:
         self._matvec_ok: bool | None = None
         self._matvec_key: tuple[Any, ...] = ()
         self._head_ok: dict[tuple[Any, ...], bool] = {}  # LM-head weights checked, by storage
+        self._all_w = [w for w, _ in self._weights()]
         # the GGUF's codes of the weights they reproduce (by GGUF name), the kernel that runs
         # them, and per layer the 7 products (q, k, v, o, gate, up, down): a quantized-code
         # product where its check passed, else None (the float32 kernel)
@@ -156,8 +157,13 @@ class LeanDecoder:
         if mv is None or torch.get_num_threads() != 1:
             return None
         first, last = self.layers[0].wq, self.layers[-1].wd
-        key = (first.data_ptr(), first.dtype, last.data_ptr(), last.dtype)
+        # the weights' versions too: a weight changed in place is checked again (its codes
+        # read and compared with it anew)
+        key = (first.data_ptr(), first.dtype, last.data_ptr(), last.dtype,
+               sum(w._version for w in self._all_w))
         if key != self._matvec_key:
+            if self._matvec_key:
+                self.quant = {}
             self._matvec_key = key
             self._matvec_ok = all(mv.matches(w, b) for w, b in self._weights())
             if not self._matvec_ok:
@@ -177,7 +183,6 @@ class LeanDecoder:
             if self._head is not None:
                 weights[self._head[0]] = self._head[1]
             self.quant = load_codes(self._gguf, weights)
-            self._gguf = None
         if not self.quant:
             return None
         out: list[tuple[Any, ...]] = []
@@ -228,10 +233,10 @@ class LeanDecoder:
         qw = self.quant.get(self._head[0]) if self._head is not None else None
         if qw is not None and self.qmatvec is not None and (
                 self._head is not None and self._head[1].data_ptr() == w.data_ptr()):
-            qkey = ("codes", *key)
+            qkey = ("codes", *key, w._version)  # changed in place: checked again
             ok = self._head_ok.get(qkey)
             if ok is None:
-                ok = self._head_ok[qkey] = self.qmatvec.matches(
+                ok = self._head_ok[qkey] = qw.equals(w.detach()) and self.qmatvec.matches(
                     qw, w.detach(), None if b is None else b.detach())
                 logger.info("quantized-code LM head %s", "on" if ok else
                             "off: its products differ from F.linear's")
