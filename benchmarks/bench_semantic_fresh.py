@@ -127,6 +127,9 @@ PREVIOUS_CENTROID = (0.55, 0.10)  # its centroid floor and spread with --previou
 # a stricter centroid rule measured beside the default: the floor and spread that
 # bench_semantic_rule.py --pick goal chose on development traffic (not adopted)
 CANDIDATE_CENTROID = (0.58, 0.08)
+# the lone cut with a lead over the rival that --calibrate --lead-weights 0,5,10,15,20,30,40
+# chose on quora-val (lead weight, cosine, moved P), measured beside the default (not adopted)
+LEAD_CUT = (15.0, 0.80, 0.95)
 HOLDOUT = "clinc-holdout (validation: chose the centroid rule)"
 HOLDOUT_SPLITS = 4
 
@@ -488,6 +491,10 @@ def main() -> None:
                     help="adapter folder of the previous default (default: the shipped one)")
     ap.add_argument("--previous-cut", type=float, nargs=2, metavar=("COS", "P"),
                     default=list(PREVIOUS_CUT), help="lone-candidate cut of the previous default")
+    ap.add_argument("--lead-cut", type=float, nargs=3, metavar=("WEIGHT", "COS", "P"),
+                    default=list(LEAD_CUT),
+                    help="a row with the lead over the rival at this weight and lone cut "
+                         "(WEIGHT 0: no such row)")
     ap.add_argument("--candidate-centroid", type=float, nargs=2, metavar=("FLOOR", "SPREAD"),
                     default=list(CANDIDATE_CENTROID),
                     help="centroid floor and spread of the stricter rule measured beside the "
@@ -565,6 +572,12 @@ def main() -> None:
                                            (prev_label, {"policy": prev}),
                                            ("SemanticCache(cross_encoder=False)",
                                             {"cross_encoder": False})]
+        lw, lt, lp = args.lead_cut
+        if lw:
+            methods.insert(2, (f"lead weight {lw:g}, lone cut {lt:g} / {lp:g} (--calibrate "
+                               "--lead-weights on quora-val)",
+                               {"policy": ClusterVotePolicy(lt, scorer=default_cross_verifier(),
+                                                            min_score=lp, lead_weight=lw)}))
         if cand is not None and args.cut is not None:
             methods.insert(1, (f"verifier {args.verifier} at lone cut {args.cut[0]:g} / "
                                f"{args.cut[1]:g}",
@@ -671,6 +684,7 @@ def _plot(res: dict, path: Path) -> None:
                 continue
             col = colours.get(m) or ("orange" if m.startswith("previous default") else
                                      "brown" if m.startswith("centroid rule at") else
+                                     "olive" if m.startswith("lead weight") else
                                      "purple" if m.startswith("verifier ") else
                                      colours["GPTCache" if m.startswith("GPT") else "plain"])
             c = r["ci95"]
@@ -678,16 +692,18 @@ def _plot(res: dict, path: Path) -> None:
                         xerr=[[r["recall"] - c["recall"][0]], [c["recall"][1] - r["recall"]]],
                         yerr=[[r["precision"] - c["precision"][0]],
                               [c["precision"][1] - r["precision"]]],
-                        fmt="o" if col in ("red", "green", "orange", "purple", "brown") else "s",
+                        fmt="o" if col in ("red", "green", "orange", "purple", "brown", "olive")
+                        else "s",
                         color=col, ms=5,
                         capsize=2, alpha=0.9 if col == "red" else 0.6)
-            short = (m.replace("plain MiniLM cosine", "cos").replace("GPTCache 0.1.44 at cos",
+            short = (m.replace("plain MiniLM cosine", "cos").replace("lone cut ", "").replace("GPTCache 0.1.44 at cos",
                                                                      "GPTCache")
                      .replace(" (cut calibrated on validation)", " (cal.)")
                      .replace("SemanticCache", "SC")
                      .replace("previous default (vote rule, lone cut 0.91 / 0.65)", "prev. (vote)")
                      .replace("centroid rule at floor 0.58, spread 0.08 (--pick goal on "
                               "development data)", "0.58 / 0.08")
+                     .replace(" (--calibrate --lead-weights on quora-val)", "")
                      .replace("previous default", "prev."))
             # GPTCache serves what plain cosine at its cut serves: its label goes below
             ax.annotate(short, (r["recall"], r["precision"]), fontsize=6,
@@ -703,9 +719,9 @@ def _plot(res: dict, path: Path) -> None:
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.suptitle("precision / recall with 95 % bootstrap intervals; red: SemanticCache() "
-                 "default, brown: floor 0.58 / spread 0.08, orange: previous default, green: "
-                 "cross_encoder=False, blue: plain cosine, black: GPTCache; "
-                 "dotted: the goal", fontsize=9)
+                 "default, brown: floor 0.58 / spread 0.08, olive: lead over the rival,\n"
+                 "orange: previous default, green: cross_encoder=False, blue: plain cosine, "
+                 "black: GPTCache; dotted: the goal", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
