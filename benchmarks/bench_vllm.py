@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,14 +96,51 @@ def run(llm: Any, ids: list[int], *, max_tokens: int, salt: str | None = None) -
     prompt: dict[str, Any] = {"prompt_token_ids": ids}
     if salt is not None:
         prompt["cache_salt"] = salt
+    log = os.environ.get("SEMCOMM_VLLM_TIMINGS")
+    seen = Path(log).stat().st_size if log and Path(log).exists() else 0
     t0 = time.perf_counter()
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
     m = out.metrics
     ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-    return {"ttft_s": float(ttft) if ttft else wall, "wall_s": wall,
-            "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
-            "cached_tokens": int(out.num_cached_tokens or 0)}
+    res = {"ttft_s": float(ttft) if ttft else wall, "wall_s": wall,
+           "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
+           "cached_tokens": int(out.num_cached_tokens or 0)}
+    if log and m is not None and getattr(m, "first_token_ts", 0.0):
+        with open(log, encoding="utf-8") as f:
+            f.seek(seen)
+            events = [json.loads(line) for line in f if line.strip()]
+        res["timeline"] = timeline(m, events)
+    return res
+
+
+def timeline(m: Any, events: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a request's time to first token went, in ms from vLLM's ``queued_ts`` (engine
+    core, ``time.monotonic()``), from the connector's ``SEMCOMM_VLLM_TIMINGS`` lines of the
+    request's prefill step: the store lookup, the load, the forward's end, the first token."""
+    q, first = float(m.queued_ts), float(m.first_token_ts)
+
+    def ms(t: float) -> float:
+        return round((t - q) * 1e3, 2)
+
+    out: dict[str, float] = {"scheduled": ms(float(m.scheduled_ts)), "first_token": ms(first)}
+    step = [e for e in events if q - 0.5 <= e["at"] <= first]
+    for e in step:
+        if e["event"] == "lookup" and "lookup_ms" not in out:
+            out["lookup_at"], out["lookup_ms"] = ms(e["at"]), e["ms"]
+        elif e["event"] == "load" and "load_ms" not in out:
+            out["load_at"], out["load_ms"] = ms(e["at"]), e["ms"]
+            out["load_chunks"] = e.get("chunks", 0)
+            for part in ("read_ms", "write_ms"):
+                if part in e:
+                    out[f"load_{part}"] = e[part]
+        elif e["event"] == "forward_end":
+            out["forward_end"] = ms(e["at"])  # the last before the first token: the prefill
+    if "forward_end" in out:
+        start = out.get("load_at", 0.0) + out.get("load_ms", 0.0) if "load_at" in out else \
+            out["scheduled"]
+        out["forward_ms"] = round(out["forward_end"] - start, 2)
+    return out
 
 
 def stored_chunks(store: str) -> int:
@@ -129,6 +167,8 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
     if args.phase == "save":
         out["cold"] = run(llm, main_ids, max_tokens=args.max_tokens)
         out["apc"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        # more hits of vLLM's own cache, for a median beside the first one
+        out["apc_repeats"] = [run(llm, main_ids, max_tokens=2) for _ in range(args.repeats - 1)]
         out["also_cold"] = run(llm, also_ids, max_tokens=args.max_tokens)
         out["third_cold"] = run(llm, third_ids, max_tokens=args.max_tokens)
         out["tenant_cold"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
@@ -140,6 +180,14 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
         out["stored_chunks"] = stored_chunks(args.store)
     else:
         out["warm"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        # more loads through semcomm in this process: vLLM's own cache emptied before each,
+        # so the prefix comes from the store again (for a median beside the first load)
+        out["warm_repeats"] = []
+        for _ in range(args.repeats - 1):
+            llm.reset_prefix_cache()
+            out["warm_repeats"].append(run(llm, main_ids, max_tokens=2))
+        # a control: vLLM's own cache hits in this (second) process, right after the loads
+        out["apc_local"] = [run(llm, main_ids, max_tokens=2) for _ in range(args.repeats)]
         out["other_tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="globex")
         out["tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
         if args.restart_redis:
@@ -202,14 +250,18 @@ class PrivateRedis:
 def child(args: argparse.Namespace, which: str, redis: PrivateRedis | None) -> dict[str, Any]:
     cmd = [args.vllm_python, __file__, "--phase", which, "--model", args.model, "--store",
            args.store, "--tokens", str(args.tokens), "--max-tokens", str(args.max_tokens),
-           "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens)]
+           "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens),
+           "--repeats", str(args.repeats)]
     if args.chunk_size:
         cmd += ["--chunk-size", str(args.chunk_size)]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
     if which == "load" and redis is not None:
         cmd.append("--restart-redis")
-    env = {**os.environ, **ENV}
+    timings = tempfile.NamedTemporaryFile(prefix=f"semcomm-vllm-{which}-", suffix=".jsonl",
+                                          delete=False)
+    timings.close()
+    env = {**os.environ, **ENV, "SEMCOMM_VLLM_TIMINGS": timings.name}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=env, cwd=str(ROOT))
@@ -230,6 +282,7 @@ def child(args: argparse.Namespace, which: str, redis: PrivateRedis | None) -> d
         elif not args.quiet:
             sys.stderr.write(line)
     rc = proc.wait()
+    os.unlink(timings.name)
     if rc != 0 or result is None:
         raise SystemExit(f"vLLM {which} phase failed (exit {rc})")
     result["process_s"] = time.perf_counter() - t0
@@ -249,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM's KV block size (default: vLLM's, 128 on the CPU build; a "
                          "multiple of 32 there); vLLM computes at least the prompt's last block")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="TTFT samples of vLLM's own cache hit and of the load through semcomm "
+                         "(the first is the contract's figure; the median of all is reported "
+                         "beside it)")
     ap.add_argument("--chunk-tokens", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=["save", "load"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--restart-redis", action="store_true", help=argparse.SUPPRESS)
@@ -298,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str, Any]
               ) -> dict[str, Any]:
     cold, apc, warm = saved["cold"], saved["apc"], loaded["warm"]
+    apc_s = [apc["ttft_s"]] + [r["ttft_s"] for r in saved.get("apc_repeats", [])]
+    warm_s = [warm["ttft_s"]] + [r["ttft_s"] for r in loaded.get("warm_repeats", [])]
     rep: dict[str, Any] = {
         "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"], "apc_ttft_s": apc["ttft_s"],
         "same_text": warm["token_ids"] == cold["token_ids"], "hit_tokens": warm["cached_tokens"],
@@ -305,6 +364,23 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
         "prompt_tokens": saved["prompt_tokens"], "greedy_tokens": args.max_tokens,
         "cold_over_warm": cold["ttft_s"] / warm["ttft_s"],
         "warm_over_apc": warm["ttft_s"] / apc["ttft_s"],
+        # every sample of each side (the first is the one above) and their medians
+        "apc_ttft_samples_s": apc_s, "warm_ttft_samples_s": warm_s,
+        "apc_ttft_median_s": statistics.median(apc_s),
+        "warm_ttft_median_s": statistics.median(warm_s),
+        "warm_over_apc_median": statistics.median(warm_s) / statistics.median(apc_s),
+        "warm_repeats_hit_tokens": [r["cached_tokens"] for r in loaded.get("warm_repeats", [])],
+        # where the time went (ms from vLLM's queued_ts; bench_vllm.timeline): each sample
+        "apc_timelines": [r.get("timeline") for r in [apc, *saved.get("apc_repeats", [])]],
+        "warm_timelines": [r.get("timeline") for r in [warm, *loaded.get("warm_repeats", [])]],
+        # vLLM's own cache hits in the second process (a control: the same process as the
+        # loads, so between-process differences cancel)
+        "apc_local_ttft_samples_s": [r["ttft_s"] for r in loaded.get("apc_local", [])],
+        "apc_local_timelines": [r.get("timeline") for r in loaded.get("apc_local", [])],
+        # the first tokens of every repeat equal the cold run's (greedy)
+        "repeats_same_first_tokens": all(
+            r["token_ids"] == cold["token_ids"][: len(r["token_ids"])]
+            for r in saved.get("apc_repeats", []) + loaded.get("warm_repeats", [])),
         "apc_same_text": apc["token_ids"] == cold["token_ids"],
         "stored_chunks": saved.get("stored_chunks"),
         "tenant": {
@@ -325,6 +401,17 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
                  "other_tenant": loaded["other_tenant"]["text"],
                  "tenant": loaded["tenant"]["text"]},
     }
+    if rep["apc_local_ttft_samples_s"]:
+        rep["apc_local_ttft_median_s"] = statistics.median(rep["apc_local_ttft_samples_s"])
+        rep["warm_over_apc_local_median"] = (statistics.median(warm_s)
+                                             / rep["apc_local_ttft_median_s"])
+    rep["timeline_medians_ms"] = {
+        side: {key: statistics.median(t[key] for t in tls if t and key in t)
+               for key in ("scheduled", "lookup_ms", "load_ms", "load_read_ms",
+                           "load_write_ms", "forward_ms", "first_token")
+               if any(t and key in t for t in tls)}
+        for side, tls in (("apc", rep["apc_timelines"]), ("warm", rep["warm_timelines"]),
+                          ("apc_local", rep["apc_local_timelines"]))}
     if "after_restart" in loaded:
         rep["redis_restart"] = {
             "hit_tokens": loaded["after_restart"]["cached_tokens"],
@@ -399,6 +486,13 @@ def print_table(rep: dict[str, Any]) -> None:
         ("second process via semcomm TTFT (s)", f"{rep['warm_ttft_s']:.3f}"),
         ("cold / semcomm", f"{rep['cold_over_warm']:.1f}x"),
         ("semcomm / APC", f"{rep['warm_over_apc']:.2f}x"),
+        (f"medians of {len(rep['apc_ttft_samples_s'])}: APC / semcomm TTFT (s)",
+         f"{rep['apc_ttft_median_s']:.3f} / {rep['warm_ttft_median_s']:.3f}"),
+        ("semcomm / APC, medians", f"{rep['warm_over_apc_median']:.2f}x"),
+        ("semcomm / APC in the second process, medians",
+         f"{rep.get('warm_over_apc_local_median', float('nan')):.2f}x"),
+        *[(f"{side}: ms from queued (medians)", ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+          for side, t in rep["timeline_medians_ms"].items()],
         ("tokens loaded", str(rep["hit_tokens"])),
         ("greedy text identical to cold", str(rep["same_text"])),
         ("other tenant: tokens loaded", str(rep["tenant"]["other_tenant_hit_tokens"])),

@@ -696,6 +696,13 @@ def test_vllm_second_process_loads_and_matches_cold(tmp_path: Path) -> None:
     r = _bench(tmp_path, "--store", f"disk:{tmp_path / 'kv'}")
     assert r["same_text"] is True
     assert r["hit_tokens"] == 896  # seven of eight 128-token blocks; the last one recomputed
+    # every repeat (vLLM's own cache emptied first) loaded the prefix through semcomm again,
+    # and the connector's timing log saw each load
+    assert r["warm_repeats_hit_tokens"] == [896] * 4
+    timelines, control = r["warm_timelines"], r["apc_local_ttft_samples_s"]
+    assert isinstance(timelines, list) and isinstance(control, list)
+    assert all(t and t["load_chunks"] == 7 and t["load_ms"] > 0 for t in timelines)
+    assert r["repeats_same_first_tokens"] is True and len(control) == 5
     t = r["tenant"]
     assert t["other_tenant_hit_tokens"] == 0 and t["tenant_hit_tokens"] > 0  # type: ignore[index]
     # as the cold run, or (a bf16 near tie) exactly what vLLM's own prefix cache produced
