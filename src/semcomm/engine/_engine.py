@@ -779,7 +779,10 @@ class HFEngine:
                     return self._runner.forward(step, cache)[None]
                 h = lean.hidden(step, cache) if lean is not None else self._runner.hidden(
                     step, cache)
-                if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
+                # the greedy head (exact at the argmax, -inf elsewhere), unless the full head
+                # runs from the GGUF's codes (every exact logit, from fewer bytes)
+                if head is not None and head.verified() and (
+                        lean is None or lean.codes_head(lm) is None):
                     return head.logits(h)[None]
                 full = lean.head_logits(h, lm) if lean is not None else lm(h)  # same bits
                 return full.reshape(1, -1).float()

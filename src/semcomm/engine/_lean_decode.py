@@ -219,29 +219,41 @@ class LeanDecoder:
             return 0
         return sum(f is not None for row in self._qlins for f in row)
 
+    def codes_head(self, lm: Any) -> QuantWeight | None:
+        """The GGUF's codes of the LM head ``lm`` where the step's products run through the
+        exact kernels and the codes rebuild its weight bit for bit and give ``F.linear``'s
+        products (checked once a weight and version), else None. The full head from them reads
+        fewer bytes than the greedy head's int8 copy and gives every exact logit."""
+        if (self._head is None or self.qmatvec is None or self.fast_matvec() is None
+                or not isinstance(lm, torch.nn.Linear)):
+            return None
+        qw = self.quant.get(self._head[0])
+        w, b = lm.weight, lm.bias
+        if qw is None or self._head[1].data_ptr() != w.data_ptr():
+            return None
+        qkey = ("codes", w.data_ptr(), w.dtype, tuple(w.shape), b is None, w._version)
+        ok = self._head_ok.get(qkey)
+        if ok is None:
+            bias = None if b is None else b.detach()
+            ok = self._head_ok[qkey] = qw.equals(w.detach()) and self.qmatvec.matches(
+                qw, w.detach(), bias)
+            logger.info("quantized-code LM head %s", "on" if ok else
+                        "off: its codes do not rebuild the weight or its products differ")
+        return qw if ok else None
+
     def head_logits(self, h: torch.Tensor, lm: Any) -> torch.Tensor:
-        """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``): from the GGUF's codes of the
-        head where they rebuilt its weight and their products matched ``F.linear`` (checked
-        once), else through the exact matvec when the step's products run through it and the
-        head is a linear layer whose weight matched ``F.linear`` through it (checked once a
-        weight); else the head itself."""
+        """``lm(h)`` for the LM head ``lm`` (``[1, 1, vocab]``), the same bits: from the GGUF's
+        codes of the head (:meth:`codes_head`), else through the exact matvec when the step's
+        products run through it and the head is a linear layer whose weight matched
+        ``F.linear`` through it (checked once a weight); else the head itself."""
         mv = self.fast_matvec()
         if mv is None or not isinstance(lm, torch.nn.Linear) or h.dtype != torch.float32:
             return lm(h)  # type: ignore[no-any-return]
         w, b = lm.weight, lm.bias
+        qw = self.codes_head(lm)
+        if qw is not None and self.qmatvec is not None:
+            return self.qmatvec.linear(h, qw, b)
         key = (w.data_ptr(), w.dtype, tuple(w.shape), b is None)
-        qw = self.quant.get(self._head[0]) if self._head is not None else None
-        if qw is not None and self.qmatvec is not None and (
-                self._head is not None and self._head[1].data_ptr() == w.data_ptr()):
-            qkey = ("codes", *key, w._version)  # changed in place: checked again
-            ok = self._head_ok.get(qkey)
-            if ok is None:
-                ok = self._head_ok[qkey] = qw.equals(w.detach()) and self.qmatvec.matches(
-                    qw, w.detach(), None if b is None else b.detach())
-                logger.info("quantized-code LM head %s", "on" if ok else
-                            "off: its products differ from F.linear's")
-            if ok:
-                return self.qmatvec.linear(h, qw, b)
         ok = self._head_ok.get(key)
         if ok is None:
             ok = self._head_ok[key] = mv.matches(w.detach(), None if b is None else b.detach())
