@@ -6,6 +6,7 @@ layer product running from the codes."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from semcomm.engine._quant_matvec import (
     codes_from_blocks,
     load_codes,
     peel_of,
+    read_gguf_tensors,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -176,7 +178,7 @@ def test_no_codes_without_a_gguf_or_when_switched_off(monkeypatch: pytest.Monkey
     w = torch.zeros(8, 64)
     assert load_codes(None, {"blk.0.attn_q.weight": w}) == {}
     monkeypatch.setenv("SEMCOMM_QUANT_MATVEC", "0")
-    assert load_codes((__import__("pathlib").Path("/nonexistent.gguf"), "0" * 64),
+    assert load_codes((Path("/nonexistent.gguf"), "0" * 64),
                       {"blk.0.attn_q.weight": w}) == {}
 
 
@@ -242,3 +244,43 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
         ref2 = model.generate(x, attention_mask=torch.ones_like(x),
                               generation_config=gc)[0, len(ids):].tolist()
     assert eng.generate(ids, max_new_tokens=12).token_ids == ref2
+
+
+def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
+    """The tensor table read directly (names, types, dims, bytes) equals gguf-py's reader on a
+    file gguf-py wrote (metadata of every kind before it, arrays of strings included); a
+    truncated file is refused."""
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", "test")
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"] * 50)
+    w.add_array("tokenizer.ggml.scores", [0.5] * 150)
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("x.f", 1.5)
+    w.add_bool("x.b", True)
+    rng = np.random.default_rng(0)
+    for name, (rows, cols), kind in (("blk.0.attn_q.weight", (8, 64), "Q8_0"),
+                                     ("blk.0.ffn_up.weight", (12, 96), "Q5_0"),
+                                     ("output_norm.weight", (1, 64), "F32")):
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        qt = getattr(T, kind)
+        if kind == "F32":
+            w.add_tensor(name, x.reshape(-1))
+        else:
+            w.add_tensor(name, quantize(x, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine = read_gguf_tensors(path, gguf)
+    ref = gguf.GGUFReader(str(path))
+    assert sorted(mine) == sorted(t.name for t in ref.tensors)
+    for t in ref.tensors:
+        m = mine[t.name]
+        assert m.kind == t.tensor_type.name
+        assert list(m.dims) == [int(d) for d in t.shape]
+        assert np.array_equal(m.data, np.asarray(t.data).reshape(-1).view(np.uint8))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="past the end"):
+        read_gguf_tensors(cut, gguf)

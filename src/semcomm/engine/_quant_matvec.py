@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections import Counter
@@ -522,9 +523,85 @@ def _load(path: Path, kind: str) -> QuantWeight | None:
     return qw if QuantMatVec.supports(qw) else None
 
 
-def _from_gguf(tensor: Any, weight: torch.Tensor) -> QuantWeight | None:
-    kind = tensor.tensor_type.name
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the dims reversed
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its type's name, its dims (GGUF order: the row length
+    first) and its raw bytes (a read-only memory map)."""
+
+    kind: str
+    dims: tuple[int, ...]
+    data: np.ndarray  # uint8
+
+
+def _gguf_skip_value(buf: memoryview, pos: int, vtype: int) -> int:
+    """The position after a metadata value of type ``vtype`` at ``pos``."""
+    fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    if vtype in fixed:
+        return pos + fixed[vtype]
+    if vtype == 8:  # string: u64 length, bytes
+        return pos + 8 + int(struct.unpack_from("<Q", buf, pos)[0])
+    if vtype == 9:  # array: u32 element type, u64 count, elements
+        etype, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if etype in fixed:
+            return pos + fixed[etype] * int(count)
+        for _ in range(int(count)):
+            pos = _gguf_skip_value(buf, pos, int(etype))
+        return pos
+    raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+
+def read_gguf_tensors(path: Path, gguf: Any) -> dict[str, GGUFTensor]:
+    """The tensors of the GGUF file ``path`` by name: the header and tensor table read
+    directly (gguf-py's reader also decodes every metadata value, the tokenizer's 150k strings
+    included: 10+ s for Qwen2.5 here), type names and sizes from ``gguf.constants``."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)  # type: ignore[arg-type]
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    pos, alignment = 24, 32
+    for _ in range(int(n_kv)):
+        (klen,) = struct.unpack_from("<Q", buf, pos)
+        key = bytes(buf[pos + 8:pos + 8 + klen]).decode("utf-8", "replace")
+        pos += 8 + int(klen)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if key == "general.alignment" and vtype == 4:
+            (alignment,) = struct.unpack_from("<I", buf, pos)
+        pos = _gguf_skip_value(buf, pos, int(vtype))
+    infos = []
+    for _ in range(int(n_tensors)):
+        (nlen,) = struct.unpack_from("<Q", buf, pos)
+        name = bytes(buf[pos + 8:pos + 8 + nlen]).decode("utf-8")
+        pos += 8 + int(nlen)
+        (ndim,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
+        pos += 4 + 8 * int(ndim)
+        ttype, offset = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        infos.append((name, tuple(int(d) for d in dims), int(ttype), int(offset)))
+    start = -(-pos // alignment) * alignment
+    out: dict[str, GGUFTensor] = {}
+    for name, dims, ttype, offset in infos:
+        qtype = gguf.GGMLQuantizationType(ttype)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(dims)) if dims else 1
+        nbytes = count // block * size
+        lo = start + offset
+        if lo + nbytes > data.shape[0]:
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+        out[name] = GGUFTensor(qtype.name, dims, data[lo:lo + nbytes])
+    return out
+
+
+def _from_gguf(tensor: GGUFTensor, weight: torch.Tensor) -> QuantWeight | None:
+    kind = tensor.kind
+    if len(tensor.dims) != 2:
+        return None
+    rows, cols = tensor.dims[1], tensor.dims[0]  # GGUF lists the dims reversed
     if (rows, cols) != tuple(weight.shape):
         return None
     try:
@@ -570,11 +647,10 @@ def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tens
             logger.info("quantized-code matvec off: the gguf package is not installed")
             return out
         try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
+            tensors = read_gguf_tensors(path, gguf)
+        except (OSError, ValueError, KeyError, struct.error) as exc:
             logger.info("quantized-code matvec off: cannot read %s: %s", path, exc)
             return out
-        tensors = {t.name: t for t in reader.tensors}
         kinds = dict(_kinds(cache))
         for name, w in todo.items():
             t = tensors.get(name)
