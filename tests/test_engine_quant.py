@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from semcomm.engine._quant_matvec import (
     QuantMatVec,
     QuantWeight,
+    _cache_dir,
     codes_from_blocks,
     load_codes,
     peel_of,
@@ -246,11 +247,10 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
     assert eng.generate(ids, max_new_tokens=12).token_ids == ref2
 
 
-def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
-    """The tensor table read directly (names, types, dims, bytes) equals gguf-py's reader on a
-    file gguf-py wrote (metadata of every kind before it, arrays of strings included); a
-    truncated file is refused."""
-    path = tmp_path / "t.gguf"
+def write_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """A small GGUF written by gguf-py (metadata of several kinds, arrays of strings included,
+    then quantized and float32 tensors); returns its quantized tensors as transformers would
+    load them (gguf-py's dequantized float32), by GGUF name."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_string("general.name", "test")
     w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"] * 50)
@@ -259,19 +259,31 @@ def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
     w.add_float32("x.f", 1.5)
     w.add_bool("x.b", True)
     rng = np.random.default_rng(0)
+    loaded = {}
     for name, (rows, cols), kind in (("blk.0.attn_q.weight", (8, 64), "Q8_0"),
                                      ("blk.0.ffn_up.weight", (12, 96), "Q5_0"),
+                                     ("blk.0.ffn_gate.weight", (16, 64), "Q4_1"),
                                      ("output_norm.weight", (1, 64), "F32")):
         x = rng.standard_normal((rows, cols)).astype(np.float32)
         qt = getattr(T, kind)
         if kind == "F32":
             w.add_tensor(name, x.reshape(-1))
         else:
-            w.add_tensor(name, quantize(x, qt), raw_dtype=qt)
+            blocks = quantize(x, qt)
+            w.add_tensor(name, blocks, raw_dtype=qt)
+            loaded[name] = gguf_weight(kind, blocks, rows, cols)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return loaded
+
+
+def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
+    """The tensor table read directly (names, types, dims, bytes) equals gguf-py's reader on a
+    file gguf-py wrote; a truncated file is refused."""
+    path = tmp_path / "t.gguf"
+    write_gguf(path)
     mine = read_gguf_tensors(path, gguf)
     ref = gguf.GGUFReader(str(path))
     assert sorted(mine) == sorted(t.name for t in ref.tensors)
@@ -284,3 +296,25 @@ def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
     cut.write_bytes(path.read_bytes()[:-64])
     with pytest.raises(ValueError, match="past the end"):
         read_gguf_tensors(cut, gguf)
+
+
+def test_codes_are_built_once_cached_and_checked_again_on_every_load(tmp_path: Path) -> None:
+    path = tmp_path / "t.gguf"
+    weights = write_gguf(path)
+    src = (path, "ab" * 32)
+    first = load_codes(src, weights)
+    assert sorted(first) == sorted(weights)
+    assert {q.kind for q in first.values()} == {"Q8_0", "Q5_0", "Q4_1"}
+    files = sorted(_cache_dir(src[1]).glob("*.npz"))
+    assert len(files) == 3
+    path.unlink()  # later loads read the cache, not the GGUF
+    again = load_codes(src, weights)
+    assert sorted(again) == sorted(weights)
+    assert all(torch.equal(again[n].q, first[n].q) and again[n].kind == first[n].kind
+               for n in weights)
+    # a weight that is no longer what the codes rebuild is left out (the GGUF is gone, so
+    # nothing rebuilds it), the others still load from the cache
+    changed = dict(weights)
+    changed["blk.0.ffn_up.weight"] = weights["blk.0.ffn_up.weight"].clone()
+    changed["blk.0.ffn_up.weight"][3, 5] += 1.0
+    assert sorted(load_codes(src, changed)) == ["blk.0.attn_q.weight", "blk.0.ffn_gate.weight"]

@@ -503,7 +503,7 @@ def _save(path: Path, qw: QuantWeight) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     arrays = {"q": qw.q.numpy(), "a": qw.a.numpy(), "group": np.array(qw.group),
-              "shape": np.array([qw.n, qw.k])}
+              "shape": np.array([qw.n, qw.k]), "kind": np.array(qw.kind)}
     if qw.b is not None:
         arrays["b"] = qw.b.numpy()
     with open(tmp, "wb") as fh:
@@ -511,13 +511,13 @@ def _save(path: Path, qw: QuantWeight) -> None:
     os.replace(tmp, path)
 
 
-def _load(path: Path, kind: str) -> QuantWeight | None:
+def _load(path: Path) -> QuantWeight | None:
     try:
         with np.load(path) as z:
             b = torch.from_numpy(z["b"].copy()) if "b" in z.files else None
             n, k = (int(v) for v in z["shape"])
             qw = QuantWeight(torch.from_numpy(z["q"].copy()), torch.from_numpy(z["a"].copy()),
-                             b, n, k, int(z["group"]), kind)
+                             b, n, k, int(z["group"]), str(z["kind"]))
     except (OSError, ValueError, KeyError):
         return None
     return qw if QuantMatVec.supports(qw) else None
@@ -634,8 +634,7 @@ def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tens
             continue
         w = w.detach()
         file = cache / f"{name}.{w.shape[0]}x{w.shape[1]}.g16.npz"
-        kind = _kinds(cache).get(name, "")
-        qw = _load(file, kind) if file.exists() else None
+        qw = _load(file) if file.exists() else None
         if qw is not None and qw.equals(w):
             out[name] = qw
         else:
@@ -651,43 +650,22 @@ def load_codes(gguf_file: tuple[Path, str] | None, weights: dict[str, torch.Tens
         except (OSError, ValueError, KeyError, struct.error) as exc:
             logger.info("quantized-code matvec off: cannot read %s: %s", path, exc)
             return out
-        kinds = dict(_kinds(cache))
         for name, w in todo.items():
             t = tensors.get(name)
             qw = _from_gguf(t, w) if t is not None else None
             if qw is None:
                 continue
             out[name] = qw
-            kinds[name] = qw.kind
             try:
                 _save(cache / f"{name}.{w.shape[0]}x{w.shape[1]}.g16.npz", qw)
             except OSError as exc:
                 logger.info("quantized codes not cached: %s", exc)
-        try:
-            _write_kinds(cache, kinds)
-        except OSError:
-            pass
     for name, qw in out.items():
         qw.peel = peel_of(weights[name])
     logger.info("quantized codes for %d of %d weights (%s) in %.1f s", len(out), len(weights),
                 ", ".join(f"{k} {n}" for k, n in sorted(Counter(q.kind for q in out.values())
                                                       .items())), time.perf_counter() - t0)
     return out
-
-
-def _kinds(cache: Path) -> dict[str, str]:
-    try:
-        data = json.loads((cache / "kinds.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
-def _write_kinds(cache: Path, kinds: dict[str, str]) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".kinds.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(kinds, sort_keys=True))
-    os.replace(tmp, cache / "kinds.json")
 
 
 def layer_weight_names(layers: Any) -> dict[str, torch.Tensor]:
