@@ -19,6 +19,8 @@ from semcomm.engine._quant_matvec import (
     QuantWeight,
     _cache_dir,
     codes_from_blocks,
+    codes_nbytes,
+    gguf_codes_nbytes,
     load_codes,
     peel_of,
     read_gguf_tensors,
@@ -229,6 +231,8 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
     with torch.inference_mode():
         assert torch.equal(lean.head_logits(h, lm).view(torch.int32), lm(h).view(torch.int32))
     assert lean.codes_head(lm) is not None  # what the greedy steps above ran too
+    # so no greedy head (its int8 copy of the head) was made
+    assert eng._ghead is None and getattr(lm, "_semcomm_greedy_head", None) is None
     # a corrupted code: that weight falls back to the float32 kernel, the rest keep the codes
     name = "blk.3.ffn_up.weight"
     lean.quant[name].q.view(-1)[100] += 1
@@ -245,6 +249,18 @@ def test_real_model_decodes_generates_tokens_from_the_codes(qmv: QuantMatVec,
         ref2 = model.generate(x, attention_mask=torch.ones_like(x),
                               generation_config=gc)[0, len(ids):].tolist()
     assert eng.generate(ids, max_new_tokens=12).token_ids == ref2
+    # at two threads the exact kernels (and the head's codes) are off: greedy steps make the
+    # greedy head on first need, and give generate's tokens at that thread count
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            ref3 = model.generate(x, attention_mask=torch.ones_like(x),
+                                  generation_config=gc)[0, len(ids):].tolist()
+        assert eng.generate(ids, max_new_tokens=12).token_ids == ref3
+        assert eng._ghead is not None  # tried now (a GreedyHead, or False where its checks fail)
+        assert getattr(lm, "_semcomm_greedy_head", None) is not None
+    finally:
+        torch.set_num_threads(1)
 
 
 def write_gguf(path: Path) -> dict[str, torch.Tensor]:
@@ -296,6 +312,21 @@ def test_gguf_tensor_table_is_read_as_gguf_py_reads_it(tmp_path: Path) -> None:
     cut.write_bytes(path.read_bytes()[:-64])
     with pytest.raises(ValueError, match="past the end"):
         read_gguf_tensors(cut, gguf)
+
+
+def test_the_codes_bytes_are_priced_from_the_tensor_table(tmp_path: Path) -> None:
+    """What a memory plan prices before load equals what the built codes hold."""
+    path = tmp_path / "t.gguf"
+    weights = write_gguf(path)
+    built = load_codes((path, "cd" * 32), weights)
+    assert len(built) == 3
+    sizes = gguf_codes_nbytes(path, [*weights, "output_norm.weight", "missing.weight"])
+    assert sizes == {n: q.nbytes for n, q in built.items()}  # F32 and absent tensors: none
+    for kind in sorted(_LAYOUT):
+        qw = codes(kind, random_blocks(kind, 8, 512, seed=1), 8, 512)
+        assert codes_nbytes(kind, 8, 512) == qw.nbytes, kind
+    assert codes_nbytes("F16", 8, 512) == 0 and codes_nbytes("Q8_0", 6, 512) == 0
+    assert gguf_codes_nbytes(tmp_path / "nowhere.gguf", ["blk.0.attn_q.weight"]) == {}
 
 
 def test_codes_are_built_once_cached_and_checked_again_on_every_load(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._greedy_head import GreedyHead
 from ._lean_decode import LeanDecoder
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
+from ._quant_matvec import QuantWeight
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -113,8 +114,9 @@ class HFEngine:
             argmax from an int8 copy of the head plus an error bound, recomputing only the
             rows that can hold the maximum in float32 (engine/_greedy_head.py: a quarter of the
             head's bytes a step, same tokens; the copy costs a quarter of the head's memory,
-            made with the first engine of the model and shared by its others). False: every
-            step runs the full float32 head.
+            made with the first engine of the model and shared by its others; not made
+            where greedy steps take the full head from the GGUF's codes instead,
+            engine/_lean_decode.py). False: every step runs the full float32 head.
         lean_decode: decode steps of Llama, Mistral and Qwen2 models run the model's own
             operations without transformers' per-call machinery (engine/_lean_decode.py:
             checked bit for bit against the model's forward once); False: the model's forward.
@@ -223,9 +225,12 @@ class HFEngine:
             type(self.model).__name__, self.device, self.layout.num_layers,
             self.layout.kv_heads, chunk_size, self.codec.spec, self.namespace_digest.hex()[:12],
         )
-        # made and checked now (a second or two for a 0.5B model), not inside the first request
-        self._greedy_head()
+        # made and checked now (a second or two for a 0.5B model), not inside the first request;
+        # the greedy head only where greedy steps will read it: not where the full head runs
+        # from the GGUF's codes (made later if a step needs it, e.g. at more threads)
         self._lean_decoder()
+        if self._codes_head() is None:
+            self._greedy_head()
 
     # ------------------------------------------------------------------ input
     def _eos_ids(self) -> frozenset[int]:
@@ -763,12 +768,14 @@ class HFEngine:
         cache, bufs = pre.cache, pre.buffers
         pre.buffers = None
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        head = self._greedy_head() if params.greedy and max_new > 1 else None
         lean = self._lean_decoder() if max_new > 1 else None
         if lean is not None and not all(isinstance(layer, ca.BufferLayer)
                                         for layer in cache.layers):
             lean = None
         lm = self.model.get_output_embeddings()
+        # the greedy head, made on first need, unless the full head runs from the GGUF's codes
+        head = (self._greedy_head() if params.greedy and max_new > 1 and (
+            lean is None or lean.codes_head(lm) is None) else None)
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
@@ -818,6 +825,12 @@ class HFEngine:
         if self._ghead is None:
             self._ghead = self._make_greedy_head() or False
         return self._ghead if isinstance(self._ghead, GreedyHead) else None
+
+    def _codes_head(self) -> QuantWeight | None:
+        """The LM head's GGUF codes where greedy steps take the full head from them now
+        (:meth:`LeanDecoder.codes_head`), else None."""
+        lean = self._lean_decoder()
+        return None if lean is None else lean.codes_head(self.model.get_output_embeddings())
 
     def _split_head(self) -> bool:
         """Whether the causal LM's logits are its output embedding (a linear layer) applied to

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,11 +45,14 @@ from ._quant_matvec import (
     QuantMatVec,
     QuantWeight,
     find_gguf,
+    gguf_beside,
+    gguf_codes_nbytes,
     layer_weight_names,
     load_codes,
+    quant_enabled,
 )
 
-__all__ = ["LeanDecoder"]
+__all__ = ["LeanDecoder", "codes_nbytes_on", "planned_codes_nbytes"]
 
 logger = logging.getLogger("semcomm.engine")
 
@@ -366,3 +370,52 @@ class LeanDecoder:
             h = _rms(x, p.ln2, p.eps2)
             x = x + ld(p.act(lg(h, p.wg, None)) * lu(h, p.wu, None), p.wd, None)
         return _rms(x, self.norm_w, self.norm_eps)
+
+
+def _lean_config(config: Any) -> bool:
+    """Whether a config is of a model :meth:`LeanDecoder.build` takes (a Llama, Mistral or
+    Qwen2 decoder without sliding layers), read before the model is loaded."""
+    if isinstance(config, dict):
+        config = type("Cfg", (), dict(config))()
+    if str(getattr(config, "model_type", "")) not in ("llama", "mistral", "qwen2"):
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return False
+    return not (getattr(config, "sliding_window", None) is not None
+                and getattr(config, "use_sliding_window", True))
+
+
+def planned_codes_nbytes(model_dir: str | Path, config: Any, *, dtype: Any = "float32",
+                         threads: int | None = None, device: Any = "cpu") -> tuple[int, int]:
+    """``(layer codes, LM-head codes)``: the bytes of the GGUF's quantized codes the lean
+    decoder of the model in ``model_dir`` (its transformers ``config``) will keep beside its
+    float32 weights, from the GGUF's tensor table without building a code (what a memory plan
+    prices before load). ``(0, 0)`` where none are built: not float32 on the CPU, not one
+    thread (``threads``, default torch's count now), ``SEMCOMM_QUANT_MATVEC=0``, a model the
+    lean decoder does not take, no GGUF beside the directory, or no exact kernels here. The
+    head's codes are those of ``output.weight`` (``token_embd.weight`` for a tied head); where
+    they are counted, greedy steps take the head from them and no greedy head is made."""
+    if str(dtype).removeprefix("torch.") != "float32" or torch.device(device).type != "cpu":
+        return 0, 0
+    if (torch.get_num_threads() if threads is None else threads) != 1 or not quant_enabled():
+        return 0, 0
+    if not _lean_config(config):
+        return 0, 0
+    src = gguf_beside(model_dir)
+    if src is None or ExactMatVec.shared() is None or QuantMatVec.shared() is None:
+        return 0, 0
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    names = [f"blk.{i}.{g}.weight" for i in range(layers) for g in GGUF_LAYER_NAMES.values()]
+    head = "token_embd.weight" if getattr(config, "tie_word_embeddings", False) else (
+        "output.weight")
+    sizes = gguf_codes_nbytes(src[0], [*names, head])
+    return sum(v for k, v in sizes.items() if k != head), sizes.get(head, 0)
+
+
+def codes_nbytes_on(model: Any) -> int:
+    """Bytes of the quantized codes the lean decoder of a loaded ``model`` keeps now (layers
+    and LM head; 0 without a lean decoder or codes)."""
+    lean = getattr(model, "_semcomm_lean_decoder", None)
+    if not isinstance(lean, LeanDecoder):
+        return 0
+    return sum(q.nbytes for q in lean.quant.values())

@@ -43,6 +43,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,10 @@ __all__ = [
     "QuantMatVec",
     "QuantWeight",
     "codes_from_blocks",
+    "codes_nbytes",
     "find_gguf",
+    "gguf_beside",
+    "gguf_codes_nbytes",
     "layer_weight_names",
     "load_codes",
     "peel_of",
@@ -365,6 +369,46 @@ def codes_from_blocks(kind: str, blocks: np.ndarray, rows: int, cols: int,
     return q, a, b, g
 
 
+# the GGUF types the codes take: (columns a scale covers, whether a block has an offset)
+_GROUPS = {"Q8_0": (32, False), "Q5_0": (32, False), "Q4_1": (32, True), "Q4_K": (32, True),
+           "Q6_K": (16, False)}
+
+
+def codes_nbytes(kind: str, rows: int, cols: int) -> int:
+    """Bytes the :class:`QuantWeight` of a ``[rows, cols]`` GGUF tensor of type ``kind`` keeps
+    (int8 codes, a float32 scale a group, an offset where the type has one), what
+    :attr:`QuantWeight.nbytes` gives once built; 0 for a type or shape the codes do not take."""
+    g, offset = _GROUPS.get(kind, (0, False))
+    if not g or rows <= 0 or rows % 4 or cols <= 0 or cols % 4 or cols % g:
+        return 0
+    return rows * cols + rows * (cols // g) * 4 * (2 if offset else 1)
+
+
+def gguf_codes_nbytes(path: Path, names: Iterable[str]) -> dict[str, int]:
+    """Bytes of the codes :func:`load_codes` keeps for the tensors ``names`` of the GGUF file
+    ``path`` (those of a type and shape the kernel takes; the others are left out), read from
+    its tensor table without decoding a block: what a memory plan prices before the model is
+    loaded. Empty where the gguf package is missing or the file cannot be read (no codes are
+    built then either)."""
+    try:
+        import gguf
+    except ImportError:
+        return {}
+    try:
+        tensors = read_gguf_tensors(path, gguf)
+    except (OSError, ValueError, KeyError, struct.error):
+        return {}
+    out: dict[str, int] = {}
+    for name in names:
+        t = tensors.get(name)
+        if t is None or len(t.dims) != 2:
+            continue
+        n = codes_nbytes(t.kind, t.dims[1], t.dims[0])  # GGUF lists the dims reversed
+        if n:
+            out[name] = n
+    return out
+
+
 class QuantMatVec:
     """``linear(x, qw, bias)`` for one float32 row ``x`` ``[1, 1, K]`` from a
     :class:`QuantWeight`, bit for bit as ``F.linear`` on the weight it stands for, for the
@@ -459,8 +503,12 @@ def find_gguf(model: Any) -> tuple[Path, str] | None:
     (``semcomm-model.json`` names the GGUF, kept in ``../gguf``), else None."""
     cfg = getattr(model, "config", None)
     src = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if not src:
-        return None
+    return gguf_beside(src) if src else None
+
+
+def gguf_beside(src: str | Path) -> tuple[Path, str] | None:
+    """``(GGUF path, its SHA-256)`` for a catalog model's converted directory ``src``
+    (:func:`find_gguf` before the model is loaded), else None."""
     try:
         man = json.loads((Path(src) / "semcomm-model.json").read_text())
     except (OSError, ValueError):
