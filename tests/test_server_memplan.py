@@ -303,3 +303,92 @@ def test_the_plan_baseline_counts_the_semantic_embedder_and_cross_encoder(tmp_pa
     assert got["calls_at_build"] >= 1  # loaded (and run once) before the plan was made
     # warm-up loads nothing big the plan did not count (it added 105 MiB when both loaded there)
     assert got["rss_warm"] - got["rss_built"] < 24 * 2**20
+
+
+# ------------------------------------------------ what a one-thread float32 engine keeps beside
+
+def _smollm2_or_skip() -> Path:
+    from semcomm.engine._exact_matvec import ExactMatVec
+    from semcomm.engine._quant_matvec import QuantMatVec
+
+    if not is_pulled("smollm2-135m-instruct"):
+        pytest.skip("smollm2 not pulled")
+    pytest.importorskip("gguf")
+    if ExactMatVec.shared() is None or QuantMatVec.shared() is None:
+        pytest.skip("no exact kernels here (x86-64 with AVX-512 and a C compiler)")
+    return Path(model_path("smollm2-135m-instruct", pull_missing=False))
+
+
+def _smollm2_plan(tmp_path: Path, threads: int) -> int:
+    from semcomm.server import load_config
+    from semcomm.server._wiring import plan_config
+
+    cfg = load_config(None, overrides={
+        "server": {"state_dir": str(tmp_path), "torch_threads": threads},
+        "models": {"small": {"path": "smollm2-135m-instruct", "max_context": 256}},
+        "kv": {"tiers": ["memory"], "memory_bytes": 2**20},
+        "semantic": {"enabled": False}}, defaults=False, environ={})
+    return int(plan_config(cfg).models["small"].weight_bytes)
+
+
+def test_the_plan_counts_the_gguf_codes_and_no_greedy_head_where_they_serve_the_head(
+        tmp_path: Path, one_thread: None) -> None:
+    """SmolLM2 at one float32 thread: the plan before load (``serve --check``) prices the
+    GGUF's codes the lean decoder keeps (126.6 MiB of layers, 30.4 MiB of the tied head), and
+    no greedy head (greedy steps take the head from the codes); the loaded engine holds
+    exactly those codes and makes no greedy head, and its measured weight bytes agree."""
+    from semcomm.engine import HFEngine, codes_nbytes_on, planned_codes_nbytes
+
+    path = _smollm2_or_skip()
+    cfg = T.AutoConfig.from_pretrained(path)
+    layers, head = planned_codes_nbytes(path, cfg, threads=1)
+    assert layers > 100 * 2**20 and head > 20 * 2**20
+    greedy = greedy_head_bytes(cfg, torch.float32)
+    base = weight_bytes_from_dir(path)
+    assert _smollm2_plan(tmp_path, 1) == base + layers + head  # the codes, no greedy head
+    assert _smollm2_plan(tmp_path, 2) == base + greedy  # no codes at two threads
+    # what the engine would not build is not counted
+    assert planned_codes_nbytes(path, cfg, threads=2) == (0, 0)
+    assert planned_codes_nbytes(path, cfg, dtype="bfloat16", threads=1) == (0, 0)
+    bare = tmp_path / "no-gguf"  # the same directory without the GGUF beside it
+    bare.mkdir()
+    for f in path.iterdir():
+        (bare / f.name).symlink_to(f)
+    assert planned_codes_nbytes(bare, cfg, threads=1) == (0, 0)
+
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = T.AutoTokenizer.from_pretrained(path)
+    eng = HFEngine(model, tok, device="cpu")
+    assert codes_nbytes_on(model) == layers + head  # exactly what was planned
+    lm = model.get_output_embeddings()
+    assert eng._codes_head() is not None
+    out = eng.generate("The capital of France is", max_new_tokens=6)
+    assert len(out.token_ids) >= 2
+    # greedy steps ran from the codes: no int8 copy was made
+    assert eng._ghead is None and getattr(lm, "_semcomm_greedy_head", None) is None
+    assert abs(weight_bytes(model) - (base + layers + head)) <= 64 * 1024  # rotary buffers
+
+
+def test_with_the_codes_off_the_plan_counts_the_greedy_head_the_engine_makes(
+        tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.engine import HFEngine, codes_nbytes_on, planned_codes_nbytes
+    from semcomm.engine._greedy_head import GreedyHead
+
+    path = _smollm2_or_skip()
+    cfg = T.AutoConfig.from_pretrained(path)
+    with_codes = planned_codes_nbytes(path, cfg, threads=1)
+    monkeypatch.setenv("SEMCOMM_QUANT_MATVEC", "0")
+    assert planned_codes_nbytes(path, cfg, threads=1) == (0, 0)
+    base, greedy = weight_bytes_from_dir(path), greedy_head_bytes(cfg, torch.float32)
+    assert _smollm2_plan(tmp_path, 1) == base + greedy
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = T.AutoTokenizer.from_pretrained(path)
+    eng = HFEngine(model, tok, device="cpu")
+    assert codes_nbytes_on(model) == 0 and eng._codes_head() is None
+    out = eng.generate("The capital of France is", max_new_tokens=6)
+    head = eng._greedy_head()
+    assert isinstance(head, GreedyHead) and head.nbytes == greedy  # made, and used
+    assert len(out.token_ids) >= 2
+    assert abs(weight_bytes(model) - (base + greedy)) <= 64 * 1024
+    monkeypatch.delenv("SEMCOMM_QUANT_MATVEC")
+    assert planned_codes_nbytes(path, cfg, threads=1) == with_codes

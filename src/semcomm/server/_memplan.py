@@ -7,6 +7,9 @@ memory. The plan holds, per configured model:
 
 * ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once),
   or before load from the safetensors headers of the model directory (``serve --check``);
+  both with what the engine keeps beside the weights: the GGUF's quantized codes of a
+  one-thread float32 lean decoder (:func:`~semcomm.engine.planned_codes_nbytes`), and the
+  greedy head's int8 copy where greedy steps do not take the head from those codes;
 * ``kv_bytes_per_token``: layers x KV heads x (key dim + value dim) x dtype bytes, from the
   model config; a sliding-window layer holds at most ``window - 1`` positions, so
   :meth:`KVShape.bytes_for` caps those layers;
@@ -47,6 +50,7 @@ __all__ = [
     "ModelPlan",
     "build_plan",
     "current_rss_bytes",
+    "engine_bytes_from_dir",
     "kv_shape_from_config",
     "peak_rss_bytes",
     "weight_bytes",
@@ -137,8 +141,9 @@ def kv_shape_from_config(config: Any, dtype: Any = "float32") -> KVShape:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of a loaded model's parameters and buffers (tied tensors counted once), plus the
-    greedy head's int8 copy an engine keeps beside a float32 CPU head (engine/_greedy_head.py)."""
+    """Bytes of a loaded model's parameters and buffers (tied tensors counted once), plus what
+    its engines keep beside them: the greedy head's int8 copy of a float32 CPU head
+    (engine/_greedy_head.py) and the lean decoder's GGUF codes (engine/_quant_matvec.py)."""
     seen: set[tuple[int, int]] = set()
     total = 0
     tensors = list(model.parameters()) + list(model.buffers())
@@ -148,7 +153,9 @@ def weight_bytes(model: Any) -> int:
             continue
         seen.add(key)
         total += t.untyped_storage().nbytes()
-    return total + _greedy_head_bytes_on(model)
+    from ..engine import codes_nbytes_on
+
+    return total + _greedy_head_bytes_on(model) + codes_nbytes_on(model)
 
 
 def _greedy_head_bytes_on(model: Any) -> int:
@@ -172,6 +179,33 @@ def greedy_head_bytes(config: Any, dtype: Any) -> int:
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     return greedy_head_nbytes(vocab, hidden) if vocab and hidden else 0
+
+
+def engine_bytes_from_dir(path: str | Path, config: Any, dtype: Any, *, threads: int | None,
+                          device: Any = "cpu") -> int:
+    """Bytes an engine will keep beside the weights of the model directory ``path`` before it
+    is loaded: the GGUF's quantized codes of a one-thread float32 lean decoder
+    (:func:`~semcomm.engine.planned_codes_nbytes`; ``threads`` the process's torch threads,
+    None: torch's count now), and the greedy head (:func:`greedy_head_bytes`) unless greedy
+    steps take the full head from the codes (then it is not made)."""
+    device = _device_type(device)
+    if device != "cpu":
+        return 0
+    from ..engine import planned_codes_nbytes
+
+    layers, head = planned_codes_nbytes(path, _text_config(config), dtype=dtype,
+                                        threads=threads, device=device)
+    return layers + head + (0 if head else greedy_head_bytes(config, dtype))
+
+
+def _device_type(device: Any) -> str:
+    """``"cpu"``, ``"cuda"``, ...: the type of ``device`` (None: the engine's default, cuda
+    where available)."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
 
 
 def weight_bytes_from_dir(path: str | Path, dtype: Any = None) -> int:
