@@ -427,6 +427,27 @@ def unstored_intent_queries(split: str, *, per_intent: int | None = None, seed: 
     return out
 
 
+def dev_train_phrasings(data: Path = DEFAULT_DATA) -> tuple[list[str], dict[str, list[str]]]:
+    """The 74 development and banking intents and each one's CLINC ``train`` phrasings."""
+    import json
+
+    d = json.loads((data / "clinc150" / "clinc150_dev.json").read_text())
+    intents = list(DEV_FAQ_INTENTS) + list(BANKING_INTENTS)
+    by: dict[str, list[str]] = {i: [] for i in intents}
+    for t, i in d["train"]:
+        if i in by:
+            by[i].append(t)
+    return intents, by
+
+
+def holdout_quarter(intents: list[str], rng: random.Random) -> set[str]:
+    """The seeded quarter of ``intents`` a clinc-holdout split leaves unstored (draws from
+    ``rng``: :func:`clinc_holdout` goes on drawing from the same one)."""
+    order = intents[:]
+    rng.shuffle(order)
+    return set(order[: len(order) // 4])
+
+
 def clinc_holdout(split_seed: int, *, per_intent: int = 5, queries_per_intent: int = 20,
                   unstored_per_intent: int = 10,
                   data: Path = DEFAULT_DATA) -> tuple[FAQWorkload, list[str]]:
@@ -438,18 +459,9 @@ def clinc_holdout(split_seed: int, *, per_intent: int = 5, queries_per_intent: i
     ``unstored_per_intent`` phrasings of each intent no FAQ set stores ("unstored").
     ``split_seed`` picks the quarter (100 + split_seed). Returns the workload and each query's
     kind ("in-scope", "twin", "unstored")."""
-    import json
-
-    d = json.loads((data / "clinc150" / "clinc150_dev.json").read_text())
-    intents = list(DEV_FAQ_INTENTS) + list(BANKING_INTENTS)
-    by: dict[str, list[str]] = {i: [] for i in intents}
-    for t, i in d["train"]:
-        if i in by:
-            by[i].append(t)
+    intents, by = dev_train_phrasings(data)
     rng = random.Random(100 + split_seed)
-    order = intents[:]
-    rng.shuffle(order)
-    held = set(order[: len(order) // 4])
+    held = holdout_quarter(intents, rng)
     w = FAQWorkload(f"clinc-holdout-{split_seed}", [], [], [], [])
     kinds: list[str] = []
     for i in intents:

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from bench_semantic_common import BANKING_INTENTS, DEFAULT_DATA, DEV_FAQ_INTENTS
+from bench_semantic_common import dev_train_phrasings, holdout_quarter
 from bench_semantic_rule import dev_sets
 from bench_semantic_traffic import embed, right
 from rich.console import Console
@@ -101,19 +101,11 @@ def mahalanobis(hits: list[dict]) -> None:
     (leave-one-out) distances, under the pooled within-intent covariance of CLINC ``train``
     phrasings of the development intents (for a clinc-holdout split, without its held-out
     quarter)."""
-    d = json.loads((DEFAULT_DATA / "clinc150" / "clinc150_dev.json").read_text())
-    intents = list(DEV_FAQ_INTENTS) + list(BANKING_INTENTS)
-    by: dict[str, list[str]] = {i: [] for i in intents}
-    for t, i in d["train"]:
-        if i in by:
-            by[i].append(t)
+    intents, by = dev_train_phrasings()
     vecs = {i: embed(by[i]) for i in intents}
-    held: dict[str, set[str]] = {}
-    for s in range(4):  # the quarter clinc_holdout(s) leaves unstored
-        rng = random.Random(100 + s)
-        order = intents[:]
-        rng.shuffle(order)
-        held[f"clinc-holdout-{s}"] = set(order[: len(order) // 4])
+    # the quarter clinc_holdout(s) leaves unstored
+    held = {f"clinc-holdout-{s}": holdout_quarter(intents, random.Random(100 + s))
+            for s in range(4)}
     prec: dict[frozenset[str], np.ndarray] = {}
     for h in hits:
         excl = frozenset(held.get(h["set"], set()))
