@@ -44,6 +44,8 @@ from semcomm.integrations._vllm_core import (
 )
 from semcomm.kv import DiskStore, MemoryStore, chunk_keys, get_codec
 
+from ._vllm_chunks import save_random_chunks
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "0123456789abcdef0123456789abcdef"
 L, H, BS, D = 3, 2, 4, 8  # layers, kv heads, block size, head size
@@ -417,19 +419,7 @@ def _address(buf: bytearray) -> int:
 
 def _six_random_chunks(store: Any) -> tuple[bytes, list[Any]]:
     """Six bf16 chunks of one prompt with random keys and values, saved through the saver."""
-    from semcomm.integrations._vllm_core import SaveSpec
-
-    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16", codec="lossless").digest(None)
-    keys = chunk_keys(ns, list(range(6 * CS + 1)), CS, include_partial=False)
-    g = torch.Generator().manual_seed(7)
-    items = []
-    for c in range(6):
-        k, v = (torch.randn(L, H, CS, D, generator=g).to(torch.bfloat16) for _ in range(2))
-        items.append((SaveSpec(ns, keys[c], keys[c - 1] if c else None, c * CS, ()), k, v))
-    saver = ChunkSaver(store, codec=get_codec("lossless"), dtype="bfloat16")
-    saver.submit(ns, items)  # type: ignore[arg-type]
-    saver.close()
-    return ns, keys
+    return save_random_chunks(store, 6, layers=L, heads=H, chunk=CS, head_size=D, seed=7)
 
 
 def _reference_load(store: Any, spec: LoadSpec, caches: list[torch.Tensor], layout: str) -> int:

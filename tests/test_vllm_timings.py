@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from semcomm.integrations._vllm_core import (
-    ChunkSaver,
     LoadSpec,
-    NamespaceFactory,
-    SaveSpec,
     Timings,
     load_into,
     load_slot_bytes,
 )
-from semcomm.kv import DiskStore, chunk_keys, get_codec, staging_buffer
+from semcomm.kv import DiskStore, get_codec, staging_buffer
+
+from ._vllm_chunks import save_random_chunks
 
 L, H, BS, D, CS = 2, 2, 4, 8, 8  # layers, kv heads, block size, head size, chunk tokens
 
@@ -66,18 +65,8 @@ def test_timings_off_writes_nothing_and_a_bad_path_turns_them_off(
 
 
 def test_load_into_reports_its_read_and_copy_time(tmp_path: Path) -> None:
-    ns = NamespaceFactory(model="m", tokenizer="t", dtype="bfloat16",
-                          codec="lossless").digest(None)
-    keys = chunk_keys(ns, list(range(3 * CS + 1)), CS, include_partial=False)
-    g = torch.Generator().manual_seed(3)
-    items = []
-    for c in range(3):
-        k, v = (torch.randn(L, H, CS, D, generator=g).to(torch.bfloat16) for _ in range(2))
-        items.append((SaveSpec(ns, keys[c], keys[c - 1] if c else None, c * CS, ()), k, v))
     store = DiskStore(tmp_path, refresh_s=None)
-    saver = ChunkSaver(store, codec=get_codec("lossless"), dtype="bfloat16")
-    saver.submit(ns, items)  # type: ignore[arg-type]
-    saver.close()
+    ns, keys = save_random_chunks(store, 3, layers=L, heads=H, chunk=CS, head_size=D, seed=3)
     caches = [torch.zeros(12, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     per = CS // BS
     spec = LoadSpec(req_id="r", namespace=ns, keys=tuple(keys[:3]), first_chunk=0,
