@@ -31,18 +31,16 @@ caller keeps ``F.linear``.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .. import _native
 
 __all__ = ["ExactMatVec", "build_library", "cpu_has_avx512"]
 
@@ -172,12 +170,6 @@ _lock = threading.Lock()
 _shared: ExactMatVec | None | bool = None  # the process's kernel once loaded (False: none)
 
 
-def _kernels_dir() -> Path:
-    from ..security import semcomm_home
-
-    return semcomm_home() / "kernels"
-
-
 def cpu_has_avx512() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -189,35 +181,10 @@ def cpu_has_avx512() -> bool:
 
 def build_library(name: str, source: str, flags: list[str], compilers: tuple[str, ...],
                   suffix: str = ".c") -> Path | None:
-    """``$SEMCOMM_HOME/kernels/{name}-{digest}.so`` built from ``source`` with the first of
-    ``compilers`` found (``$CC`` or ``$CXX`` first) unless already there; None (logged) where
-    there is no compiler or it fails. The digest covers the source, the flags and torch's
-    version, so a changed kernel or another torch build compiles anew."""
-    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()
-    out = _kernels_dir() / f"{name}-{digest[:16]}.so"
-    if out.exists():
-        return out
-    env = "CXX" if suffix != ".c" else "CC"
-    cc = os.environ.get(env) or next((c for c in map(shutil.which, compilers) if c), None)
-    if not cc:
-        logger.info("%s off: no compiler (%s) found", name, " or ".join(compilers))
-        return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / f"{name}{suffix}"
-        src.write_text(source)
-        lib = Path(tmp) / out.name
-        try:
-            cp = subprocess.run([cc, *flags, "-o", str(lib), str(src)], capture_output=True,
-                                text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.info("%s off: %s failed: %s", name, cc, exc)
-            return None
-        if cp.returncode != 0:
-            logger.info("%s off: %s failed: %s", name, cc, cp.stderr[-400:])
-            return None
-        os.replace(lib, out)  # atomic: another process may be compiling the same file
-    return out
+    """:func:`semcomm._native.build_library` with torch's version in the digest, so another
+    torch build compiles the engine's kernels anew."""
+    return _native.build_library(name, source, flags, compilers, suffix,
+                                 digest_parts=(torch.__version__,), log=logger)
 
 
 class ExactMatVec:

@@ -15,14 +15,12 @@ bytes or ``SEMCOMM_VLLM_KERNEL=0``, the connector keeps numpy's copy; both write
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from .._native import build_library
 
 __all__ = ["KERNEL_ENV", "KeysKernel", "keys_kernel"]
 
@@ -122,32 +120,7 @@ class KeysKernel:
 
 
 def _build() -> Path | None:
-    from ..security import semcomm_home
-
-    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS]).encode()).hexdigest()[:16]
-    out = semcomm_home() / "kernels" / f"vllm-keys-{digest}.so"
-    if out.exists():
-        return out
-    cc = os.environ.get("CC") or next((c for c in map(shutil.which, ("cc", "gcc")) if c), None)
-    if not cc:
-        logger.info("compiled key copy off: no C compiler (cc or gcc) found")
-        return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "keys.c"
-        src.write_text(_SOURCE)
-        lib = Path(tmp) / out.name
-        try:
-            cp = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True,
-                                text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.info("compiled key copy off: %s failed: %s", cc, exc)
-            return None
-        if cp.returncode != 0:
-            logger.info("compiled key copy off: %s failed: %s", cc, cp.stderr[-400:])
-            return None
-        os.replace(lib, out)  # atomic: another process may be building the same file
-    return out
+    return build_library("vllm-keys", _SOURCE, _FLAGS, ("cc", "gcc"), log=logger)
 
 
 def keys_kernel() -> KeysKernel | None:
