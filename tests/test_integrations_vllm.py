@@ -487,13 +487,20 @@ def _flip_a_byte(root: Path, key: bytes) -> None:
     f.write_bytes(bytes(raw))
 
 
-def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path)
+def _six_chunks_one_tampered(root: Path, at: int) -> tuple[Any, LoadSpec, list[torch.Tensor],
+                                                            int]:
+    """Six saved chunks in a DiskStore at ``root`` with chunk ``at`` tampered: the store, a
+    spec loading all six into consecutive blocks, empty caches for them and the slot size."""
+    store = DiskStore(root)
     ns, keys = _six_random_chunks(store)
-    _flip_a_byte(tmp_path, keys[3])
+    _flip_a_byte(root, keys[at])
     spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
     got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    slot = load_slot_bytes(got, CS, BS)
+    return store, spec, got, load_slot_bytes(got, CS, BS)
+
+
+def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path) -> None:
+    store, spec, got, slot = _six_chunks_one_tampered(tmp_path, 3)
     n = load_into(store, spec, got, chunk_size=CS, block_size=BS, dtype="bfloat16",
                   codec=get_codec("lossless"), buffer=bytearray(6 * slot), slot_bytes=slot)
     assert n == 3
@@ -559,12 +566,7 @@ def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
 
 
 def test_layerwise_read_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path)
-    ns, keys = _six_random_chunks(store)
-    _flip_a_byte(tmp_path, keys[2])
-    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
-    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    slot = load_slot_bytes(got, CS, BS)
+    store, spec, got, slot = _six_chunks_one_tampered(tmp_path, 2)
     batch = read_slots(store, spec, 0, 6, memoryview(bytearray(6 * slot)), slot,
                        chunk_size=CS, dtype="bfloat16", codec=get_codec("lossless"))
     assert len(batch) == 2  # known before the forward starts: the rest is a miss
