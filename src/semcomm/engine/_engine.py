@@ -774,8 +774,10 @@ class HFEngine:
             lean = None
         lm = self.model.get_output_embeddings()
         # the greedy head, made on first need, unless the full head runs from the GGUF's codes
-        head = (self._greedy_head() if params.greedy and max_new > 1 and (
-            lean is None or lean.codes_head(lm) is None) else None)
+        # (every exact logit, from fewer bytes; decided once for the whole decode)
+        codes_head = lean.codes_head(lm) if lean is not None else None
+        head = (self._greedy_head() if params.greedy and max_new > 1 and codes_head is None
+                else None)
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
@@ -786,10 +788,7 @@ class HFEngine:
                     return self._runner.forward(step, cache)[None]
                 h = lean.hidden(step, cache) if lean is not None else self._runner.hidden(
                     step, cache)
-                # the greedy head (exact at the argmax, -inf elsewhere), unless the full head
-                # runs from the GGUF's codes (every exact logit, from fewer bytes)
-                if head is not None and head.verified() and (
-                        lean is None or lean.codes_head(lm) is None):
+                if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
                     return head.logits(h)[None]
                 full = lean.head_logits(h, lm) if lean is not None else lm(h)  # same bits
                 return full.reshape(1, -1).float()
