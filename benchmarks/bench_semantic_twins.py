@@ -15,6 +15,14 @@ removes when it may drop 4 % / 8 % of the right ones:
   within-intent covariance of CLINC ``train`` phrasings (shrunk halfway to a multiple of the
   identity; the held-out quarter's intents left out), relative to the members' own distances;
 - the shipped cross-encoder's P for the query and the most similar phrasing;
+- the query's content words that no phrasing of the cluster has (``novel_words``: minus their
+  IDF over CLINC ``train`` phrasings of the development intents, as a share of the query's
+  own IDF mass; a query that asks for an action the cluster never names scores low), and
+  the same count unweighted (``novel_count``);
+- ``combined_cv``: a logistic regression over all the signals above (right against out of
+  scope), each set's hits scored by the model fitted on the other six sets (leave one set
+  out), so that its figures are out of sample; ``combined_cv_free`` the same without the
+  cross-encoder (no model call);
 - an instruct judge's P(yes) (``JudgeVerifier``, SmolLM2-135M and Qwen2.5-Coder-0.5B) on a
   seeded sample of ``--judge-sample`` right and as many out-of-scope hits, with its cost.
 
@@ -66,11 +74,16 @@ class _Recording(ClusterVotePolicy):
         return super().decide(query, candidates, threshold=threshold)
 
 
+SET_LOOKUPS: dict[str, dict[str, int]] = {}  # per development set: in-scope / oos lookups
+
+
 def centroid_hits(seed: int) -> list[dict]:
     """Every centroid-rule hit of the default policy on the development sets."""
     xv = default_cross_verifier()
     out = []
     for name, w in dev_sets(seed).items():
+        ins = w.in_scope()
+        SET_LOOKUPS[name] = {"in_scope": int(ins.sum()), "oos": int((~ins).sum())}
         sv, qv = embed(w.stored), embed(w.queries)
         pol = _Recording(VERIFIED_THRESHOLD, scorer=xv, min_score=VERIFIED_MIN_SCORE)
         cache = SemanticCache(embedder=default_embedder(), max_entries=None, policy=pol)
@@ -123,6 +136,73 @@ def mahalanobis(hits: list[dict]) -> None:
         h["mahalanobis_ratio"] = -float(dq @ p @ dq) / float(np.mean(own))  # higher: nearer
 
 
+def novel_words(hits: list[dict]) -> None:
+    """Each hit's share of the query's content-word IDF that no member of its cluster carries
+    (negated: higher is nearer), IDF over the development intents' CLINC ``train`` phrasings."""
+    import math
+
+    from semcomm.semantic._verifier import _content
+
+    intents, by = dev_train_phrasings()
+    docs = [_content(t) for i in intents for t in by[i]]
+    df: dict[str, int] = {}
+    for d in docs:
+        for w in d:
+            df[w] = df.get(w, 0) + 1
+    idf = {w: math.log((1 + len(docs)) / (1 + n)) + 1.0 for w, n in df.items()}
+    top = math.log(1 + len(docs)) + 1.0  # a word never seen in the development phrasings
+    for h in hits:
+        q = _content(h["query"])
+        have = frozenset().union(*(_content(m) for m in h["members"]))
+        mass = sum(idf.get(w, top) for w in q) or 1.0
+        new = [w for w in q if w not in have]
+        h["novel_words"] = -sum(idf.get(w, top) for w in new) / mass
+        h["novel_count"] = -float(len(new))
+
+
+COMBINED = ("best", "centroid", "slack", "margin", "mahalanobis_ratio", "cross_encoder",
+            "novel_words")
+
+
+def combined_cv(hits: list[dict], features: tuple[str, ...] = COMBINED,
+                key: str = "combined_cv") -> None:
+    """``combined_cv`` of each right or out-of-scope hit: a logistic regression over
+    :data:`COMBINED` fitted on the other development sets' hits (leave one set out); wrong-
+    intent hits get the score of the fold of their set too (they are not fitted on)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    x = np.asarray([[h[k] for k in features] for h in hits], dtype=np.float64)
+    y = np.asarray([h["label"] == "right" for h in hits])
+    fit = np.asarray([h["label"] != "wrong" for h in hits])
+    sets = np.asarray([h["set"] for h in hits])
+    for name in sorted(set(sets)):
+        tr, te = fit & (sets != name), sets == name
+        sc = StandardScaler().fit(x[tr])
+        m = LogisticRegression(max_iter=2000, class_weight="balanced").fit(sc.transform(x[tr]),
+                                                                          y[tr])
+        for i, z in zip(np.where(te)[0], m.decision_function(sc.transform(x[te])), strict=True):
+            hits[i][key] = float(z)
+
+
+def filtered_sets(hits: list[dict], key: str, loss: float) -> dict:
+    """Per development set: the out-of-scope hit rate and the centroid-rule hits kept when
+    every hit whose out-of-fold ``key`` is below the pooled ``loss`` quantile of the right
+    hits' is refused (what a filter at that cut would leave)."""
+    v = np.asarray([h[key] for h in hits])
+    lab = np.asarray([h["label"] for h in hits])
+    cut = float(np.quantile(v[lab == "right"], loss))
+    out = {"cut": cut}
+    for name, n in SET_LOOKUPS.items():
+        m = np.asarray([h["set"] == name for h in hits])
+        keep = m & (v >= cut)
+        out[name] = {"oos_before": float((m & (lab == "oos")).sum() / max(1, n["oos"])),
+                     "oos_after": float((keep & (lab == "oos")).sum() / max(1, n["oos"])),
+                     "right_kept": float((keep & (lab == "right")).sum() /
+                                         max(1, (m & (lab == "right")).sum()))}
+    return out
+
+
 def auc(pos: np.ndarray, neg: np.ndarray) -> float:
     return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
 
@@ -143,6 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-name", default="semantic_twins.json")
     ap.add_argument("--judge-sample", type=int, default=50,
                     help="right and out-of-scope hits each the judges score (0: no judge)")
     args = ap.parse_args()
@@ -154,13 +235,23 @@ def main() -> None:
     counts = {k: sum(h["label"] == k for h in hits) for k in ("right", "wrong", "oos")}
     console.print(f"{len(hits)} centroid-rule hits on the development sets: {counts}")
     mahalanobis(hits)
+    novel_words(hits)
     xv = default_cross_verifier()
     for h in hits:
         sims = embed(h["members"]) @ h["vec"]
         h["best_member"] = h["members"][int(np.argmax(sims))]
         h["cross_encoder"] = float(xv.score(h["query"], h["best_member"]))
-    signals = {k: signal_row(hits, k) for k in ("best", "centroid", "slack", "margin",
-                                                 "mahalanobis_ratio", "cross_encoder")}
+    combined_cv(hits)
+    # the same without the model call (every signal but the cross-encoder costs nothing)
+    combined_cv(hits, tuple(k for k in COMBINED if k != "cross_encoder"), "combined_cv_free")
+    signals = {k: signal_row(hits, k) for k in (*COMBINED, "novel_count", "combined_cv",
+                                                 "combined_cv_free")}
+    filt = {f"{k}@{loss:.2f}": filtered_sets(hits, k, loss) for k in ("best", "combined_cv_free")
+            for loss in LOSSES}
+    for k, r in filt.items():
+        console.print(f"{k}: " + "; ".join(
+            f"{n} oos {v['oos_before']:.3f}->{v['oos_after']:.3f} right kept "
+            f"{v['right_kept']:.2f}" for n, v in r.items() if n != "cut"))
     judges: dict[str, dict] = {}
     if args.judge_sample:
         rng = random.Random(args.seed)
@@ -189,9 +280,10 @@ def main() -> None:
                       f"{r['mean_p_right']:.2f} / out of scope {r['mean_p_oos']:.2f}, "
                       f"{r['ms_per_call']:.0f} ms per call")
     res = {"seed": args.seed, "hits": counts, "signals": signals, "judges": judges,
+           "filtered": filt, "combined_features": list(COMBINED),
            "seconds": round(time.perf_counter() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    js = args.out / "semantic_twins.json"
+    js = args.out / args.json_name
     js.write_text(json.dumps(res, indent=1))
     from _common import agg_figure
 
