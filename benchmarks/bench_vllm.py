@@ -125,22 +125,72 @@ def timeline(m: Any, events: list[dict[str, Any]]) -> dict[str, float]:
 
     out: dict[str, float] = {"scheduled": ms(float(m.scheduled_ts)), "first_token": ms(first)}
     step = [e for e in events if q - 0.5 <= e["at"] <= first]
+    before: dict[str, Any] | None = None  # the worker's record that starts the forward
     for e in step:
         if e["event"] == "lookup" and "lookup_ms" not in out:
             out["lookup_at"], out["lookup_ms"] = ms(e["at"]), e["ms"]
+        elif e["event"] == "step_start" and e.get("loads") and "load_ms" not in out:
+            before = e
         elif e["event"] == "load" and "load_ms" not in out:
             out["load_at"], out["load_ms"] = ms(e["at"]), e["ms"]
             out["load_chunks"] = e.get("chunks", 0)
-            for part in ("read_ms", "write_ms"):
+            for part in ("read_ms", "write_ms", "read_minflt", "write_minflt"):
                 if part in e:
                     out[f"load_{part}"] = e[part]
+            before = e
+        elif e["event"] == "layers" and "layer_copy_ms" not in out:
+            # a layer-by-layer load: the copy thread's time, and the forward's waits for it
+            out["layer_copy_ms"], out["layer_wait_ms"] = e["ms"], e.get("waited_ms", 0.0)
+        elif e["event"] == "step_start" and before is None:
+            before = e  # no load: the forward starts here
         elif e["event"] == "forward_end":
             out["forward_end"] = ms(e["at"])  # the last before the first token: the prefill
+            if before is not None and "minflt" in e and before.get("pid") == e.get("pid"):
+                # page faults of the process from the load's end (or the step's start) to
+                # the forward's end (the last forward before the first token)
+                out["forward_minflt"] = e["minflt"] - before.get("minflt", 0)
+                out["forward_majflt"] = e["majflt"] - before.get("majflt", 0)
+            before = None
     if "forward_end" in out:
         start = out.get("load_at", 0.0) + out.get("load_ms", 0.0) if "load_at" in out else \
             out["scheduled"]
         out["forward_ms"] = round(out["forward_end"] - start, 2)
     return out
+
+
+def page_cache_residency(store: str) -> list[list[float]] | None:
+    """For every chunk file of a disk store: ``[seconds since it was written, fraction of its
+    pages in the page cache]`` (``mincore`` on a mapping of the file: nothing is read),
+    oldest first. None for another store or where ``mincore`` is missing."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    if not store.startswith("disk:"):
+        return None
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    out = []
+    now = time.time()
+    for f in Path(store[5:]).expanduser().glob("??/*.sckv"):
+        size = f.stat().st_size
+        if not size:
+            continue
+        n = -(-size // mmap.PAGESIZE)
+        vec = ctypes.create_string_buffer(n)
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as m:
+            view = np.frombuffer(m, dtype=np.uint8)
+            ok = mincore(view.ctypes.data, size, vec) == 0
+            del view
+        if not ok:
+            return None
+        resident = sum(b & 1 for b in vec.raw)
+        out.append([round(now - f.stat().st_mtime, 1), round(resident / n, 3)])
+    return sorted(out, reverse=True)
 
 
 def stored_chunks(store: str) -> int:
@@ -166,6 +216,7 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
     run(llm, tok.encode("Hello, how are you?"), max_tokens=4)  # warm-up (kernels, allocator)
     if args.phase == "save":
         out["cold"] = run(llm, main_ids, max_tokens=args.max_tokens)
+        out["cold_done_wall"] = time.time()  # the main prompt's chunks are written about now
         out["apc"] = run(llm, main_ids, max_tokens=args.max_tokens)
         # more hits of vLLM's own cache, for a median beside the first one
         out["apc_repeats"] = [run(llm, main_ids, max_tokens=2) for _ in range(args.repeats - 1)]
@@ -179,6 +230,8 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.2)
         out["stored_chunks"] = stored_chunks(args.store)
     else:
+        out["residency_before_warm"] = page_cache_residency(args.store)
+        out["warm_start_wall"] = time.time()
         out["warm"] = run(llm, main_ids, max_tokens=args.max_tokens)
         # more loads through semcomm in this process: vLLM's own cache emptied before each,
         # so the prefix comes from the store again (for a median beside the first load)
@@ -395,6 +448,14 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
                                              == saved["tenant_cold"]["token_ids"]),
         },
         "process_s": {"save": saved["process_s"], "load": loaded["process_s"]},
+        # seconds from the cold run that wrote the main prompt's chunks to the second
+        # process's first request for them (how long their bytes lay untouched)
+        # each chunk file's age (s) and the fraction of it in the page cache, just before
+        # that request (disk store; oldest first)
+        "page_cache_before_warm": loaded.get("residency_before_warm"),
+        "warm_chunk_age_s": (loaded["warm_start_wall"] - saved["cold_done_wall"]
+                             if "warm_start_wall" in loaded and "cold_done_wall" in saved
+                             else None),
         "text": {"cold": cold["text"], "warm": warm["text"],
                  "tenant_cold": saved["tenant_cold"]["text"],
                  "tenant_apc": saved["tenant_apc"]["text"],
@@ -408,7 +469,9 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
     rep["timeline_medians_ms"] = {
         side: {key: statistics.median(t[key] for t in tls if t and key in t)
                for key in ("scheduled", "lookup_ms", "load_ms", "load_read_ms",
-                           "load_write_ms", "forward_ms", "first_token")
+                           "load_write_ms", "load_read_minflt", "load_write_minflt",
+                           "layer_copy_ms", "layer_wait_ms", "forward_ms", "forward_minflt",
+                           "forward_majflt", "first_token")
                if any(t and key in t for t in tls)}
         for side, tls in (("apc", rep["apc_timelines"]), ("warm", rep["warm_timelines"]),
                           ("apc_local", rep["apc_local_timelines"]))}

@@ -170,11 +170,13 @@ def test_bad_settings_are_refused(extra: dict[str, object], match: str) -> None:
 def test_layerwise_load_setting_and_its_environment_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SEMCOMM_VLLM_LAYERWISE_LOAD", raising=False)
+    assert ConnectorSettings.from_extra_config({}).layerwise_load is True  # the default
+    assert ConnectorSettings.from_extra_config({"layerwise_load": False}).layerwise_load is False
+    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "0")
     assert ConnectorSettings.from_extra_config({}).layerwise_load is False
     assert ConnectorSettings.from_extra_config({"layerwise_load": True}).layerwise_load is True
     monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "1")
     assert ConnectorSettings.from_extra_config({}).layerwise_load is True
-    assert ConnectorSettings.from_extra_config({"layerwise_load": False}).layerwise_load is False
     monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "maybe")
     with pytest.raises(ConfigError, match="SEMCOMM_VLLM_LAYERWISE_LOAD"):
         ConnectorSettings.from_extra_config({})

@@ -18,6 +18,7 @@ from semcomm.integrations._vllm_core import (
     Timings,
     load_into,
     load_slot_bytes,
+    page_faults,
 )
 from semcomm.kv import DiskStore, get_codec, staging_buffer
 
@@ -35,6 +36,22 @@ def test_timings_append_one_json_line_per_record(tmp_path: Path) -> None:
     assert [(x["event"], x["at"], x["ms"]) for x in lines] == [("lookup", 12.5, 0.3),
                                                              ("load", 12.6, 18.5)]
     assert lines[0]["req"] == "r1" and lines[1]["chunks"] == 16 and "pid" in lines[0]
+    # the process's page faults so far, at each record: counters that never go down
+    assert all(isinstance(x["minflt"], int) and isinstance(x["majflt"], int) for x in lines)
+    assert lines[1]["minflt"] >= lines[0]["minflt"] > 0
+
+
+def test_page_faults_count_the_first_touch_of_fresh_memory() -> None:
+    import mmap
+
+    size = 64 << 20
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    before = page_faults()
+    for off in range(0, size, mmap.PAGESIZE):  # one write per page: one fault each at least
+        m[off] = 1                              # (fewer with huge pages, never none)
+    minor, major = page_faults()
+    m.close()
+    assert minor - before[0] >= size // (2 << 20) and major >= before[1]
 
 
 def test_timings_from_several_threads_never_interleave(tmp_path: Path) -> None:
@@ -78,5 +95,8 @@ def test_load_into_reports_its_read_and_copy_time(tmp_path: Path) -> None:
                   codec=get_codec("lossless"), buffer=staging_buffer(2 * slot),
                   slot_bytes=slot, times=times)
     assert n == 3
-    assert set(times) == {"read_s", "write_s"} and all(x > 0 for x in times.values())
+    assert set(times) == {"read_s", "write_s", "read_minflt", "write_minflt"}
+    assert times["read_s"] > 0 and times["write_s"] > 0
+    assert all(isinstance(times[k], int) and times[k] >= 0 for k in ("read_minflt",
+                                                                       "write_minflt"))
     assert any(bool(c[1:].any()) for c in caches)  # the chunks were written into the blocks

@@ -72,6 +72,7 @@ __all__ = [
     "load_slot_bytes",
     "model_dir_fingerprint",
     "ordered_layers",
+    "page_faults",
     "read_slots",
     "scatter_chunk",
     "spec_slice",
@@ -101,6 +102,14 @@ clock of vLLM's ``queued_ts`` / ``first_token_ts``) and duration (``benchmarks/b
 reads it to say where a warm request's time went). Unset: nothing is written."""
 
 
+def page_faults() -> tuple[int, int]:
+    """The process's page faults so far: (minor, major) (``getrusage``; every thread)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return int(r.ru_minflt), int(r.ru_majflt)
+
+
 class Timings:
     """The ``SEMCOMM_VLLM_TIMINGS`` log: JSON lines, appended with one ``write`` each (lines
     of several processes never interleave); off (a no-op) when the variable is unset."""
@@ -108,11 +117,19 @@ class Timings:
     def __init__(self, path: str | None) -> None:
         self.path = path or None
 
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
     def record(self, event: str, t0: float, seconds: float, **fields: Any) -> None:
+        """One line; ``minflt``/``majflt``: the process's page faults so far (minor, major),
+        at the time of the record (differences between two records of one pid say how many
+        faults lay between them)."""
         if self.path is None:
             return
+        minor, major = page_faults()
         line = json.dumps({"event": event, "at": t0, "ms": round(seconds * 1e3, 3),
-                           "pid": os.getpid(), **fields})
+                           "pid": os.getpid(), "minflt": minor, "majflt": major, **fields})
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
@@ -137,10 +154,10 @@ class ConnectorSettings:
     max_pending_bytes: int = 512 * _MIB  # saves queued for the background writer
     tenant_param: str = TENANT_PARAM
     # loads read and verified in start_load_kv, then copied into vLLM's blocks layer by layer
-    # on a thread while the forward pass runs (wait_for_layer_load waits for each layer);
-    # False (the default: not measured faster, docs/BENCHMARKS.md): read and copied batch by
-    # batch inside start_load_kv
-    layerwise_load: bool = False
+    # on a thread while the forward pass runs (wait_for_layer_load waits for each layer; the
+    # default: 5-7 ms less TTFT per 2k-token load here, docs/BENCHMARKS.md); False: read and
+    # copied batch by batch inside start_load_kv
+    layerwise_load: bool = True
 
     _KEYS = frozenset({"store", "chunk_size", "codec", "seal", "memory_bytes", "disk_bytes",
                        "redis_ttl_s", "max_pending_bytes", "tenant_param", "layerwise_load"})
@@ -192,7 +209,7 @@ class ConnectorSettings:
             if env not in ("", "0", "1", "false", "true"):
                 raise ConfigError(f"SemcommConnector: {LAYERWISE_ENV} must be 0 or 1, got "
                                   f"{env!r}")
-            layerwise = env in ("1", "true")
+            layerwise = env not in ("0", "false")
         if not isinstance(layerwise, bool):
             raise ConfigError(f"SemcommConnector: layerwise_load must be true or false, got "
                               f"{layerwise!r}")
@@ -202,7 +219,8 @@ class ConnectorSettings:
 
 LAYERWISE_ENV = "SEMCOMM_VLLM_LAYERWISE_LOAD"
 """Environment default of ``layerwise_load`` when ``kv_connector_extra_config`` leaves it out
-(``1``/``true`` or ``0``/``false``); vLLM's worker processes inherit it."""
+(``0``/``false`` turns it off, ``1``/``true`` or unset keeps it on); vLLM's worker processes
+inherit it."""
 
 
 def _tier_kind(spec: str) -> str:
@@ -731,7 +749,8 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     chunk another codec decoded into new memory) is written on its own (:func:`scatter_chunk`).
     Without such a store or buffer: :func:`iter_chunks` and :func:`scatter_chunk`, chunk by
     chunk. ``times`` (the batched path): seconds spent reading and checking chunks
-    (``"read_s"``) and copying them into the blocks (``"write_s"``) are added to it.
+    (``"read_s"``) and copying them into the blocks (``"write_s"``) are added to it, and the
+    process's minor page faults during each (``"read_minflt"``, ``"write_minflt"``).
     """
     _check_layout(key_layout)
     into = getattr(store, "get_into", None)
@@ -757,14 +776,19 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     clock = time.perf_counter
     for i0 in range(0, n, per_batch):
         want = min(n, i0 + per_batch) - i0
+        f0 = page_faults()[0] if times is not None else 0
         t0 = clock()
         batch = read_slots(store, spec, i0, want, view, slot_bytes, chunk_size=chunk_size,
                            dtype=dtype, codec=codec)
         t1 = clock()
+        f1 = page_faults()[0] if times is not None else 0
         _write_batch(caches, spec, i0, batch, view, slot_bytes, block_size, key_layout)
         if times is not None:
+            f2 = page_faults()[0]
             times["read_s"] = times.get("read_s", 0.0) + t1 - t0
             times["write_s"] = times.get("write_s", 0.0) + clock() - t1
+            times["read_minflt"] = times.get("read_minflt", 0) + f1 - f0
+            times["write_minflt"] = times.get("write_minflt", 0) + f2 - f1
         done += len(batch)
         if len(batch) < want:
             break

@@ -93,10 +93,11 @@ written into vLLM's blocks (at least one chunk). Read and then copied while they
 the CPU's caches (32 MiB of L3 here); measured outside vLLM on SmolLM2-135M's 2,016-token load,
 1 to 16 chunks a batch took the same 12 ms (17 ms chunk by chunk before, torch copies)."""
 
-_LAYERWISE_MAX_BYTES = 1 << 30
-"""A layer-by-layer load holds every chunk of the step in one buffer (each layer's copy needs
-all of them), made when the caches are registered for a ``max_model_len`` prompt and at most
-this large; a step whose chunks do not fit loads as usual, batch by batch."""
+_LAYERWISE_MAX_BYTES = 256 << 20
+"""A layer-by-layer load (the default) holds every chunk of the step in one buffer (each
+layer's copy needs all of them), made and faulted in when the caches are registered, for a
+``max_model_len`` prompt and at most this large (SmolLM2-135M at 4,096 tokens: 32 chunks of
+2.95 MB, 94 MB); a step whose chunks do not fit loads batch by batch instead."""
 
 
 def _cpu_key_layout(vllm_config: VllmConfig, block_size: int) -> tuple[str, str]:
@@ -329,6 +330,8 @@ class SemcommConnector(KVConnectorBase_V1):
         self._join_layerwise()  # the previous step's (joined there already; never two at once)
         meta = self._get_connector_metadata()
         assert isinstance(meta, SemcommConnectorMetadata)
+        if self._timings.enabled:  # the step's start (its page faults so far)
+            self._timings.record("step_start", time.monotonic(), 0.0, loads=len(meta.loads))
         if not meta.loads:
             return
         t0, wall = time.perf_counter(), time.monotonic()
@@ -359,7 +362,9 @@ class SemcommConnector(KVConnectorBase_V1):
         self._timings.record("load", wall, took, reqs=[spec.req_id for spec in meta.loads],
                              chunks=self.loaded_chunks - loaded,
                              read_ms=round(split.get("read_s", 0.0) * 1e3, 3),
-                             write_ms=round(split.get("write_s", 0.0) * 1e3, 3))
+                             write_ms=round(split.get("write_s", 0.0) * 1e3, 3),
+                             read_minflt=int(split.get("read_minflt", 0)),
+                             write_minflt=int(split.get("write_minflt", 0)))
 
     def _load_buffer(self, caches: list[torch.Tensor]) -> memoryview:
         """The reused read buffer for loads: whole slots of one chunk each
@@ -420,6 +425,8 @@ class SemcommConnector(KVConnectorBase_V1):
         if load is not None:
             self._load_errors.update(load.join())
             self.layer_wait_seconds += load.waited_s
+            self._timings.record("layers", time.monotonic(), load.copy_s,
+                                 waited_ms=round(load.waited_s * 1e3, 3))
             logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms",
                          load.copy_s * 1e3, load.waited_s * 1e3)
 
