@@ -141,6 +141,7 @@ def timeline(m: Any, events: list[dict[str, Any]]) -> dict[str, float]:
         elif e["event"] == "layers" and "layer_copy_ms" not in out:
             # a layer-by-layer load: the copy thread's time, and the forward's waits for it
             out["layer_copy_ms"], out["layer_wait_ms"] = e["ms"], e.get("waited_ms", 0.0)
+            out["layers_by_forward"] = e.get("stolen", 0)  # copied by the forward's thread
         elif e["event"] == "step_start" and before is None:
             before = e  # no load: the forward starts here
         elif e["event"] == "forward_end":
@@ -470,7 +471,8 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
         side: {key: statistics.median(t[key] for t in tls if t and key in t)
                for key in ("scheduled", "lookup_ms", "load_ms", "load_read_ms",
                            "load_write_ms", "load_read_minflt", "load_write_minflt",
-                           "layer_copy_ms", "layer_wait_ms", "forward_ms", "forward_minflt",
+                           "layer_copy_ms", "layer_wait_ms", "layers_by_forward", "forward_ms",
+                           "forward_minflt",
                            "forward_majflt", "first_token")
                if any(t and key in t for t in tls)}
         for side, tls in (("apc", rep["apc_timelines"]), ("warm", rep["warm_timelines"]),

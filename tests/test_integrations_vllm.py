@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -559,12 +560,54 @@ def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
 
     monkeypatch.setattr(_vllm_core, "write_slots", flaky)
     load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
-                         key_layout="d_bs")
+                         key_layout="d_bs", steal=False)  # every layer on the thread
     load.wait(L - 1)  # never hangs: a failed copy releases every layer
     bad = load.join()
     assert order == [0, 1]  # layer order; nothing after the failure
     assert bad == {b for ids in _BLOCKS["consecutive"] for b in ids}  # all of it recomputed
     assert got[0].any() and not got[2].any()
+
+
+def test_a_waiting_forward_copies_the_layers_the_thread_has_not_reached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from semcomm.integrations import _vllm_core
+
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, "d_bs") == 6
+    got = [torch.zeros_like(c) for c in want]
+    slot = load_slot_bytes(got, CS, BS)
+    view = memoryview(bytearray(6 * slot))
+    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
+                       codec=get_codec("lossless"))
+    stalled, release = threading.Event(), threading.Event()
+    copied_by: dict[int, str] = {}
+    real = _vllm_core.write_slots
+
+    def slow_thread(*a: Any, layers: range, **kw: Any) -> None:
+        name = threading.current_thread().name
+        copied_by[layers.start] = name
+        if name == "semcomm-kv-load":  # the copy thread stalls in its first layer
+            stalled.set()
+            assert release.wait(10)
+        real(*a, layers=layers, **kw)
+
+    monkeypatch.setattr(_vllm_core, "write_slots", slow_thread)
+    load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
+                         key_layout="d_bs")
+    assert stalled.wait(10)  # the thread holds layer 0 and is stuck in it
+    # the forward needs every layer: it copies layers 1.. (unclaimed) and layer 0 (the
+    # thread's, in flight) itself, and returns while the thread is still stuck
+    load.wait(L - 1)
+    assert load.stolen == L and all(load._written) and load.alive
+    assert copied_by[0] == "MainThread" and all(copied_by[i] == "MainThread"
+                                                for i in range(1, L))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    release.set()  # the thread's own write of layer 0: the same bytes
+    assert load.join() == set() and not load.alive
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # the same bytes as one load
 
 
 def test_layerwise_read_stops_at_a_tampered_chunk(tmp_path: Path) -> None:

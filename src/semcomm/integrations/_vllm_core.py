@@ -949,26 +949,72 @@ class LayerwiseLoad:
     returns the blocks to report as failed: every loaded block when a copy raised (the forward
     may have read a half-written layer; vLLM recomputes them), else none. One per step: the
     connector joins it before the step's load errors are collected and before the next load.
+
+    Layers are claimed one at a time, in model order. With ``steal`` (the default) a ``wait``
+    for a layer not written yet never just waits: it copies the unclaimed layers up to it
+    itself (on the forward's thread, where one layer's copy takes a fraction of a ms), and a
+    layer the thread has claimed but not finished it copies too (the same bytes to the same
+    place: whichever write lands last, the block holds the same values). So the forward never
+    waits for a thread the machine has descheduled (measured in ``make vllm-check`` before
+    this: the thread took 47-76 ms for the 30 layers on a shared core, and the forward waited
+    up to 10.6 ms for it). ``stolen`` counts the layers the forward copied.
     """
 
     def __init__(self, caches: Sequence[torch.Tensor],
                  jobs: Sequence[tuple[LoadSpec, memoryview, list[tuple[torch.Tensor,
                                                                        torch.Tensor]]]],
                  *, slot_bytes: int, block_size: int, key_layout: str,
-                 cpus: set[int] | None = None) -> None:
+                 cpus: set[int] | None = None, steal: bool = True) -> None:
         self._caches = list(caches)
         self._jobs = list(jobs)
         self._slot = slot_bytes
         self._bs = block_size
         self._layout = key_layout
         self._cpus = cpus
-        self._done = 0  # layers fully written
+        self._steal = steal
+        n = len(self._caches)
+        # guarded by _cond: the next layer nobody claimed, which layers are written, and how
+        # many leading layers are (every layer once a copy failed: nothing waits for the rest)
+        self._next = 0
+        self._written = [False] * n
+        self._done = 0
         self._cond = threading.Condition()
         self.error: BaseException | None = None
-        self.waited_s = 0.0  # time the forward spent in wait()
-        self.copy_s = 0.0  # the thread's time from start to the last layer
+        self.waited_s = 0.0  # time the forward spent in wait() (its own copies included)
+        self.copy_s = 0.0  # the thread's time from start to its last layer
+        self.stolen = 0  # layers the forward copied itself
         self._thread = threading.Thread(target=self._run, name="semcomm-kv-load", daemon=True)
         self._thread.start()
+
+    def _claim(self, below: int | None = None) -> int | None:
+        """The next unclaimed layer (under ``_cond``), if any (and if ``< below``)."""
+        limit = len(self._caches) if below is None else below
+        if self.error is not None or self._next >= limit:
+            return None
+        layer = self._next
+        self._next += 1
+        return layer
+
+    def _copy(self, layer: int) -> bool:
+        """Write one layer of every job; on failure record it and release every layer."""
+        try:
+            one = range(layer, layer + 1)
+            for spec, view, batch in self._jobs:
+                write_slots(self._caches, spec, batch, view, self._slot, block_size=self._bs,
+                            key_layout=self._layout, layers=one)
+        except BaseException as exc:  # reported as failed blocks by join()
+            logger.warning("semcomm KV layer-by-layer load failed (%s); recomputing", exc)
+            with self._cond:
+                self.error = exc
+                self._done = len(self._caches)
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            self._written[layer] = True
+            while self._done < len(self._written) and self._written[self._done]:
+                self._done += 1
+            self._cond.notify_all()
+        return True
 
     def _run(self) -> None:
         import time
@@ -980,22 +1026,13 @@ class LayerwiseLoad:
             except OSError:
                 pass
         try:
-            for layer in range(len(self._caches)):
-                one = range(layer, layer + 1)
-                for spec, view, batch in self._jobs:
-                    write_slots(self._caches, spec, batch, view, self._slot,
-                                block_size=self._bs, key_layout=self._layout, layers=one)
+            while True:
                 with self._cond:
-                    self._done = layer + 1
-                    self._cond.notify_all()
-        except BaseException as exc:  # reported as failed blocks by join()
-            logger.warning("semcomm KV layer-by-layer load failed (%s); recomputing", exc)
-            self.error = exc
+                    layer = self._claim()
+                if layer is None or not self._copy(layer):
+                    return
         finally:
             self.copy_s = time.perf_counter() - t0
-            with self._cond:
-                self._done = len(self._caches)
-                self._cond.notify_all()
 
     def wait(self, layer: int | None) -> None:
         """Until ``layer`` (an index in model order; None: every layer) is written."""
@@ -1006,9 +1043,22 @@ class LayerwiseLoad:
         if self._done >= need:
             return
         t0 = time.perf_counter()
-        with self._cond:
-            while self._done < need:
-                self._cond.wait()
+        while True:
+            with self._cond:
+                if self._done >= need:
+                    break
+                mine = self._claim(need) if self._steal else None
+                if mine is None and self._steal and self.error is None:
+                    # every layer up to ``layer`` is claimed: the first one not written yet
+                    # is the thread's, in flight; copy it too (the same bytes into the same
+                    # place, so the two writes cannot disagree) rather than wait for a thread
+                    # the machine may have descheduled
+                    mine = self._written.index(False, self._done, need)
+                if mine is None:
+                    self._cond.wait()
+                    continue
+            self.stolen += 1
+            self._copy(mine)
         self.waited_s += time.perf_counter() - t0
 
     def join(self) -> set[int]:

@@ -426,9 +426,10 @@ class SemcommConnector(KVConnectorBase_V1):
             self._load_errors.update(load.join())
             self.layer_wait_seconds += load.waited_s
             self._timings.record("layers", time.monotonic(), load.copy_s,
-                                 waited_ms=round(load.waited_s * 1e3, 3))
-            logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms",
-                         load.copy_s * 1e3, load.waited_s * 1e3)
+                                 waited_ms=round(load.waited_s * 1e3, 3), stolen=load.stolen)
+            logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms "
+                         "(%d layers copied by the forward)", load.copy_s * 1e3,
+                         load.waited_s * 1e3, load.stolen)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._layerwise
