@@ -16,9 +16,15 @@ on quora-val, which only measures: AUC of each score in the band, with a paired 
 interval of the difference against the shipped P. The cross-encoder trained on that file, so
 its logits there are partly in-sample; the script prints its AUC on the fit pairs it never
 trained on beside the one on quora-val, which says how far the fitted weights can be trusted.
-No fresh set is read.
+``--adapters`` adds other cross-encoder adapters (alone, and their logit averaged with the
+shipped one's: an ensemble), e.g. one trained with ``bench_semantic_train_cross.py --dropout``.
+Every row also gets the lone cut :func:`semcomm.semantic.calibrate_scored_cut` would choose
+with that score on quora-val (target 0.90, 90 % Wilson bound), the decision-relevant figure.
+No fresh set is read. Results: ``benchmarks/results/semantic_stack.{json,png}``.
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_semantic_stack.py   # ~10 min
+    OMP_NUM_THREADS=1 python benchmarks/bench_semantic_stack.py                 # ~4 min
+    OMP_NUM_THREADS=1 python benchmarks/bench_semantic_stack.py --adapters /tmp/xv4 \
+        /tmp/xv4/step1000 /tmp/xv4/step2000 /tmp/xv3                            # ~8 min
 """
 
 from __future__ import annotations
@@ -131,6 +137,34 @@ def fit_lr(x: np.ndarray, y: np.ndarray, cols: list[int], c: float = 1.0):
     return lambda z: m.decision_function(sc.transform(z[:, cols])), m, sc
 
 
+def biencoder_pair_auc(vec: dict[str, np.ndarray], fit_rows: list[dict], val_rows: list[dict],
+                       qvec: dict[str, np.ndarray], svec: dict[str, np.ndarray]) -> dict:
+    """The bi-encoder's own ceiling in the band: a logistic regression on ``[u*v, |u-v|]`` of
+    the two MiniLM vectors (SBERT's pair-classifier input), fitted on the labelled pairs of
+    ``meancache_val.csv`` and the fit file's lone candidates, scored on quora-val's band."""
+    from sklearn.linear_model import LogisticRegression
+
+    def f(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return np.concatenate([u * v, np.abs(u - v)])
+
+    x, y, seen = [], [], set()
+    for a, b, lab in read_pairs(DEFAULT_DATA / "meancache_val.csv"):
+        if a in vec and b in vec:
+            x.append(f(vec[a], vec[b]))
+            y.append(lab)
+            seen.add(frozenset((norm(a), norm(b))))
+    for r in fit_rows:
+        if frozenset((norm(r["q"]), norm(r["c"]))) not in seen:
+            x.append(f(vec[r["q"]], vec[r["c"]]))
+            y.append(int(r["right"]))
+    band = [r for r in val_rows if r["cos"] >= BAND and not r["exact"]]
+    xq = np.stack([f(qvec[r["q"]], svec[r["c"]]) for r in band])
+    yq = np.asarray([r["right"] for r in band])
+    m = LogisticRegression(C=0.1, max_iter=3000).fit(np.stack(x), np.asarray(y))
+    return {"fit_pairs": len(x), "band": len(band), "auc": auc(m.decision_function(xq), yq),
+            "cosine_auc": auc(np.asarray([r["cos"] for r in band]), yq)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -144,8 +178,10 @@ def main() -> None:
     t0 = time.time()
 
     # v1's training pairs: the labelled pairs and the seed-0 protocol's top-4 mined candidates
+    from bench_semantic_train_cross import training_pairs
+
     seen_pairs = {frozenset((norm(a), norm(b))) for a, b, _ in
-                  read_pairs(DEFAULT_DATA / "meancache_val.csv")}
+                  training_pairs(DEFAULT_DATA, LexicalGuard())}
     fit_rows: list[dict] = []
     vec: dict[str, np.ndarray] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
@@ -159,7 +195,7 @@ def main() -> None:
         got = {frozenset((norm(r["q"]), norm(r["c"]))) for r in fit_rows}
         fit_rows += [r for r in rows if frozenset((norm(r["q"]), norm(r["c"]))) not in got]
     for r in fit_rows:
-        r["in_labelled"] = frozenset((norm(r["q"]), norm(r["c"]))) in seen_pairs
+        r["in_train"] = frozenset((norm(r["q"]), norm(r["c"]))) in seen_pairs
 
     w = pairs_workload(2000, name="quora-val")
     qv, sv = embed(w.queries), embed(w.stored)
@@ -168,7 +204,7 @@ def main() -> None:
     val_rows = lone_rows(w.queries, w.stored,
                          lambda q, c: w.comp_of_answer[comp[c]] == exp[q], qv, sv)  # type: ignore[attr-defined]
     console.print(f"lone candidates at cos >= {FLOOR}: fit {len(fit_rows)} "
-                  f"({sum(r['in_labelled'] for r in fit_rows)} labelled pairs of the file), "
+                  f"({sum(r['in_train'] for r in fit_rows)} of them v1 training pairs), "
                   f"quora-val {len(val_rows)}; scoring ({time.time() - t0:.0f} s)")
     from semcomm.semantic import CrossEncoderVerifier
 
@@ -178,18 +214,22 @@ def main() -> None:
     yq = np.asarray([r["right"] for r in val_rows])
     bf = (xf[:, 2] >= BAND) & ~np.asarray([r["exact"] for r in fit_rows])
     bq = (xq[:, 2] >= BAND) & ~np.asarray([r["exact"] for r in val_rows])
-    lab = np.asarray([r["in_labelled"] for r in fit_rows])
+    lab = np.asarray([r["in_train"] for r in fit_rows])
+    bienc = biencoder_pair_auc(vec, fit_rows, val_rows, dict(zip(w.queries, qv, strict=True)),
+                               dict(zip(w.stored, sv, strict=True)))
+    console.print(f"bi-encoder pair classifier \\[u*v, |u-v|] on {bienc['fit_pairs']} training "
+                  f"pairs: AUC {bienc['auc']:.3f} on quora-val's band (cosine {bienc['cosine_auc']:.3f})")
     console.print(f"scored in {time.time() - t0:.0f} s; band: fit {bf.sum()} "
                   f"({yf[bf].mean():.2f} right), quora-val {bq.sum()} ({yq[bq].mean():.2f} right)")
 
     # how in-sample is the adapter on the fit file? its AUC on pairs it trained on, on those
     # it did not, and on quora-val
-    insample = {"fit_band_labelled": auc(xf[bf & lab, 0], yf[bf & lab]),
-                "fit_band_unlabelled": auc(xf[bf & ~lab, 0], yf[bf & ~lab]),
+    insample = {"fit_band_trained": auc(xf[bf & lab, 0], yf[bf & lab]),
+                "fit_band_untrained": auc(xf[bf & ~lab, 0], yf[bf & ~lab]),
                 "quora_val_band": auc(xq[bq, 0], yq[bq])}
     console.print(f"cross-encoder AUC in the band: fit pairs it trained on "
-                  f"{insample['fit_band_labelled']:.3f}, fit pairs it did not "
-                  f"{insample['fit_band_unlabelled']:.3f}, quora-val "
+                  f"{insample['fit_band_trained']:.3f}, fit pairs it did not "
+                  f"{insample['fit_band_untrained']:.3f}, quora-val "
                   f"{insample['quora_val_band']:.3f}")
 
     ix = {f: i for i, f in enumerate(FEATURES)}
@@ -200,7 +240,7 @@ def main() -> None:
         "LR: logits + cos + lead + lexical": list(FEATURES),
         "LR: cos + lead + lexical (no cross-encoder)": [f for f in FEATURES
                                                        if not f.startswith("logit")],
-        "LR on unlabelled fit pairs only: all": list(FEATURES),
+        "LR on untrained fit pairs only: all": list(FEATURES),
     }
     for k, p in enumerate(args.adapters):  # ensembles: mean logit with the shipped adapter
         combos[f"mean logit with {p}"] = ("mean", [0, len(FEATURES) + k])
@@ -217,7 +257,7 @@ def main() -> None:
     res_rows = []
     tab = Table(title=f"lone candidates at cos >= {BAND} on quora-val ({bq.sum()}): AUC right "
                       "vs wrong; fitted on meancache_val.csv (train file) only")
-    for col in ("score", "fit on", "AUC fit band", "AUC quora-val [95 % CI]",
+    for col in ("score", "fit on", "AUC fit band: all / untrained", "AUC quora-val [95 % CI]",
                 "delta vs shipped [95 % CI]", "cut (cos / P): precision (bound) / recall"):
         tab.add_column(col)
     for name, feats in combos.items():
@@ -230,7 +270,7 @@ def main() -> None:
             s_all, sf = xq[:, cols].mean(1), xf[bf][:, cols].mean(1)
             coef, on = None, "-"
         else:
-            m_fit = bf & (~lab if "unlabelled" in name else np.ones_like(bf))
+            m_fit = bf & (~lab if "untrained" in name else np.ones_like(bf))
             fn, m, sc = fit_lr(xf[m_fit], yf[m_fit], [ix[f] for f in feats])
             s_all, sf = fn(xq), fn(xf[bf])
             coef = dict(zip(feats, (m.coef_[0] / sc.scale_).tolist(), strict=True))
@@ -245,11 +285,14 @@ def main() -> None:
         bs = np.array([auc(sq[i], yb[i]) for i in boots])
         d = np.array([auc(sq[i], yb[i]) - auc(base[i], yb[i]) for i in boots])
         ci, dci = np.nanpercentile(bs, [2.5, 97.5]), np.nanpercentile(d, [2.5, 97.5])
+        # on the fit file's band pairs that v1 never trained on (what a snapshot is chosen by)
+        sf_un = sf[~lab[bf]]
         row = {"score": name, "features": feats, "coef": coef, "fit_band_auc": auc(sf, yf[bf]),
+               "fit_band_untrained_auc": auc(sf_un, yf[bf][~lab[bf]]),
                "quora_val_auc": a, "ci95": ci.tolist(), "delta": float(a - auc(base, yb)),
                "delta_ci95": dci.tolist(), "cut": {f: getattr(cut, f) for f in cut.__slots__}}
         res_rows.append(row)
-        tab.add_row(name, on, f"{row['fit_band_auc']:.3f}", f"{a:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]",
+        tab.add_row(name, on, f"{row['fit_band_auc']:.3f} / {row['fit_band_untrained_auc']:.3f}", f"{a:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]",
                     f"{row['delta']:+.3f} [{dci[0]:+.3f}, {dci[1]:+.3f}]",
                     f"{cut.threshold:.2f} / {cut.min_score:.2f}: {cut.precision:.3f} "
                     f"({cut.lower_bound:.3f}) / {cut.recall:.3f}")
@@ -259,7 +302,7 @@ def main() -> None:
         {"band": BAND, "floor": FLOOR, "fit": {"file": "meancache_val.csv", "seeds": args.seeds,
                                                "lone": len(fit_rows), "band": int(bf.sum())},
          "quora_val": {"lone": len(val_rows), "band": int(bq.sum())},
-         "adapter_auc": insample, "rows": res_rows, "seconds": time.time() - t0}, indent=1))
+         "adapter_auc": insample, "biencoder_pair_classifier": bienc, "rows": res_rows, "seconds": time.time() - t0}, indent=1))
     from _common import agg_figure
 
     with agg_figure((args.out / args.json_name).with_suffix(".png"), (9, 4.5)) as ax:
