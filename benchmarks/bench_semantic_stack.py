@@ -24,7 +24,7 @@ No fresh set is read. Results: ``benchmarks/results/semantic_stack.{json,png}``.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_semantic_stack.py                 # ~4 min
     OMP_NUM_THREADS=1 python benchmarks/bench_semantic_stack.py --adapters /tmp/xv4 \
-        /tmp/xv4/step1000 /tmp/xv4/step2000 /tmp/xv3                            # ~8 min
+        /tmp/xv4/step1000 /tmp/xv4/step2000 /tmp/xv3                            # ~6 min
 """
 
 from __future__ import annotations
