@@ -511,6 +511,20 @@ def test_load_into_stops_at_a_tampered_chunk_and_leaves_the_rest(tmp_path: Path)
         assert c[3:9].any() and not c[9:].any()  # chunks 0-2 written, nothing from 3 on
 
 
+def _read_all_six(store: Any, spec: LoadSpec, layout: str
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, memoryview, Any]:
+    """The batched load of ``spec`` (``want``), empty caches of its shape (``got``), and all six
+    chunks read into a buffer for a layer-by-layer load: ``(want, got, slot, view, batch)``."""
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, layout) == 6
+    got = [torch.zeros_like(c) for c in want]
+    slot = load_slot_bytes(got, CS, BS)
+    view = memoryview(bytearray(6 * slot))
+    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
+                       codec=get_codec("lossless"))
+    return want, got, slot, view, batch
+
+
 @pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
 @pytest.mark.parametrize(("blocks", "skip", "partial"), [
     ("consecutive", 0, False), ("consecutive", 1, True), ("scattered", 0, False)])
@@ -520,13 +534,7 @@ def test_layerwise_load_writes_each_layer_as_the_batched_load(
     ns, keys = _six_random_chunks(store)
     ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
     spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
-    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    assert _reference_load(store, spec, want, layout) == 6
-    got = [torch.zeros_like(c) for c in want]
-    slot = load_slot_bytes(got, CS, BS)
-    view = memoryview(bytearray(6 * slot))
-    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
-                       codec=get_codec("lossless"))
+    want, got, slot, view, batch = _read_all_six(store, spec, layout)
     assert len(batch) == 6
     load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
                          key_layout=layout)
@@ -544,11 +552,7 @@ def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
     store = DiskStore(tmp_path)
     ns, keys = _six_random_chunks(store)
     spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
-    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    slot = load_slot_bytes(got, CS, BS)
-    view = memoryview(bytearray(6 * slot))
-    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
-                       codec=get_codec("lossless"))
+    _, got, slot, view, batch = _read_all_six(store, spec, "d_bs")
     order: list[int] = []
     real = _vllm_core.write_slots
 
@@ -575,13 +579,7 @@ def test_a_waiting_forward_copies_the_layers_the_thread_has_not_reached(
     store = DiskStore(tmp_path)
     ns, keys = _six_random_chunks(store)
     spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
-    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    assert _reference_load(store, spec, want, "d_bs") == 6
-    got = [torch.zeros_like(c) for c in want]
-    slot = load_slot_bytes(got, CS, BS)
-    view = memoryview(bytearray(6 * slot))
-    batch = read_slots(store, spec, 0, 6, view, slot, chunk_size=CS, dtype="bfloat16",
-                       codec=get_codec("lossless"))
+    want, got, slot, view, batch = _read_all_six(store, spec, "d_bs")
     stalled, release = threading.Event(), threading.Event()
     copied_by: dict[int, str] = {}
     real = _vllm_core.write_slots
