@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,19 @@ def read_pairs(path: Path) -> list[tuple[str, str, int]]:
 
 def build_protocol(path: Path, *, seed: int = 0, limit: int | None = None) -> Protocol:
     return protocol_from_rows(read_pairs(path), seed=seed, limit=limit)
+
+
+def protocol_vectors(path: Path, seed: int, vec: dict[str, np.ndarray],
+                     embed: Callable[[list[str]], np.ndarray]
+                     ) -> tuple[Protocol, np.ndarray, np.ndarray]:
+    """:func:`build_protocol` of ``path`` with the queries' and stored questions' vectors;
+    ``vec`` caches vectors across calls (texts embedded once over several seeds)."""
+    pv = build_protocol(path, seed=seed)
+    new = [t for t in dict.fromkeys(pv.queries + pv.stored) if t not in vec]
+    if new:
+        vec.update(zip(new, embed(new), strict=True))
+    return (pv, np.stack([vec[t] for t in pv.queries]),
+            np.stack([vec[t] for t in pv.stored]))
 
 
 def read_tsv_pairs(path: Path, ia: int = 3, ib: int = 4) -> list[tuple[str, str, int]]:

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from bench_semantic_common import DEFAULT_DATA, build_protocol, norm, read_pairs
+from bench_semantic_common import DEFAULT_DATA, norm, protocol_vectors, read_pairs
 from bench_semantic_traffic import embed, pairs_workload
 from rich.console import Console
 from rich.table import Table
@@ -185,12 +185,7 @@ def main() -> None:
     fit_rows: list[dict] = []
     vec: dict[str, np.ndarray] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
-        pv = build_protocol(DEFAULT_DATA / "meancache_val.csv", seed=seed)
-        new = [t for t in dict.fromkeys(pv.queries + pv.stored) if t not in vec]
-        if new:
-            vec.update(zip(new, embed(new), strict=True))
-        qv = np.stack([vec[t] for t in pv.queries])
-        sv = np.stack([vec[t] for t in pv.stored])
+        pv, qv, sv = protocol_vectors(DEFAULT_DATA / "meancache_val.csv", seed, vec, embed)
         rows = lone_rows(pv.queries, pv.stored, pv.same, qv, sv)
         got = {frozenset((norm(r["q"]), norm(r["c"]))) for r in fit_rows}
         fit_rows += [r for r in rows if frozenset((norm(r["q"]), norm(r["c"]))) not in got]

@@ -88,7 +88,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
-from bench_semantic_common import DEFAULT_DATA, build_protocol, norm, read_pairs, read_tsv_pairs
+from bench_semantic_common import (
+    DEFAULT_DATA,
+    build_protocol,
+    norm,
+    protocol_vectors,
+    read_pairs,
+    read_tsv_pairs,
+)
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -128,12 +135,7 @@ def mined_pairs(data: Path, guard: LexicalGuard, *, seeds: tuple[int, ...], k: i
     seen: set[tuple[str, str]] = set()
     vec: dict[str, np.ndarray] = {}
     for seed in seeds:
-        pv = build_protocol(data / "meancache_val.csv", seed=seed)
-        new = [t for t in dict.fromkeys(pv.queries + pv.stored) if t not in vec]
-        if new:
-            vec.update(zip(new, embed(new), strict=True))
-        qv = np.stack([vec[t] for t in pv.queries])
-        sv = np.stack([vec[t] for t in pv.stored])
+        pv, qv, sv = protocol_vectors(data / "meancache_val.csv", seed, vec, embed)
         for s0 in range(0, len(qv), 2048):
             sims = qv[s0 : s0 + 2048] @ sv.T
             top = np.argsort(-sims, axis=1)[:, :k]
