@@ -13,10 +13,14 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
-__all__ = ["build_library", "kernels_dir"]
+__all__ = ["OncePerProcess", "build_library", "kernels_dir", "open_built"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("semcomm")
 
@@ -61,3 +65,35 @@ def build_library(name: str, source: str, flags: Sequence[str], compilers: Seque
             return None
         os.replace(lib, out)  # atomic: another process may be compiling the same file
     return out
+
+
+def open_built(open_: Callable[[Path], T], path: Path | None, what: str,
+               errors: tuple[type[BaseException], ...] = (OSError,),
+               log: logging.Logger = logger) -> T | None:
+    """``open_(path)`` for a library :func:`build_library` made; None (logged as "``what``
+    off") where it made none or opening it raised one of ``errors``."""
+    if path is None:
+        return None
+    try:
+        return open_(path)
+    except errors as exc:
+        log.info("%s off: %s", what, exc)
+        return None
+
+
+class OncePerProcess(Generic[T]):
+    """What ``make`` returns, made on the first :meth:`get` and kept for the process; a
+    ``make`` that returned None (the kernel cannot run here) is not tried again."""
+
+    def __init__(self, make: Callable[[], T | None]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._tried = False
+        self._value: T | None = None
+
+    def get(self) -> T | None:
+        with self._lock:
+            if not self._tried:
+                self._value = self._make()
+                self._tried = True
+            return self._value

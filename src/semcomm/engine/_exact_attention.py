@@ -35,12 +35,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .._native import OncePerProcess, open_built
 from ._exact_matvec import build_library, cpu_has_avx512
 
 __all__ = ["ExactAttention"]
@@ -330,9 +330,6 @@ extern "C" int semcomm_attention(const float* q, const float* k, const float* v,
 _FLAGS = ["-std=c++17", "-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
           "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_shared: ExactAttention | None | bool = None  # the process's kernel once loaded (False: none)
-
 # context lengths the check runs: one block, its tails, several blocks and their tails
 _CHECK_LENGTHS = (1, 3, 4, 7, 13, 16, 31, 64, 130, 511, 512, 513, 1029, 1538)
 
@@ -359,11 +356,7 @@ class ExactAttention:
     def shared(cls) -> ExactAttention | None:
         """The process's kernel, compiled on first use (cached on disk); None without AVX-512,
         a C++ compiler, torch's headers and MKL's ``sgemm_`` in torch, or where it fails."""
-        global _shared
-        with _lock:
-            if _shared is None:
-                _shared = cls._load() or False
-            return _shared if isinstance(_shared, ExactAttention) else None
+        return _kernel.get()
 
     @classmethod
     def _load(cls) -> ExactAttention | None:
@@ -378,13 +371,8 @@ class ExactAttention:
             return None
         path = build_library("attention", _SOURCE, [*_FLAGS, f"-I{include}"],
                              ("c++", "g++"), suffix=".cpp")
-        if path is None:
-            return None
-        try:
-            return cls(path)
-        except (OSError, AttributeError) as exc:  # no library, or no sgemm_ in torch
-            logger.info("exact attention off: %s", exc)
-            return None
+        # AttributeError: torch has no sgemm_ for the library to call
+        return open_built(cls, path, "exact attention", (OSError, AttributeError), log=logger)
 
     @staticmethod
     def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -445,3 +433,6 @@ class ExactAttention:
                     logger.info("exact attention off: it differs from SDPA at %d keys", n)
                     return False
         return True
+
+
+_kernel = OncePerProcess(ExactAttention._load)  # the process's kernel, loaded on first use

@@ -34,13 +34,13 @@ import ctypes
 import logging
 import os
 import platform
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .. import _native
+from .._native import OncePerProcess, open_built
 
 __all__ = ["ExactMatVec", "build_library", "cpu_has_avx512"]
 
@@ -166,9 +166,6 @@ void semcomm_matvec(const float* W, const float* x, float* y, int64_t N, int64_t
 # fused multiply-add
 _FLAGS = ["-O2", "-mavx512f", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_shared: ExactMatVec | None | bool = None  # the process's kernel once loaded (False: none)
-
 
 def cpu_has_avx512() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -210,11 +207,7 @@ class ExactMatVec:
     def shared(cls) -> ExactMatVec | None:
         """The process's kernel, compiled on first use (cached on disk by source digest);
         None without AVX-512, a C compiler, or where it fails to build or load."""
-        global _shared
-        with _lock:
-            if _shared is None:
-                _shared = cls._load() or False
-            return _shared if isinstance(_shared, ExactMatVec) else None
+        return _kernel.get()
 
     @classmethod
     def _load(cls) -> ExactMatVec | None:
@@ -223,14 +216,8 @@ class ExactMatVec:
         if not cpu_has_avx512():
             logger.info("exact matvec off: the CPU (or torch's build) has no AVX-512")
             return None
-        path = build_library("matvec", _SOURCE, _FLAGS, ("cc", "gcc"))
-        if path is None:
-            return None
-        try:
-            return cls(path)
-        except OSError as exc:
-            logger.info("exact matvec off: %s", exc)
-            return None
+        return open_built(cls, build_library("matvec", _SOURCE, _FLAGS, ("cc", "gcc")),
+                          "exact matvec", log=logger)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -264,3 +251,6 @@ class ExactMatVec:
                 if not torch.equal(self.linear(x, weight, bias), F.linear(x, weight, bias)):
                     return False
         return True
+
+
+_kernel = OncePerProcess(ExactMatVec._load)  # the process's kernel, loaded on first use

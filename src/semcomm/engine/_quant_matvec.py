@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import struct
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._native import OncePerProcess, open_built
 from ._exact_matvec import build_library, cpu_has_avx512
 
 __all__ = [
@@ -204,8 +204,6 @@ void semcomm_qmatvec(const int8_t* Q, const float* A, const float* B, const floa
 
 _FLAGS = ["-O2", "-mavx512f", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_shared: QuantMatVec | None | bool = None
 
 QK_K = 256
 
@@ -437,24 +435,14 @@ class QuantMatVec:
     def shared(cls) -> QuantMatVec | None:
         """The process's kernel (compiled once, cached by source digest); None where
         ``SEMCOMM_QUANT_MATVEC=0``, without AVX-512 or a C compiler."""
-        global _shared
-        with _lock:
-            if _shared is None:
-                _shared = cls._load() or False
-            return _shared if isinstance(_shared, QuantMatVec) else None
+        return _kernel.get()
 
     @classmethod
     def _load(cls) -> QuantMatVec | None:
         if not quant_enabled() or not cpu_has_avx512():
             return None
-        path = build_library("qmatvec", _SOURCE, _FLAGS, ("cc", "gcc"))
-        if path is None:
-            return None
-        try:
-            return cls(path)
-        except OSError as exc:
-            logger.info("quantized-code matvec off: %s", exc)
-            return None
+        return open_built(cls, build_library("qmatvec", _SOURCE, _FLAGS, ("cc", "gcc")),
+                          "quantized-code matvec", log=logger)
 
     @staticmethod
     def supports(qw: QuantWeight) -> bool:
@@ -743,3 +731,6 @@ def layer_weight_names(layers: Any) -> dict[str, torch.Tensor]:
     """GGUF names of a lean decoder's layer weights: ``{"blk.0.attn_q.weight": wq, ...}``."""
     return {f"blk.{p.index}.{g}.weight": getattr(p, attr) for p in layers
             for attr, g in GGUF_LAYER_NAMES.items()}
+
+
+_kernel = OncePerProcess(QuantMatVec._load)  # the process's kernel, loaded on first use
