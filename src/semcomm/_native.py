@@ -3,6 +3,8 @@
 The engine's exact CPU kernels and the vLLM connector's key copy are each one C source built
 once with the system's compiler; every caller keeps its pure-PyTorch (or numpy) path where
 there is no compiler or the build fails, so nothing here is required to run semcomm.
+:func:`open_built` opens what a build made and :class:`OncePerProcess` keeps one loaded kernel
+per process (the engine's kernels load through both).
 """
 
 from __future__ import annotations
