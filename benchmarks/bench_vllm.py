@@ -142,6 +142,8 @@ def timeline(m: Any, events: list[dict[str, Any]]) -> dict[str, float]:
             # a layer-by-layer load: the copy thread's time, and the forward's waits for it
             out["layer_copy_ms"], out["layer_wait_ms"] = e["ms"], e.get("waited_ms", 0.0)
             out["layers_by_forward"] = e.get("stolen", 0)  # copied by the forward's thread
+            if "verify_ms" in e:  # streamed reads: the rest read and every chunk verified
+                out["layer_verify_ms"] = e["verify_ms"]
         elif e["event"] == "step_start" and before is None:
             before = e  # no load: the forward starts here
         elif e["event"] == "forward_end":
@@ -415,6 +417,10 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
         "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"], "apc_ttft_s": apc["ttft_s"],
         "same_text": warm["token_ids"] == cold["token_ids"], "hit_tokens": warm["cached_tokens"],
         "store": "redis" if args.redis else "disk", "model": args.model, "dtype": args.dtype,
+        # the connector's load settings as the environment gave them (unset: the defaults)
+        "connector_env": {k: os.environ[k] for k in ("SEMCOMM_VLLM_LAYERWISE_LOAD",
+                                                      "SEMCOMM_VLLM_STREAMED_READS")
+                          if k in os.environ},
         "prompt_tokens": saved["prompt_tokens"], "greedy_tokens": args.max_tokens,
         "cold_over_warm": cold["ttft_s"] / warm["ttft_s"],
         "warm_over_apc": warm["ttft_s"] / apc["ttft_s"],
@@ -471,7 +477,8 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
         side: {key: statistics.median(t[key] for t in tls if t and key in t)
                for key in ("scheduled", "lookup_ms", "load_ms", "load_read_ms",
                            "load_write_ms", "load_read_minflt", "load_write_minflt",
-                           "layer_copy_ms", "layer_wait_ms", "layers_by_forward", "forward_ms",
+                           "layer_copy_ms", "layer_wait_ms", "layer_verify_ms",
+                           "layers_by_forward", "forward_ms",
                            "forward_minflt",
                            "forward_majflt", "first_token")
                if any(t and key in t for t in tls)}

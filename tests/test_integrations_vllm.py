@@ -37,10 +37,12 @@ from semcomm.integrations._vllm_core import (
     load_into,
     load_slot_bytes,
     model_dir_fingerprint,
+    open_streamed,
     ordered_layers,
     read_slots,
     scatter_chunk,
     spec_slice,
+    streamable,
     tenant_of,
 )
 from semcomm.kv import DiskStore, MemoryStore, chunk_keys, get_codec
@@ -181,6 +183,17 @@ def test_layerwise_load_setting_and_its_environment_default(
     monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "maybe")
     with pytest.raises(ConfigError, match="SEMCOMM_VLLM_LAYERWISE_LOAD"):
         ConnectorSettings.from_extra_config({})
+
+
+def test_streamed_reads_setting_and_its_environment_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SEMCOMM_VLLM_STREAMED_READS", raising=False)
+    assert ConnectorSettings.from_extra_config({}).streamed_reads is True  # the default
+    assert ConnectorSettings.from_extra_config({"streamed_reads": False}).streamed_reads is False
+    monkeypatch.setenv("SEMCOMM_VLLM_STREAMED_READS", "0")
+    assert ConnectorSettings.from_extra_config({}).streamed_reads is False
+    with pytest.raises(ConfigError, match="streamed_reads"):
+        ConnectorSettings.from_extra_config({"streamed_reads": "no"})
 
 
 def test_settings_and_tiered_store(tmp_path: Path) -> None:
@@ -613,6 +626,92 @@ def test_layerwise_read_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
     batch = read_slots(store, spec, 0, 6, memoryview(bytearray(6 * slot)), slot,
                        chunk_size=CS, dtype="bfloat16", codec=get_codec("lossless"))
     assert len(batch) == 2  # known before the forward starts: the rest is a miss
+
+
+def _open_six(store: Any, spec: LoadSpec, slot: int) -> tuple[memoryview, Any, Any]:
+    """The spec's chunks opened for a streamed load: ``(view, batch, streams)``."""
+    view = memoryview(bytearray(len(spec.keys) * slot))
+    batch, streams = open_streamed(store, spec, view, slot, chunk_size=CS, dtype="bfloat16",
+                                   codec=get_codec("lossless"))
+    return view, batch, streams
+
+
+@pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
+@pytest.mark.parametrize(("blocks", "skip", "partial", "steal"), [
+    ("consecutive", 0, False, True), ("consecutive", 1, True, True),
+    ("scattered", 0, False, True), ("consecutive", 0, False, False)])
+def test_streamed_load_reads_each_layer_behind_the_forward_and_writes_the_batched_load(
+        tmp_path: Path, layout: str, blocks: str, skip: int, partial: bool,
+        steal: bool) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
+    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, layout) == 6
+    got = [torch.zeros_like(c) for c in want]
+    slot = load_slot_bytes(got, CS, BS)
+    view, batch, streams = _open_six(store, spec, slot)
+    assert len(batch) == len(streams) == 6
+    assert not any(k.any() or v.any() for k, v in batch)  # headers only: no KV read yet
+    load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
+                         key_layout=layout, steal=steal, streams=[streams])
+    load.wait(0)  # layer 0 read and in place once wait returns
+    assert torch.equal(got[0], want[0])
+    load.wait(None)
+    assert load.join() == set() and not load.alive
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(s.pieces.finish() is not None for s in streams)  # every chunk verified whole
+    assert store.stats().hits == 12 and store.stats().corrupt == 0
+
+
+@pytest.mark.parametrize("steal", [True, False])
+@pytest.mark.parametrize("where", ["middle", "checksum"])
+def test_streamed_load_reports_a_chunk_that_fails_verification(
+        tmp_path: Path, steal: bool, where: str) -> None:
+    store = DiskStore(tmp_path)
+    ns, keys = _six_random_chunks(store)
+    if where == "middle":
+        _flip_a_byte(tmp_path, keys[3])
+    else:  # a byte the layers never read: only the whole-chunk check sees it
+        f = tmp_path / keys[3].hex()[:2] / f"{keys[3].hex()}.sckv"
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 1
+        f.write_bytes(bytes(raw))
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    slot = load_slot_bytes(got, CS, BS)
+    view, batch, streams = _open_six(store, spec, slot)
+    assert len(batch) == 6  # the headers parse: the damage shows only when verified
+    load = LayerwiseLoad(got, [(spec, view, batch)], slot_bytes=slot, block_size=BS,
+                         key_layout="d_bs", steal=steal, streams=[streams])
+    load.wait(None)
+    bad = load.join()
+    # chunk 3 and everything after it: vLLM drops the step and recomputes from there
+    assert bad == {b for ids in _BLOCKS["consecutive"][3:] for b in ids}
+    assert store.stats().corrupt == 1 and not store.contains(keys[3])
+    assert all(store.contains(k) for k in keys[:3] + keys[4:])
+
+
+def test_streamed_open_stops_where_a_chunk_cannot_be_used(tmp_path: Path) -> None:
+    from semcomm.security import ChunkSealer, TenantKeyring
+
+    store = DiskStore(tmp_path / "plain")
+    ns, keys = _six_random_chunks(store)
+    (tmp_path / "plain" / keys[2].hex()[:2] / f"{keys[2].hex()}.sckv").unlink()
+    spec = LoadSpec("r", ns, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    got = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    slot = load_slot_bytes(got, CS, BS)
+    _, batch, streams = _open_six(store, spec, slot)
+    assert len(batch) == len(streams) == 2  # absent from chunk 2 on: a miss from there
+    other = LoadSpec("r", b"\x01" * 32, tuple(keys), 0, _BLOCKS["consecutive"], 0)
+    assert _open_six(store, other, slot)[1] == []  # another namespace (tenant) never loads
+    assert streamable(store, get_codec("lossless"))
+    assert not streamable(store, get_codec("int8"))
+    assert not streamable(DiskStore(tmp_path / "sealed",
+                                    sealer=ChunkSealer(TenantKeyring(SECRET))),
+                          get_codec("lossless"))
+    assert not streamable(MemoryStore(), get_codec("lossless"))
 
 
 @pytest.mark.parametrize("case", ["absent", "other_namespace", "wrong_dtype", "sealed_other"])

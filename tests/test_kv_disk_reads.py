@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from semcomm.errors import CorruptEntryError
+from semcomm.errors import ConfigError, CorruptEntryError
 from semcomm.kv import DiskStore, staging_buffer
 from semcomm.kv._format import verify_chunk
 from semcomm.security import ChunkSealer, TenantKeyring
@@ -164,3 +164,89 @@ def test_writes_leave_only_chunk_files_and_replace(tmp_path: Path) -> None:
     again = DiskStore(tmp_path / "kv")
     assert [again.get(k) for k, _ in items] == [v for _, v in items]
     assert store.stats().errors == 0 and store.stats().puts == 4
+
+
+# ---- open_into: a chunk read in pieces, verified whole at the end -----------------------------
+
+def _pieces_back_to_front(store: DiskStore, key: bytes, buf: bytearray, step: int = 1000):
+    """``open_into`` ``key`` and read its payload in ``step``-byte pieces, last piece first."""
+    pieces = store.open_into(key, buf)
+    assert pieces is not None
+    start = pieces.payload_offset
+    for lo in reversed(range(start, pieces.size, step)):
+        pieces.read(lo, min(step, pieces.size - lo))
+    return pieces
+
+
+def test_open_into_reads_pieces_in_any_order_into_the_files_places(filled) -> None:
+    store, items = filled
+    buf = bytearray(max(len(v) for _, v in items) + 100)
+    for key, value in items:
+        pieces = _pieces_back_to_front(store, key, buf)
+        assert pieces.size == len(value) and pieces.header.key == key.hex()
+        assert bytes(buf[: len(value)]) == value  # byte i of the file at buf[i]
+        got = pieces.finish()
+        assert got is not None and got.tobytes() == value and got.obj is buf
+        assert pieces.finish() is got  # once: the first answer
+    assert store.stats().hits == len(items)
+
+
+def test_open_into_finish_reads_what_was_not_read(filled) -> None:
+    store, items = filled
+    key, value = items[1]
+    buf = bytearray(len(value))
+    pieces = store.open_into(key, buf)
+    assert pieces is not None
+    mid = pieces.payload_offset + 700
+    pieces.read(mid, 300)  # one piece in the middle: the head, gaps and checksum are left
+    assert bytes(buf[mid + 300 :]) != value[mid + 300 :]
+    got = pieces.finish()
+    assert got is not None and got.tobytes() == value
+
+
+@pytest.mark.parametrize("where", ["payload", "checksum", "read_twice"])
+def test_open_into_a_tampered_chunk_fails_at_finish_and_is_dropped(filled, where: str) -> None:
+    store, items = filled
+    (k0, v0), (k1, v1) = items[0], items[1]
+    path = _file(store, k0)
+    buf = bytearray(len(v0) + 64)
+    raw = bytearray(v0)
+    if where == "read_twice":  # read whole, then the file changes under the open handle
+        pieces = _pieces_back_to_front(store, k0, buf)
+        raw[len(raw) // 2] ^= 0x08
+        with open(path, "r+b") as f:  # in place: the same inode
+            f.seek(len(raw) // 2)
+            f.write(bytes(raw[len(raw) // 2 : len(raw) // 2 + 1]))
+        pieces.read(len(raw) // 2, 1)  # a piece read again sees the new byte
+    else:
+        raw[len(raw) // 2 if where == "payload" else -3] ^= 0x08
+        path.write_bytes(bytes(raw))
+        pieces = _pieces_back_to_front(store, k0, buf)  # the header still parses
+    assert pieces.finish() is None  # nothing read may be served
+    assert store.stats().corrupt == 1 and not path.exists()
+    again = store.open_into(k1, buf)  # the others are untouched
+    assert again is not None and again.finish() is not None
+
+
+def test_open_into_misses(filled, tmp_path: Path) -> None:
+    store, items = filled
+    (k0, v0), (k1, v1) = items[0], items[1]
+    assert store.open_into(b"\x07" * 32, bytearray(64)) is None  # absent
+    assert store.open_into(k0, bytearray(len(v0) - 1)) is None  # larger than the buffer
+    _file(store, k1).write_bytes(b"SCKV" + b"\xff" * 60)  # a header that does not parse
+    assert store.open_into(k1, bytearray(len(v1))) is None
+    assert store.stats().corrupt == 1 and not _file(store, k1).exists()
+    assert store.stats().misses == 3
+    with pytest.raises(TypeError, match="writable"):
+        store.open_into(k0, b"read-only bytes")
+    pieces = store.open_into(k0, bytearray(len(v0)))
+    assert pieces is not None
+    with pytest.raises(ValueError, match="outside"):
+        pieces.read(len(v0) - 10, 11)
+    pieces.close()  # given up: nothing verified, nothing served
+    assert pieces.finish() is None
+    sealed = DiskStore(tmp_path / "sealed", sealer=ChunkSealer(TenantKeyring(SECRET)))
+    sealed.put_many(chain(1, payload=256))
+    with pytest.raises(ConfigError, match="sealed"):
+        sealed.open_into(chain(1, payload=256)[0][0], bytearray(4096))
+

@@ -72,6 +72,21 @@ def test_queued_chunks_are_served_at_once_and_flush_makes_them_visible(
     assert store.stats().puts == 3 and store.stats().errors == 0
 
 
+
+def test_open_into_serves_a_queued_chunk_whole(slow: tuple[DiskStore, Gate],
+                                               tmp_path: Path) -> None:
+    store, gate = slow
+    items = chain(2)
+    for k, v in items:
+        store.put(k, v)
+    assert gate.waiting.acquire(timeout=10) and chunk_files(tmp_path / "kv") == []
+    buf = bytearray(max(len(v) for _, v in items))
+    for k, v in items:  # from the queue: every byte already in place, nothing to read
+        pieces = store.open_into(k, buf)
+        assert pieces is not None and bytes(pieces.view) == v
+        got = pieces.finish()
+        assert got is not None and bytes(got) == v
+
 def test_a_tiered_store_flushes_its_write_behind_tier(tmp_path: Path) -> None:
     from semcomm.kv import MemoryStore, TieredStore
 

@@ -36,6 +36,7 @@ import torch
 from ..errors import ConfigError, SemcommError
 from ..kv import (
     ChunkKey,
+    ChunkPieces,
     ChunkStore,
     DiskStore,
     MemoryStore,
@@ -47,12 +48,14 @@ from ..kv import (
     encode_chunk,
     get_codec,
 )
+from ..kv._format import tensor_arrays
 from ._vllm_kernels import keys_kernel
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "KEY_LAYOUTS",
     "LAYERWISE_ENV",
+    "STREAMED_ENV",
     "TENANT_PARAM",
     "TIMINGS_ENV",
     "ChunkSaver",
@@ -62,6 +65,7 @@ __all__ = [
     "NamespaceFactory",
     "RequestPlan",
     "SaveSpec",
+    "StreamedChunk",
     "Timings",
     "build_store",
     "chunk_size_for",
@@ -71,11 +75,13 @@ __all__ = [
     "load_into",
     "load_slot_bytes",
     "model_dir_fingerprint",
+    "open_streamed",
     "ordered_layers",
     "page_faults",
     "read_slots",
     "scatter_chunk",
     "spec_slice",
+    "streamable",
     "tenant_of",
     "tokenizer_dir_fingerprint",
     "write_slots",
@@ -158,9 +164,15 @@ class ConnectorSettings:
     # default: 5-7 ms less TTFT per 2k-token load here, docs/BENCHMARKS.md); False: read and
     # copied batch by batch inside start_load_kv
     layerwise_load: bool = True
+    # with layerwise_load, an unsealed disk store and the lossless codec: the chunks' files are
+    # read layer by layer on the copy thread too, behind the forward, and verified whole once
+    # every layer is in place (a chunk that fails is reported and recomputed by vLLM); False:
+    # read and verified in start_load_kv before the forward starts
+    streamed_reads: bool = True
 
     _KEYS = frozenset({"store", "chunk_size", "codec", "seal", "memory_bytes", "disk_bytes",
-                       "redis_ttl_s", "max_pending_bytes", "tenant_param", "layerwise_load"})
+                       "redis_ttl_s", "max_pending_bytes", "tenant_param", "layerwise_load",
+                       "streamed_reads"})
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -203,24 +215,33 @@ class ConnectorSettings:
         param = d.get("tenant_param", TENANT_PARAM)
         if not isinstance(param, str) or not param:
             raise ConfigError("SemcommConnector: tenant_param must be a non-empty string")
-        layerwise = d.get("layerwise_load")
-        if layerwise is None:
-            env = os.environ.get(LAYERWISE_ENV, "").strip().lower()
-            if env not in ("", "0", "1", "false", "true"):
-                raise ConfigError(f"SemcommConnector: {LAYERWISE_ENV} must be 0 or 1, got "
-                                  f"{env!r}")
-            layerwise = env not in ("0", "false")
-        if not isinstance(layerwise, bool):
-            raise ConfigError(f"SemcommConnector: layerwise_load must be true or false, got "
-                              f"{layerwise!r}")
+        layerwise = _switch(d, "layerwise_load", LAYERWISE_ENV)
+        streamed = _switch(d, "streamed_reads", STREAMED_ENV)
         return cls(store=tiers, chunk_size=chunk, codec=codec, seal=seal, redis_ttl_s=ttl,
-                   tenant_param=param, layerwise_load=layerwise, **ints)
+                   tenant_param=param, layerwise_load=layerwise, streamed_reads=streamed,
+                   **ints)
+
+
+def _switch(d: Mapping[str, Any], name: str, env_name: str) -> bool:
+    """A true/false setting, its default (true) taken from the environment when absent."""
+    value = d.get(name)
+    if value is None:
+        env = os.environ.get(env_name, "").strip().lower()
+        if env not in ("", "0", "1", "false", "true"):
+            raise ConfigError(f"SemcommConnector: {env_name} must be 0 or 1, got {env!r}")
+        value = env not in ("0", "false")
+    if not isinstance(value, bool):
+        raise ConfigError(f"SemcommConnector: {name} must be true or false, got {value!r}")
+    return value
 
 
 LAYERWISE_ENV = "SEMCOMM_VLLM_LAYERWISE_LOAD"
 """Environment default of ``layerwise_load`` when ``kv_connector_extra_config`` leaves it out
 (``0``/``false`` turns it off, ``1``/``true`` or unset keeps it on); vLLM's worker processes
 inherit it."""
+
+STREAMED_ENV = "SEMCOMM_VLLM_STREAMED_READS"
+"""Environment default of ``streamed_reads`` (as :data:`LAYERWISE_ENV` for its setting)."""
 
 
 def _tier_kind(spec: str) -> str:
@@ -819,6 +840,84 @@ def read_slots(store: ChunkStore, spec: LoadSpec, i0: int, want: int, view: memo
     return batch
 
 
+@dataclass(slots=True)
+class StreamedChunk:
+    """One chunk of a streamed load (:func:`open_streamed`): its file, open for reading in
+    pieces into its slot, and where each layer's keys and values lie in the file."""
+
+    pieces: ChunkPieces
+    key_at: int  # file offset of layer 0's keys; layer l's at key_at + l * layer_bytes
+    value_at: int
+    layer_bytes: int
+
+    def read_layer(self, layer: int) -> None:
+        """Read ``layer``'s keys and values into the slot (the same place as in the file)."""
+        self.pieces.read(self.key_at + layer * self.layer_bytes, self.layer_bytes)
+        self.pieces.read(self.value_at + layer * self.layer_bytes, self.layer_bytes)
+
+
+def streamable(store: ChunkStore, codec: Any) -> bool:
+    """Whether loads from ``store`` can be read layer by layer behind the forward
+    (:func:`open_streamed`): an unsealed :class:`DiskStore` and the lossless codec."""
+    return (isinstance(store, DiskStore) and store.sealer is None
+            and getattr(codec, "name", None) == "lossless")
+
+
+def open_streamed(store: DiskStore, spec: LoadSpec, view: memoryview, slot_bytes: int, *,
+                  chunk_size: int, dtype: str, codec: Any
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[StreamedChunk]]:
+    """Open the spec's chunks for a streamed load: each chunk's header is read into its
+    ``slot_bytes`` slot of ``view`` and checked as :func:`read_slots` checks a chunk (key,
+    namespace, tokens, dtype, codec, tensors), stopping at the first that fails; nothing else
+    is read yet. Returns the ``(k, v)`` views of the slots (as :func:`read_slots` does; their
+    bytes arrive with :meth:`StreamedChunk.read_layer`) and the open chunks. Nothing may be
+    trusted before each chunk's ``pieces.finish()`` verified it (:class:`LayerwiseLoad` does,
+    and reports the blocks of a chunk that fails)."""
+    batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+    streams: list[StreamedChunk] = []
+    for j, key in enumerate(spec.keys):
+        try:
+            pieces = store.open_into(key, view[j * slot_bytes : (j + 1) * slot_bytes], head=0)
+        except Exception as exc:
+            logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
+            pieces = None
+        if pieces is None:
+            break
+        try:
+            h = pieces.header
+            if h.key != bytes(key).hex():
+                raise SemcommError(f"chunk stored under key {key.hex()[:16]} says it is "
+                                   f"{h.key[:16]}")
+            if h.namespace != bytes(spec.namespace).hex():
+                raise SemcommError(f"chunk belongs to namespace {h.namespace[:16]}")
+            if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
+                    or h.codec_params.get("spec", codec.spec) != codec.spec
+                    or h.meta.get("sealed")):
+                raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
+                                   f"{h.dtype}/{h.codec}, expected {chunk_size} of "
+                                   f"{dtype}/{codec.spec}")
+            arrays = tensor_arrays(h, pieces.payload_offset, pieces.view)
+            if set(arrays) != {"k", "v"} or arrays["k"].shape != arrays["v"].shape \
+                    or arrays["k"].ndim != 4:
+                raise SemcommError(f"chunk {h.key[:16]} holds {sorted(arrays)}, not k and v "
+                                   "of one [L, H, T, D] shape")
+            k, v = _lossless_view(arrays, dtype)
+            if k.shape[2] != chunk_size:
+                raise SemcommError(f"chunk {h.key[:16]} holds {k.shape[2]} positions of "
+                                   f"{dtype}, expected {chunk_size}")
+        except Exception as exc:  # a bad chunk is a miss from here on
+            pieces.close()
+            logger.warning("semcomm KV chunk %s not usable (%s); recomputing", key.hex()[:16],
+                           exc)
+            break
+        spec_of = {t.name: t for t in h.tensors}
+        layer_bytes = spec_of["k"].nbytes // k.shape[0]
+        streams.append(StreamedChunk(pieces, pieces.payload_offset + spec_of["k"].offset,
+                                     pieces.payload_offset + spec_of["v"].offset, layer_bytes))
+        batch.append((k, v))
+    return batch, streams
+
+
 def write_slots(caches: Sequence[torch.Tensor], spec: LoadSpec,
                 batch: Sequence[tuple[torch.Tensor, torch.Tensor]], view: memoryview,
                 slot_bytes: int, *, block_size: int, key_layout: str = "d_bs",
@@ -944,6 +1043,15 @@ class LayerwiseLoad:
     """Chunks already read and verified (:func:`read_slots`), copied into vLLM's blocks on a
     thread, layer by layer in model order, while the forward pass runs.
 
+    With ``streams`` (one list of :class:`StreamedChunk` per job, from :func:`open_streamed`)
+    the chunks are not read yet either: each layer's keys and values of every chunk are read
+    from their files just before that layer is copied, so neither the read nor the copy holds
+    up the forward. Once every layer is written the thread reads the rest of each file and
+    verifies every chunk whole (its checksum, as any read does); a chunk that fails reports
+    its blocks and those of every later chunk of its request from ``join()``, and vLLM drops
+    the step's output for that request and recomputes those blocks (a miss, never a wrong
+    token: ``kv_load_failure_policy="recompute"``).
+
     ``wait(layer)`` blocks until that layer's keys and values are in place (vLLM calls
     ``wait_for_layer_load`` before each layer's attention); ``join()`` waits for the thread and
     returns the blocks to report as failed: every loaded block when a copy raised (the forward
@@ -964,9 +1072,16 @@ class LayerwiseLoad:
                  jobs: Sequence[tuple[LoadSpec, memoryview, list[tuple[torch.Tensor,
                                                                        torch.Tensor]]]],
                  *, slot_bytes: int, block_size: int, key_layout: str,
-                 cpus: set[int] | None = None, steal: bool = True) -> None:
+                 cpus: set[int] | None = None, steal: bool = True,
+                 streams: Sequence[Sequence[StreamedChunk]] | None = None) -> None:
         self._caches = list(caches)
         self._jobs = list(jobs)
+        if streams is not None and (len(streams) != len(self._jobs) or any(
+                len(st) != len(job[2]) for st, job in zip(streams, self._jobs))):
+            raise ValueError("streams must give one StreamedChunk per chunk of every job")
+        self._streams = None if streams is None else [list(st) for st in streams]
+        self._unverified: set[int] = set()  # blocks of chunks that failed verification
+        self.verify_s = 0.0  # the thread's time reading the rest and verifying (streams)
         self._slot = slot_bytes
         self._bs = block_size
         self._layout = key_layout
@@ -999,7 +1114,10 @@ class LayerwiseLoad:
         """Write one layer of every job; on failure record it and release every layer."""
         try:
             one = range(layer, layer + 1)
-            for spec, view, batch in self._jobs:
+            for i, (spec, view, batch) in enumerate(self._jobs):
+                if self._streams is not None:
+                    for chunk in self._streams[i]:
+                        chunk.read_layer(layer)
                 write_slots(self._caches, spec, batch, view, self._slot, block_size=self._bs,
                             key_layout=self._layout, layers=one)
         except BaseException as exc:  # reported as failed blocks by join()
@@ -1030,9 +1148,36 @@ class LayerwiseLoad:
                 with self._cond:
                     layer = self._claim()
                 if layer is None or not self._copy(layer):
-                    return
+                    break
+            if self._streams is not None:
+                self._verify()
         finally:
             self.copy_s = time.perf_counter() - t0
+
+    def _verify(self) -> None:
+        """Streams: once every layer is written (some may be the forward's), read the rest of
+        each chunk and verify it; record the blocks of a failed chunk and of those after it."""
+        import time
+
+        assert self._streams is not None
+        with self._cond:  # a layer the forward copies itself may still be in flight
+            while self.error is None and self._done < len(self._caches):
+                self._cond.wait()
+        t0 = time.perf_counter()
+        for (spec, _view, _batch), streams in zip(self._jobs, self._streams):
+            failed = None
+            for j, chunk in enumerate(streams):
+                if failed is not None or self.error is not None:
+                    chunk.pieces.close()
+                elif chunk.pieces.finish() is None:
+                    failed = j
+                    logger.warning("semcomm KV chunk %s failed verification after a streamed "
+                                   "load; vLLM recomputes it", chunk.pieces.key.hex()[:16])
+            if failed is not None:
+                for j in range(failed, len(streams)):
+                    skip = spec.skip_blocks if j == 0 else 0
+                    self._unverified.update(spec.block_ids[j][skip:])
+        self.verify_s = time.perf_counter() - t0
 
     def wait(self, layer: int | None) -> None:
         """Until ``layer`` (an index in model order; None: every layer) is written."""
@@ -1065,8 +1210,8 @@ class LayerwiseLoad:
         """Wait for the thread; the blocks to report as failed (see the class docstring)."""
         self._thread.join()
         if self.error is None:
-            return set()
-        bad: set[int] = set()
+            return set(self._unverified)
+        bad: set[int] = set(self._unverified)
         for spec, _view, batch in self._jobs:
             for j in range(len(batch)):
                 skip = spec.skip_blocks if j == 0 else 0

@@ -60,6 +60,7 @@ from ._vllm_core import (
     NamespaceFactory,
     RequestPlan,
     SaveSpec,
+    StreamedChunk,
     Timings,
     build_store,
     chunk_size_for,
@@ -68,8 +69,10 @@ from ._vllm_core import (
     load_into,
     load_slot_bytes,
     model_dir_fingerprint,
+    open_streamed,
     ordered_layers,
     read_slots,
+    streamable,
     tenant_of,
     tokenizer_dir_fingerprint,
 )
@@ -400,23 +403,34 @@ class SemcommConnector(KVConnectorBase_V1):
         if self._all_buf is None or self._all_buf.nbytes < need or slot != self._slot_bytes:
             return False  # never made inside a request's TTFT (see register_kv_caches)
         self._layer_index = {name: i for i, (name, _) in enumerate(named)}
+        stream = self.settings.streamed_reads and streamable(self.store, self.codec)
         jobs = []
+        streams: list[list[StreamedChunk]] = []
         at = 0
         for spec in loads:
             n = len(spec.keys)
             view = self._all_buf[at : at + n * slot]
             at += n * slot
-            batch = read_slots(self.store, spec, 0, n, view, slot, chunk_size=self.chunk_size,
-                               dtype=self.dtype, codec=self.codec)
+            if stream:  # only the headers now; the rest behind the forward, then verified
+                batch, opened = open_streamed(self.store, spec, view, slot,  # type: ignore[arg-type]
+                                              chunk_size=self.chunk_size, dtype=self.dtype,
+                                              codec=self.codec)
+            else:
+                batch = read_slots(self.store, spec, 0, n, view, slot,
+                                   chunk_size=self.chunk_size, dtype=self.dtype,
+                                   codec=self.codec)
             self.loaded_chunks += len(batch)
             if len(batch) < n:
                 self._miss(spec, len(batch))
             if batch:
                 jobs.append((spec, view, batch))
+                if stream:
+                    streams.append(opened)
         if jobs:
             self._layerwise = LayerwiseLoad(caches, jobs, slot_bytes=slot,
                                             block_size=self.block_size,
-                                            key_layout=self.key_layout, cpus=_spare_cpus())
+                                            key_layout=self.key_layout, cpus=_spare_cpus(),
+                                            streams=streams if stream else None)
         return True
 
     def _join_layerwise(self) -> None:
@@ -426,7 +440,8 @@ class SemcommConnector(KVConnectorBase_V1):
             self._load_errors.update(load.join())
             self.layer_wait_seconds += load.waited_s
             self._timings.record("layers", time.monotonic(), load.copy_s,
-                                 waited_ms=round(load.waited_s * 1e3, 3), stolen=load.stolen)
+                                 waited_ms=round(load.waited_s * 1e3, 3), stolen=load.stolen,
+                                 verify_ms=round(load.verify_s * 1e3, 3))
             logger.debug("SemcommConnector: layer copies %.1f ms, forward waited %.1f ms "
                          "(%d layers copied by the forward)", load.copy_s * 1e3,
                          load.waited_s * 1e3, load.stolen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._disk import DiskStore, staging_buffer
+from ._disk import ChunkPieces, DiskStore, staging_buffer
 from ._format import (
     FORMAT_VERSION,
     Chunk,
@@ -55,6 +55,7 @@ __all__ = [
     "Chunk",
     "ChunkHeader",
     "ChunkKey",
+    "ChunkPieces",
     "ChunkStore",
     "CodecReport",
     "DiskStore",

@@ -50,8 +50,8 @@ from ._store import (
 )
 from ._writeback import WriteQueue
 
-__all__ = ["DEFAULT_DISK_CAPACITY", "DEFAULT_MAX_PENDING_BYTES", "DURABILITY", "DiskStore",
-           "staging_buffer"]
+__all__ = ["DEFAULT_DISK_CAPACITY", "DEFAULT_MAX_PENDING_BYTES", "DURABILITY", "ChunkPieces",
+           "DiskStore", "staging_buffer"]
 
 logger = logging.getLogger("semcomm.kv")
 
@@ -168,6 +168,110 @@ def _read_into(path: str, buffer: memoryview) -> tuple[bytes | memoryview, int]:
         return view[:got], st.st_ino
     finally:
         os.close(fd)
+
+
+_HEADER_PROBE = 64  # at least the fixed prefix and format 2's fixed header
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``; fewer only at the end of the file."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class ChunkPieces:
+    """A chunk file open for reading in pieces (:meth:`DiskStore.open_into`).
+
+    ``header`` and ``payload_offset`` come from the file's header as read (not verified until
+    :meth:`finish`); ``view`` is the part of the caller's buffer the chunk occupies, byte ``i``
+    of the file at ``view[i]``. :meth:`read` may be called from several threads at once (the
+    same range twice puts the same bytes in the same place).
+    """
+
+    def __init__(self, store: DiskStore, key: ChunkKey, path: str, fd: int | None,
+                 view: memoryview, head: int, parsed: tuple[ChunkHeader, int], *,
+                 ino: int = 0) -> None:
+        self._store = store
+        self.key = key
+        self._path = path
+        self._fd = fd
+        self._ino = ino
+        self.view = view
+        self.header, self.payload_offset = parsed
+        self._lock = threading.Lock()
+        # byte ranges read so far (the head; everything when the chunk came from memory)
+        self._have: list[tuple[int, int]] = [(0, head if fd is not None else len(view))]
+        self.result: memoryview | None = None
+        self.finished = False
+
+    @property
+    def size(self) -> int:
+        return len(self.view)
+
+    def read(self, offset: int, nbytes: int) -> None:
+        """Read file bytes ``offset .. offset + nbytes`` into the same place of ``view``."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(self.view):
+            raise ValueError(f"range {offset}+{nbytes} is outside the chunk's {len(self.view)} "
+                             "bytes")
+        if self._fd is None or nbytes == 0:
+            return
+        got = _pread_full(self._fd, self.view[offset : offset + nbytes], offset)
+        if got != nbytes:
+            raise OSError(errno.EIO, f"short read of {self._path} at {offset}")
+        with self._lock:
+            self._have.append((offset, offset + got))
+
+    def _missing(self) -> list[tuple[int, int]]:
+        with self._lock:
+            spans = sorted(self._have)
+        out, at = [], 0
+        for lo, hi in spans:
+            if lo > at:
+                out.append((at, lo))
+            at = max(at, hi)
+        if at < len(self.view):
+            out.append((at, len(self.view)))
+        return out
+
+    def finish(self) -> memoryview | None:
+        """Read what was not read, verify the whole chunk (as ``get_into``) and close the file:
+        the verified view of the caller's buffer, or None (a miss; a corrupt file is dropped).
+        Once only; later calls return the first answer."""
+        if self.finished:
+            return self.result
+        self.finished = True
+        store = self._store
+        try:
+            if self._fd is None:  # from the write-behind queue: already verified bytes
+                self.result = self.view
+                return self.result
+            try:
+                for lo, hi in self._missing():
+                    self.read(lo, hi - lo)
+            except OSError as exc:
+                store._read_failed(self.key, self._path, exc)
+                return None
+            value = store._accept(self.key, self._path, (self.view, self._ino))
+            self.result = None if value is None else memoryview(value)
+            return self.result
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the file without verifying (a reader that gave up on the chunk)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+            self.finished = True
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 _HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
@@ -925,6 +1029,77 @@ class DiskStore(StoreBase, LruPinning):
         value = self._accept(key, path, self._load(key, path, out))
         return None if value is None else memoryview(value)
 
+    def open_into(self, key: ChunkKey, buffer: bytearray | memoryview, *,
+                  head: int = 4096) -> ChunkPieces | None:
+        """Open a chunk for reading in pieces, in any order, into ``buffer``; verify at the end.
+
+        For a reader that wants to use parts of a chunk before all of it has arrived (the vLLM
+        connector copies layer ``l`` of every chunk into vLLM's blocks while the forward pass
+        runs, then reads layer ``l + 1``). The chunk's first ``head`` bytes, or its whole header
+        where that is longer (``head=0``: the header alone), are read now, and its header parsed (not yet trusted: the checksum covers it);
+        :meth:`ChunkPieces.read` reads any range into the same place of ``buffer`` as in the
+        file, and :meth:`ChunkPieces.finish` reads every byte not read yet and verifies the
+        whole chunk exactly as :meth:`get_into` does (checksum, header, key; a corrupt file is
+        dropped and counted): the verified view, or None. Until ``finish`` returns a view,
+        nothing read may be served as this chunk: a caller that used pieces early must undo
+        what it did with them when ``finish`` says None.
+
+        Returns None for a miss (absent, unreadable, a header that does not parse: that file
+        is dropped as corrupt, larger than ``buffer``). A chunk still in the write-behind queue
+        is copied into ``buffer`` whole (every piece already read). A sealed store cannot be
+        read in pieces (the plaintext exists only once the whole ciphertext is opened):
+        ``ConfigError``; use :meth:`get_into`.
+        """
+        key = check_key(key)
+        if self.sealer is not None:
+            raise ConfigError("a sealed DiskStore cannot be read in pieces: use get_into")
+        out = memoryview(buffer)
+        if out.readonly or not out.contiguous:
+            raise TypeError("open_into needs a writable, contiguous buffer (a bytearray)")
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        if self._behind:
+            queued = self._queued_value(key)
+            if queued is not None:
+                if len(queued) > len(out):
+                    return None
+                out[: len(queued)] = queued
+                return ChunkPieces(self, key, "", None, out[: len(queued)], 0,
+                                   header_from_prefix(queued, len(queued)))
+        path = self._path(key)
+        _ACTIVITY.at = time.monotonic()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._read_failed(key, path, exc)
+            return None
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if size > len(out):
+                os.close(fd)
+                with self._lock:
+                    self._misses += 1
+                return None
+            view = out[:size]
+            got = _pread_full(fd, view[: min(max(head, _HEADER_PROBE), size)], 0)
+            try:
+                need = prefix_length(view[:got])
+                if need > got:
+                    got += _pread_full(fd, view[got:need], got)
+                parsed = header_from_prefix(view[:got], size)
+            except CorruptEntryError as exc:
+                os.close(fd)
+                self._drop_corrupt(key, path, str(exc), ino=st.st_ino)
+                with self._lock:
+                    self._misses += 1
+                return None
+        except OSError as exc:
+            os.close(fd)
+            self._read_failed(key, path, exc)
+            return None
+        return ChunkPieces(self, key, path, fd, view, got, parsed, ino=st.st_ino)
+
     def _queued_value(self, key: ChunkKey) -> bytes | None:
         """A chunk accepted but not yet written: served from the write queue (a hit)."""
         job = self._queued.get(key)  # one dict read: no lock needed
@@ -948,19 +1123,23 @@ class DiskStore(StoreBase, LruPinning):
         _ACTIVITY.at = time.monotonic()
         try:
             return _read_file(path) if into is None else _read_into(path, into)
-        except FileNotFoundError:
+        except OSError as exc:
+            self._read_failed(key, path, exc)
+            return None
+
+    def _read_failed(self, key: ChunkKey, path: str, exc: OSError) -> None:
+        """Count a read that found no file (forgetting the key) or could not read it."""
+        if isinstance(exc, FileNotFoundError):
             with self._lock:
                 self._misses += 1
                 gone = self._lru.remove(key) is not None
             if gone:
                 self._emit("evict", key, "delete")
-            return None
-        except OSError as exc:
-            logger.warning("DiskStore: cannot read %s: %s", path, exc)
-            with self._lock:
-                self._misses += 1
-                self._errors += 1
-            return None
+            return
+        logger.warning("DiskStore: cannot read %s: %s", path, exc)
+        with self._lock:
+            self._misses += 1
+            self._errors += 1
 
     def _accept(self, key: ChunkKey, path: str,
                 loaded: tuple[bytes | memoryview, int] | None) -> bytes | memoryview | None:

@@ -58,6 +58,7 @@ __all__ = [
     "encode_chunk",
     "hand_over",
     "read_header",
+    "tensor_arrays",
     "verify_chunk",
     "verify_put",
     "withdraw",
@@ -617,11 +618,21 @@ def decode_chunk(
             f"chunk belongs to namespace {header.namespace[:16]}, expected "
             f"{bytes(expect_namespace).hex()[:16]}"
         )
+    return Chunk(header=header, arrays=tensor_arrays(header, body, mv), nbytes=len(mv))
+
+
+def tensor_arrays(header: ChunkHeader, body: int, data: bytes | bytearray | memoryview
+                  ) -> dict[str, np.ndarray]:
+    """Zero-copy views of the tensors ``header`` lists, in ``data`` (the chunk's bytes, its
+    payload at offset ``body``). Checks each tensor's dtype, shape, size and place against the
+    header; checks nothing else (the checksum is :func:`decode_chunk`'s)."""
+    mv = memoryview(data)
     arrays: dict[str, np.ndarray] = {}
     for t in header.tensors:
         dt = _NP_DTYPES.get(t.dtype)
         if (dt is None or t.offset < 0 or t.nbytes < 0
-                or t.offset + t.nbytes > header.payload_len or min(t.shape, default=0) < 0):
+                or t.offset + t.nbytes > header.payload_len or min(t.shape, default=0) < 0
+                or body + t.offset + t.nbytes > len(mv)):
             raise CorruptEntryError(f"bad tensor spec {t.name!r} in chunk {header.key[:16]}")
         count = math.prod(t.shape)
         if count * dt.itemsize != t.nbytes:
@@ -629,7 +640,7 @@ def decode_chunk(
         # offset/count views of the whole buffer: no memoryview slice per tensor (zero copy)
         arrays[t.name] = np.frombuffer(mv, dtype=dt, count=count,
                                        offset=body + t.offset).reshape(t.shape)
-    return Chunk(header=header, arrays=arrays, nbytes=len(mv))
+    return arrays
 
 
 @dataclass(frozen=True, slots=True)
