@@ -196,6 +196,44 @@ def page_cache_residency(store: str) -> list[list[float]] | None:
     return sorted(out, reverse=True)
 
 
+def chunk_files(store: str) -> set[str]:
+    """The chunk files of a disk store (none for another store)."""
+    if not store.startswith("disk:"):
+        return set()
+    return {str(f) for f in Path(store[5:]).expanduser().glob("??/*.sckv")}
+
+
+def wait_for_chunks(store: str, want: int, timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while stored_chunks(store) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return stored_chunks(store)
+
+
+def middle_chunk(files: set[str], chunk_tokens: int, n: int) -> str | None:
+    """Of one prompt's chunk files, the one starting at token ``(n // 2) * chunk_tokens``."""
+    from semcomm.kv import read_header
+
+    want = (n // 2) * chunk_tokens
+    for f in sorted(files):
+        try:
+            if read_header(Path(f).read_bytes()).start == want:
+                return f
+        except Exception:  # gone, or not a chunk: not the one
+            continue
+    return None
+
+
+def flip_payload_byte(path: str) -> None:
+    """Flip one bit in the middle of a chunk file, in place (its header still parses)."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
 def stored_chunks(store: str) -> int:
     if store.startswith("disk:"):
         root = Path(store[5:]).expanduser()
@@ -223,7 +261,14 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
         out["apc"] = run(llm, main_ids, max_tokens=args.max_tokens)
         # more hits of vLLM's own cache, for a median beside the first one
         out["apc_repeats"] = [run(llm, main_ids, max_tokens=2) for _ in range(args.repeats - 1)]
+        per = len(main_ids) // args.chunk_tokens
+        wait_for_chunks(args.store, per)  # the main prompt's chunks, then the second's
+        before = chunk_files(args.store)
         out["also_cold"] = run(llm, also_ids, max_tokens=args.max_tokens)
+        wait_for_chunks(args.store, 2 * per)
+        # the second prompt's middle chunk: --tamper damages it before the load phase
+        out["also_middle_chunk"] = middle_chunk(chunk_files(args.store) - before,
+                                                args.chunk_tokens, per)
         out["third_cold"] = run(llm, third_ids, max_tokens=args.max_tokens)
         out["tenant_cold"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
         out["tenant_apc"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
@@ -246,6 +291,8 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
         out["apc_local"] = [run(llm, main_ids, max_tokens=2) for _ in range(args.repeats)]
         out["other_tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="globex")
         out["tenant"] = run(llm, tenant_ids, max_tokens=args.max_tokens, salt="acme")
+        if args.tamper:  # its middle chunk was damaged after it was stored: recomputed
+            out["tampered"] = run(llm, also_ids, max_tokens=args.max_tokens)
         if args.restart_redis:
             _signal_parent("restart")
             out["after_restart"] = run(llm, also_ids, max_tokens=args.max_tokens)
@@ -314,6 +361,8 @@ def child(args: argparse.Namespace, which: str, redis: PrivateRedis | None) -> d
         cmd += ["--block-size", str(args.block_size)]
     if which == "load" and redis is not None:
         cmd.append("--restart-redis")
+    if which == "load" and args.tamper:
+        cmd.append("--tamper")
     timings = tempfile.NamedTemporaryFile(prefix=f"semcomm-vllm-{which}-", suffix=".jsonl",
                                           delete=False)
     timings.close()
@@ -365,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=["save", "load"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--restart-redis", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tamper", action="store_true",
+                    help="disk store: flip a byte in the middle of the second prompt's middle "
+                         "chunk before the load phase, which then runs that prompt (a chunk "
+                         "that fails verification: recomputed, the same greedy text)")
     ap.add_argument("--vllm-python", default=sys.executable,
                     help="python of the environment with vLLM (default: this one)")
     ap.add_argument("--out", default=str(ROOT / "vllm_check.json"))
@@ -390,7 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     layout_dir = Path(args.store[5:]) if args.store.startswith("disk:") else None
     try:
         saved = child(args, "save", redis)
+        tampered = saved.get("also_middle_chunk") if args.tamper else None
+        if args.tamper:
+            if not tampered:
+                raise SystemExit("--tamper needs a disk store whose chunks the save phase saw")
+            flip_payload_byte(tampered)
         loaded = child(args, "load", redis)
+        if tampered:
+            loaded["tampered_file_left"] = Path(tampered).exists()
         report = summarize(args, saved, loaded)
         if layout_dir is not None:
             report["layout_vs_transformers"] = layout_check(args, layout_dir,
@@ -484,6 +544,12 @@ def summarize(args: argparse.Namespace, saved: dict[str, Any], loaded: dict[str,
                if any(t and key in t for t in tls)}
         for side, tls in (("apc", rep["apc_timelines"]), ("warm", rep["warm_timelines"]),
                           ("apc_local", rep["apc_local_timelines"]))}
+    if "tampered" in loaded:
+        rep["tampered"] = {
+            "hit_tokens": loaded["tampered"]["cached_tokens"],
+            "same_text": loaded["tampered"]["token_ids"] == saved["also_cold"]["token_ids"],
+            "file_dropped": not loaded.get("tampered_file_left", True),
+        }
     if "after_restart" in loaded:
         rep["redis_restart"] = {
             "hit_tokens": loaded["after_restart"]["cached_tokens"],
@@ -570,6 +636,10 @@ def print_table(rep: dict[str, Any]) -> None:
         ("other tenant: tokens loaded", str(rep["tenant"]["other_tenant_hit_tokens"])),
         ("tenant: tokens loaded", str(rep["tenant"]["tenant_hit_tokens"])),
     ]
+    if "tampered" in rep:
+        rows.append(("tampered chunk: tokens counted / same text / file dropped",
+                     f"{rep['tampered']['hit_tokens']} / {rep['tampered']['same_text']} / "
+                     f"{rep['tampered']['file_dropped']}"))
     if "redis_restart" in rep:
         rows += [("after Redis restart: tokens loaded / same text",
                   f"{rep['redis_restart']['hit_tokens']} / {rep['redis_restart']['same_text']}"),

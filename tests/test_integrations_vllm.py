@@ -582,6 +582,7 @@ def test_layerwise_load_runs_in_layer_order_and_reports_a_failed_copy(
     bad = load.join()
     assert order == [0, 1]  # layer order; nothing after the failure
     assert bad == {b for ids in _BLOCKS["consecutive"] for b in ids}  # all of it recomputed
+    assert load.failed_requests == {"r"}  # and nothing its step computed is saved
     assert got[0].any() and not got[2].any()
 
 
@@ -659,7 +660,7 @@ def test_streamed_load_reads_each_layer_behind_the_forward_and_writes_the_batche
     load.wait(0)  # layer 0 read and in place once wait returns
     assert torch.equal(got[0], want[0])
     load.wait(None)
-    assert load.join() == set() and not load.alive
+    assert load.join() == set() and not load.alive and load.failed_requests == set()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(s.pieces.finish() is not None for s in streams)  # every chunk verified whole
     assert store.stats().hits == 12 and store.stats().corrupt == 0
@@ -687,8 +688,10 @@ def test_streamed_load_reports_a_chunk_that_fails_verification(
                          key_layout="d_bs", steal=steal, streams=[streams])
     load.wait(None)
     bad = load.join()
-    # chunk 3 and everything after it: vLLM drops the step and recomputes from there
+    # chunk 3 and everything after it: vLLM drops the step and recomputes from there, and the
+    # connector saves nothing this step computed for the request
     assert bad == {b for ids in _BLOCKS["consecutive"][3:] for b in ids}
+    assert load.failed_requests == {"r"}
     assert store.stats().corrupt == 1 and not store.contains(keys[3])
     assert all(store.contains(k) for k in keys[:3] + keys[4:])
 
@@ -827,8 +830,12 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_second_process_loads_and_matches_cold(tmp_path: Path) -> None:
-    r = _bench(tmp_path, "--store", f"disk:{tmp_path / 'kv'}")
+    r = _bench(tmp_path, "--store", f"disk:{tmp_path / 'kv'}", "--tamper")
     assert r["same_text"] is True
+    # a chunk damaged on disk (its header intact, so a streamed load reads it behind the
+    # forward and finds it only when verifying): vLLM recomputed, the file is gone
+    assert r["tampered"]["same_text"] is True  # type: ignore[index]
+    assert r["tampered"]["file_dropped"] is True  # type: ignore[index]
     assert r["hit_tokens"] == 896  # seven of eight 128-token blocks; the last one recomputed
     # every repeat (vLLM's own cache emptied first) loaded the prefix through semcomm again,
     # and the connector's timing log saw each load

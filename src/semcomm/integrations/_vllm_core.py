@@ -436,6 +436,9 @@ class SaveSpec:
     parent: ChunkKey | None
     start: int  # first token position
     block_ids: tuple[int, ...]
+    # the request it belongs to: not saved when that request's load failed in the same step
+    # (its forward read blocks the load did not fill, so what it computed is wrong)
+    req_id: str = ""
 
 
 @dataclass(slots=True)
@@ -529,7 +532,8 @@ class RequestPlan:
                 break
             out.append(SaveSpec(namespace=self.namespace, key=self.keys[c],
                                 parent=self.keys[c - 1] if c else None,
-                                start=c * self.chunk_size, block_ids=blocks))
+                                start=c * self.chunk_size, block_ids=blocks,
+                                req_id=self.req_id))
             self.next_save += 1
         return out
 
@@ -1081,6 +1085,7 @@ class LayerwiseLoad:
             raise ValueError("streams must give one StreamedChunk per chunk of every job")
         self._streams = None if streams is None else [list(st) for st in streams]
         self._unverified: set[int] = set()  # blocks of chunks that failed verification
+        self.failed_requests: set[str] = set()  # requests with blocks join() reports
         self.verify_s = 0.0  # the thread's time reading the rest and verifying (streams)
         self._slot = slot_bytes
         self._bs = block_size
@@ -1174,6 +1179,7 @@ class LayerwiseLoad:
                     logger.warning("semcomm KV chunk %s failed verification after a streamed "
                                    "load; vLLM recomputes it", chunk.pieces.key.hex()[:16])
             if failed is not None:
+                self.failed_requests.add(spec.req_id)
                 for j in range(failed, len(streams)):
                     skip = spec.skip_blocks if j == 0 else 0
                     self._unverified.update(spec.block_ids[j][skip:])
@@ -1213,6 +1219,7 @@ class LayerwiseLoad:
             return set(self._unverified)
         bad: set[int] = set(self._unverified)
         for spec, _view, batch in self._jobs:
+            self.failed_requests.add(spec.req_id)
             for j in range(len(batch)):
                 skip = spec.skip_blocks if j == 0 else 0
                 bad.update(spec.block_ids[j][skip:])

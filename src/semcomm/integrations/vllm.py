@@ -204,6 +204,8 @@ class SemcommConnector(KVConnectorBase_V1):
         # worker side
         self._registered: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()
+        # requests whose load failed in this step: their saves of the step are dropped
+        self._failed_reqs: set[str] = set()
         self._saver: ChunkSaver | None = None
         # start_load_kv's read buffer: whole chunk slots, made (and faulted in) when the caches
         # are registered, so that no request's time to first token pays for it
@@ -217,6 +219,7 @@ class SemcommConnector(KVConnectorBase_V1):
         self.layer_waits = 0  # wait_for_layer_load calls that found a load in flight
         self.layer_wait_seconds = 0.0  # of the forward's time, spent waiting for layer copies
         self.loaded_chunks = self.missed_chunks = 0
+        self.dropped_saves = 0  # chunks not saved because their request's load failed
         self.load_seconds = 0.0  # time spent in start_load_kv (reads, checks, copies)
         self._timings = Timings(os.environ.get(TIMINGS_ENV))
         logger.info("SemcommConnector (%s): store %s, chunk %d tokens (block %d), %s, codec %s, "
@@ -331,6 +334,7 @@ class SemcommConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._join_layerwise()  # the previous step's (joined there already; never two at once)
+        self._failed_reqs.clear()
         meta = self._get_connector_metadata()
         assert isinstance(meta, SemcommConnectorMetadata)
         if self._timings.enabled:  # the step's start (its page faults so far)
@@ -383,6 +387,7 @@ class SemcommConnector(KVConnectorBase_V1):
     def _miss(self, spec: LoadSpec, done: int) -> None:
         """Chunks ``done ..`` of ``spec`` failed: report their blocks so vLLM recomputes them."""
         self.missed_chunks += len(spec.keys) - done
+        self._failed_reqs.add(spec.req_id)
         for j in range(done, len(spec.keys)):
             skip = spec.skip_blocks if j == 0 else 0
             self._load_errors.update(spec.block_ids[j][skip:])
@@ -438,6 +443,7 @@ class SemcommConnector(KVConnectorBase_V1):
         load, self._layerwise = self._layerwise, None
         if load is not None:
             self._load_errors.update(load.join())
+            self._failed_reqs.update(load.failed_requests)
             self.layer_wait_seconds += load.waited_s
             self._timings.record("layers", time.monotonic(), load.copy_s,
                                  waited_ms=round(load.waited_s * 1e3, 3), stolen=load.stolen,
@@ -475,6 +481,11 @@ class SemcommConnector(KVConnectorBase_V1):
                                      max_pending_bytes=self.settings.max_pending_bytes)
         by_ns: dict[bytes, list[tuple[SaveSpec, torch.Tensor, torch.Tensor]]] = {}
         for spec in meta.saves:
+            if spec.req_id in self._failed_reqs:
+                # computed over blocks its load did not fill: vLLM recomputes them, and the
+                # request's later steps do not save these chunks again (a miss, never wrong KV)
+                self.dropped_saves += 1
+                continue
             # copies: the blocks may be reused once this step ends
             k, v = gather_chunk(caches, spec.block_ids, key_layout=self.key_layout)
             by_ns.setdefault(spec.namespace, []).append((spec, k, v))
