@@ -170,30 +170,26 @@ def test_bad_settings_are_refused(extra: dict[str, object], match: str) -> None:
         ConnectorSettings.from_extra_config(extra)
 
 
-def test_layerwise_load_setting_and_its_environment_default(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SEMCOMM_VLLM_LAYERWISE_LOAD", raising=False)
-    assert ConnectorSettings.from_extra_config({}).layerwise_load is True  # the default
-    assert ConnectorSettings.from_extra_config({"layerwise_load": False}).layerwise_load is False
-    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "0")
-    assert ConnectorSettings.from_extra_config({}).layerwise_load is False
-    assert ConnectorSettings.from_extra_config({"layerwise_load": True}).layerwise_load is True
-    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "1")
-    assert ConnectorSettings.from_extra_config({}).layerwise_load is True
-    monkeypatch.setenv("SEMCOMM_VLLM_LAYERWISE_LOAD", "maybe")
-    with pytest.raises(ConfigError, match="SEMCOMM_VLLM_LAYERWISE_LOAD"):
-        ConnectorSettings.from_extra_config({})
+@pytest.mark.parametrize(("name", "env"), [("layerwise_load", "SEMCOMM_VLLM_LAYERWISE_LOAD"),
+                                         ("streamed_reads", "SEMCOMM_VLLM_STREAMED_READS")])
+def test_load_switches_and_their_environment_defaults(
+        monkeypatch: pytest.MonkeyPatch, name: str, env: str) -> None:
+    def setting(extra: dict[str, object]) -> object:
+        return getattr(ConnectorSettings.from_extra_config(extra), name)
 
-
-def test_streamed_reads_setting_and_its_environment_default(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SEMCOMM_VLLM_STREAMED_READS", raising=False)
-    assert ConnectorSettings.from_extra_config({}).streamed_reads is True  # the default
-    assert ConnectorSettings.from_extra_config({"streamed_reads": False}).streamed_reads is False
-    monkeypatch.setenv("SEMCOMM_VLLM_STREAMED_READS", "0")
-    assert ConnectorSettings.from_extra_config({}).streamed_reads is False
-    with pytest.raises(ConfigError, match="streamed_reads"):
-        ConnectorSettings.from_extra_config({"streamed_reads": "no"})
+    monkeypatch.delenv(env, raising=False)
+    assert setting({}) is True  # the default
+    assert setting({name: False}) is False
+    monkeypatch.setenv(env, "0")
+    assert setting({}) is False
+    assert setting({name: True}) is True
+    monkeypatch.setenv(env, "1")
+    assert setting({}) is True
+    monkeypatch.setenv(env, "maybe")
+    with pytest.raises(ConfigError, match=env):
+        setting({})
+    with pytest.raises(ConfigError, match=name):
+        setting({name: "yes"})
 
 
 def test_settings_and_tiered_store(tmp_path: Path) -> None:

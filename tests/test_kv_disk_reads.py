@@ -207,7 +207,7 @@ def test_open_into_finish_reads_what_was_not_read(filled) -> None:
 @pytest.mark.parametrize("where", ["payload", "checksum", "read_twice"])
 def test_open_into_a_tampered_chunk_fails_at_finish_and_is_dropped(filled, where: str) -> None:
     store, items = filled
-    (k0, v0), (k1, v1) = items[0], items[1]
+    (k0, v0), (k1, _) = items[0], items[1]
     path = _file(store, k0)
     buf = bytearray(len(v0) + 64)
     raw = bytearray(v0)

@@ -170,6 +170,16 @@ def _read_into(path: str, buffer: memoryview) -> tuple[bytes | memoryview, int]:
         os.close(fd)
 
 
+def _byte_view(buffer: bytearray | memoryview, caller: str) -> memoryview:
+    """A flat byte view of a caller's read buffer; ``TypeError`` unless writable and contiguous."""
+    out = memoryview(buffer)
+    if out.readonly or not out.contiguous:
+        raise TypeError(f"{caller} needs a writable, contiguous buffer (a bytearray)")
+    if out.format != "B" or out.ndim != 1:
+        out = out.cast("B")
+    return out
+
+
 _HEADER_PROBE = 64  # at least the fixed prefix and format 2's fixed header
 
 
@@ -1013,11 +1023,7 @@ class DiskStore(StoreBase, LruPinning):
         same misses. The view is only valid until ``buffer`` is reused: copy what you keep.
         """
         key = check_key(key)
-        out = memoryview(buffer)
-        if out.readonly or not out.contiguous:
-            raise TypeError("get_into needs a writable, contiguous buffer (a bytearray)")
-        if out.format != "B" or out.ndim != 1:
-            out = out.cast("B")
+        out = _byte_view(buffer, "get_into")
         if self._behind:
             queued = self._queued_value(key)
             if queued is not None:
@@ -1053,11 +1059,7 @@ class DiskStore(StoreBase, LruPinning):
         key = check_key(key)
         if self.sealer is not None:
             raise ConfigError("a sealed DiskStore cannot be read in pieces: use get_into")
-        out = memoryview(buffer)
-        if out.readonly or not out.contiguous:
-            raise TypeError("open_into needs a writable, contiguous buffer (a bytearray)")
-        if out.format != "B" or out.ndim != 1:
-            out = out.cast("B")
+        out = _byte_view(buffer, "open_into")
         if self._behind:
             queued = self._queued_value(key)
             if queued is not None:
