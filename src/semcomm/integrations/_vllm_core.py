@@ -47,8 +47,8 @@ from ..kv import (
     decode_chunk,
     encode_chunk,
     get_codec,
+    tensor_arrays,
 )
-from ..kv._format import tensor_arrays
 from ._vllm_kernels import keys_kernel
 
 __all__ = [

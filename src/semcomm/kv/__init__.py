@@ -19,6 +19,7 @@ from ._format import (
     decode_chunk,
     encode_chunk,
     read_header,
+    tensor_arrays,
 )
 from ._keys import (
     LAYOUT_VERSION,
@@ -80,4 +81,5 @@ __all__ = [
     "logits_key",
     "read_header",
     "staging_buffer",
+    "tensor_arrays",
 ]
