@@ -451,6 +451,19 @@ _BLOCKS = {  # the blocks of six two-block chunks in a 40-block cache
 }
 
 
+def _six_loaded_by_reference(store: Any, blocks: str, skip: int, partial: bool, layout: str
+                             ) -> tuple[LoadSpec, list[torch.Tensor], list[torch.Tensor]]:
+    """Six random chunks saved in ``store``, a spec loading them into ``_BLOCKS[blocks]``
+    (the last chunk's first block only when ``partial``), the caches the chunk-by-chunk path
+    fills from them (``want``) and empty ones of the same shape (``got``)."""
+    ns, keys = _six_random_chunks(store)
+    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
+    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
+    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    assert _reference_load(store, spec, want, layout) == 6
+    return spec, want, [torch.zeros_like(c) for c in want]
+
+
 @pytest.mark.parametrize("layout", ["d_bs", "bs_d"])
 @pytest.mark.parametrize(("blocks", "skip", "partial", "slots", "sealed"), [
     ("consecutive", 0, False, 4, False),  # two batches (4 + 2 chunks), whole groups
@@ -467,12 +480,7 @@ def test_load_into_writes_what_chunk_by_chunk_loading_writes(
 
     sealer = ChunkSealer(TenantKeyring(SECRET)) if sealed else None
     store = DiskStore(tmp_path, sealer=sealer)
-    ns, keys = _six_random_chunks(store)
-    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
-    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
-    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    assert _reference_load(store, spec, want, layout) == 6
-    got = [torch.zeros_like(c) for c in want]
+    spec, want, got = _six_loaded_by_reference(store, blocks, skip, partial, layout)
     copies = []
     real = _vllm_core._copy_group
     monkeypatch.setattr(_vllm_core, "_copy_group",
@@ -641,12 +649,7 @@ def test_streamed_load_reads_each_layer_behind_the_forward_and_writes_the_batche
         tmp_path: Path, layout: str, blocks: str, skip: int, partial: bool,
         steal: bool) -> None:
     store = DiskStore(tmp_path)
-    ns, keys = _six_random_chunks(store)
-    ids = _BLOCKS[blocks][:5] + ((_BLOCKS[blocks][5][:1],) if partial else _BLOCKS[blocks][5:])
-    spec = LoadSpec("r", ns, tuple(keys), 0, ids, skip, partial_last=partial)
-    want = [torch.zeros(40, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    assert _reference_load(store, spec, want, layout) == 6
-    got = [torch.zeros_like(c) for c in want]
+    spec, want, got = _six_loaded_by_reference(store, blocks, skip, partial, layout)
     slot = load_slot_bytes(got, CS, BS)
     view, batch, streams = _open_six(store, spec, slot)
     assert len(batch) == len(streams) == 6
