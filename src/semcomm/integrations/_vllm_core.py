@@ -665,6 +665,16 @@ def _lossless_view(arrays: Mapping[str, Any], dtype: str) -> tuple[torch.Tensor,
     return out[0], out[1]
 
 
+def _check_chunk_kind(h: Any, *, chunk_size: int, dtype: str, codec: Any) -> None:
+    """``SemcommError`` unless header ``h`` is a chunk of ``chunk_size`` tokens of ``dtype`` in
+    ``codec`` (what a load can use)."""
+    if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
+            or h.codec_params.get("spec", codec.spec) != codec.spec):
+        raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
+                           f"{h.dtype}/{h.codec}, expected {chunk_size} of "
+                           f"{dtype}/{codec.spec}")
+
+
 def _usable(value: bytes | memoryview, key: ChunkKey, spec: LoadSpec, *, chunk_size: int,
             dtype: str, codec: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(k, v)`` of one fetched chunk, or None (logged) when it cannot be used."""
@@ -672,12 +682,7 @@ def _usable(value: bytes | memoryview, key: ChunkKey, spec: LoadSpec, *, chunk_s
         # stores serve only verified bytes (checksum, key): no second checksum here
         chunk = decode_chunk(value, expect_key=key, expect_namespace=spec.namespace,
                              verify=False)
-        h = chunk.header
-        if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
-                or h.codec_params.get("spec", codec.spec) != codec.spec):
-            raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
-                               f"{h.dtype}/{h.codec}, expected {chunk_size} of "
-                               f"{dtype}/{codec.spec}")
+        _check_chunk_kind(chunk.header, chunk_size=chunk_size, dtype=dtype, codec=codec)
         if codec.name == "lossless" and set(chunk.arrays) == {"k", "v"}:
             return _lossless_view(chunk.arrays, dtype)
         kv: tuple[torch.Tensor, torch.Tensor] = codec.decode(chunk.arrays,
@@ -894,12 +899,9 @@ def open_streamed(store: DiskStore, spec: LoadSpec, view: memoryview, slot_bytes
                                    f"{h.key[:16]}")
             if h.namespace != bytes(spec.namespace).hex():
                 raise SemcommError(f"chunk belongs to namespace {h.namespace[:16]}")
-            if (h.num_tokens != chunk_size or h.dtype != dtype or h.codec != codec.name
-                    or h.codec_params.get("spec", codec.spec) != codec.spec
-                    or h.meta.get("sealed")):
-                raise SemcommError(f"chunk {h.key[:16]} is {h.num_tokens} tokens of "
-                                   f"{h.dtype}/{h.codec}, expected {chunk_size} of "
-                                   f"{dtype}/{codec.spec}")
+            if h.meta.get("sealed"):
+                raise SemcommError(f"chunk {h.key[:16]} is sealed")
+            _check_chunk_kind(h, chunk_size=chunk_size, dtype=dtype, codec=codec)
             arrays = tensor_arrays(h, pieces.payload_offset, pieces.view)
             if set(arrays) != {"k", "v"} or arrays["k"].shape != arrays["v"].shape \
                     or arrays["k"].ndim != 4:
