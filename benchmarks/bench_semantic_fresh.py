@@ -47,7 +47,9 @@ The default's lone-candidate cut (cos >= ``VERIFIED_THRESHOLD`` and cross-encode
 bound >= 0.90); the fresh sets are then reported once.
 
 Methods, in one run on the same MiniLM vectors: ``SemanticCache()`` (the default: the centroid
-rule for answer clusters, floor 0.55, spread 0.10), the centroid rule at the stricter floor
+rule for answer clusters, floor 0.55, spread 0.10, with the intent check of
+``semantic._intent``), ``SemanticCache(intent_check=False)`` (the default before the intent
+check), the centroid rule at the stricter floor
 0.58 and spread 0.08 that ``bench_semantic_rule.py --pick goal`` chose on development traffic
 (``--candidate-centroid``; not adopted), the previous default (the neighbour vote rule, lone
 cut 0.91 / 0.65; ``--previous-rule`` / ``--previous-centroid`` / ``--previous-cut`` pick
@@ -566,6 +568,9 @@ def main() -> None:
                                    min_score=VERIFIED_MIN_SCORE, centroid_floor=cf,
                                    spread=csp)
         methods: list[tuple[str, dict]] = [("SemanticCache() default", {}),
+                                           ("SemanticCache(intent_check=False) (the default "
+                                            "before the intent check)",
+                                            {"intent_check": False}),
                                            (f"centroid rule at floor {cf:g}, spread {csp:g} "
                                             "(--pick goal on development data)",
                                             {"policy": strict}),

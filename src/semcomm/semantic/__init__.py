@@ -29,6 +29,7 @@ from ._index import (
     check_ivf_options,
     make_index,
 )
+from ._intent import IntentMetric, default_intent_metric
 from ._judge import JudgeVerifier
 from ._policy import (
     DEFAULT_THRESHOLD,
@@ -89,6 +90,7 @@ __all__ = [
     "Hit",
     "HitPolicy",
     "IVFIndex",
+    "IntentMetric",
     "JudgeVerifier",
     "LexicalGuard",
     "LexicalVerifier",
@@ -115,6 +117,7 @@ __all__ = [
     "context_window",
     "decode_entry",
     "default_embedder",
+    "default_intent_metric",
     "encode_entry",
     "lead_score",
     "make_index",

@@ -82,6 +82,7 @@ class CacheStats:
     guarded: int = 0  # candidates vetoed by the lexical guard
     verifications: int = 0
     verifier_rejections: int = 0  # hits refused by the verifier of a sensitive scope
+    intent_rejected: int = 0  # cluster hits the intent check refused (semantic._intent)
     invalidated: int = 0
     distrusted: int = 0  # candidates skipped because a served answer of theirs was contradicted
     linked: int = 0  # stored entries that joined an existing answer cluster
@@ -247,7 +248,12 @@ class SemanticCache:
     ``P >= 0.5``; or any scorer ``f(query, best, runner_up) -> P``). The cross-encoder learned
     QQP's strict notion of "duplicate": more precise hits on QQP-like traffic, fewer hits on
     loose everyday paraphrases ("How can I lose weight fast?" / "How do I lose weight fast?"
-    is refused).
+    is refused). ``intent_check`` (default "auto": with the default embedder and a cluster
+    policy the cache builds, the shipped :class:`~semcomm.semantic.IntentMetric`) is the
+    learned check every centroid hit must also pass (an action is not its topic: "make a
+    vacation request" is not served a cluster of "is my vacation request approved"
+    phrasings); microseconds a lookup, no model call; False turns it off, True asks for the
+    shipped one (default embedder only), or pass an ``IntentMetric`` fitted on your embedder.
 
     Answer clusters: entries of one partition whose answers are the same text (case and
     spacing aside) or, with ``answer_match`` (default 0.8: cosine of the two answers'
@@ -291,6 +297,7 @@ class SemanticCache:
         verifier: Callable[[str, str], bool] | None = None,
         verify_scopes: Iterable[str] = (),
         cross_encoder: Any = "auto",
+        intent_check: Any = "auto",
         hnsw: dict[str, Any] | None = None,
         ivf: dict[str, Any] | None = None,
         answer_match: Any = 0.8,
@@ -314,6 +321,7 @@ class SemanticCache:
 
                 self.policy = ClusterVotePolicy(VERIFIED_THRESHOLD, scorer=default_cross_verifier(),
                                                 min_score=VERIFIED_MIN_SCORE)
+        self._set_intent_check(intent_check, built_here)
         if cross_encoder is not None and cross_encoder is not False and built_here and \
                 isinstance(self.policy, ThresholdPolicy) and self.policy.scorer is None:
             if cross_encoder is True:
@@ -610,7 +618,7 @@ class SemanticCache:
             for c in cands:
                 if c.cluster_key == gone:
                     c.cluster = keep
-                c.centroid = c.cohesion = c.rival = None
+                c.centroid = c.cohesion = c.rival = c.intent = None
             self._cluster_views(part, vec, cands, among)
         log.debug("joined answer cluster %s (%d entries) into %s", gone, moved, keep)
         return True
@@ -641,6 +649,32 @@ class SemanticCache:
         self._stats.linked += len(moved)
         return len(moved)
 
+    def _set_intent_check(self, intent_check: Any, built_here: bool) -> None:
+        """``intent_check``: "auto" (the shipped metric when the policy is the default's
+        cluster policy with the default embedder), True (the shipped metric; the default
+        embedder only), False (none) or an :class:`~semcomm.semantic.IntentMetric`."""
+        if isinstance(intent_check, str) and intent_check == "auto":
+            intent_check = (built_here and isinstance(self.policy, ClusterVotePolicy)
+                            and getattr(self.embedder, "name", "") == DEFAULT_EMBEDDER_NAME)
+            if not intent_check:
+                return
+        if intent_check is False or intent_check is None:
+            if isinstance(self.policy, ClusterVotePolicy) and built_here:
+                self.policy.intent_metric = None
+            return
+        if not isinstance(self.policy, ClusterVotePolicy):
+            raise ConfigError("intent_check applies to the answer-cluster policy "
+                              f"(ClusterVotePolicy), not {type(self.policy).__name__}")
+        if intent_check is True:
+            from ._intent import default_intent_metric
+
+            intent_check = default_intent_metric()
+        name = getattr(intent_check, "embedder", None)
+        if name is not None and name != getattr(self.embedder, "name", name):
+            raise ConfigError(f"intent_check was fitted on {name!r} vectors, this cache embeds "
+                              f"with {getattr(self.embedder, 'name', '?')!r}")
+        self.policy.intent_metric = intent_check
+
     def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate],
                        among: list[str] | None = None) -> None:
         """Fill in each candidate's cluster centroid, cohesion and rival (see
@@ -664,6 +698,17 @@ class SemanticCache:
             v = views.get(c.cluster_key)
             if v is not None:
                 c.centroid, c.cohesion, c.rival = v.centroid, v.cohesion, v.rival
+        metric = getattr(self.policy, "intent_metric", None)
+        if metric is not None and views:
+            # the intent check's score of the query against each cluster met (semantic._intent)
+            best: dict[str, float] = {}
+            for c in cands:
+                if c.cluster_key in views:
+                    best[c.cluster_key] = max(best.get(c.cluster_key, -1.0), c.similarity)
+            score = {k: metric.score(vec, cc.centroid_vector(k), b) for k, b in best.items()}
+            for c in cands:
+                if c.cluster_key in score:
+                    c.intent = score[c.cluster_key]
 
     def _waived_checks(self, cluster: str) -> frozenset[str]:
         """Guard checks a cluster waives: those its own members already disagree on."""
@@ -845,6 +890,8 @@ class SemanticCache:
                 break
             decision = self.policy.decide(query, cands, threshold=threshold)
         self._stats.verifications += decision.verifications
+        if decision.reason == "intent-rejected":
+            self._stats.intent_rejected += 1
         c = decision.candidate
         verified = decision.verified
         if c is not None and scope_name in self.verify_scopes and not verified:

@@ -168,6 +168,11 @@ class ClusterCentroids:
         best = int(np.argmax(sims))
         return self._keys[int(rows[best])], float(sims[best])
 
+    def centroid_vector(self, cluster: str) -> np.ndarray | None:
+        """The unit centroid of ``cluster`` (a view; None: no centroid row)."""
+        row = self._rows.get(cluster)
+        return None if row is None else self._mat[row]
+
     def view(self, query: np.ndarray, clusters: Sequence[str],
              among: Sequence[str] | None = None) -> dict[str, CentroidView]:
         """How ``query`` (a unit vector) sits against each of ``clusters`` that has a centroid.

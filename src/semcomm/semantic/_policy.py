@@ -85,6 +85,9 @@ class Candidate:
     centroid: float | None = None  # cosine of the lookup query to the cluster's centroid
     cohesion: float | None = None  # the cluster's members' mean cosine to the others' centroid
     rival: float | None = None  # best centroid cosine of another cluster (-1.0: none)
+    # filled in with the centroid figures when the policy has an ``intent_metric``
+    # (semantic._intent): its score of the lookup query against this candidate's cluster
+    intent: float | None = None
 
     @property
     def cluster_key(self) -> str:
@@ -99,7 +102,7 @@ class Decision:
     verified: bool = False  # a verifier confirmed this hit
     verifications: int = 0  # verifier calls spent on this lookup
     reason: str = ""  # "threshold" | "centroid" | "vote" | "verified" | "scored-hit" | "scored" |
-    # "exploit" | "below" | "centroid-rejected" | "rejected" | "budget"
+    # "exploit" | "below" | "centroid-rejected" | "intent-rejected" | "rejected" | "budget"
     score: float = 0.0  # the evidence the decision rests on (similarity, or a vote margin)
 
 
@@ -284,7 +287,13 @@ class ClusterVotePolicy(ThresholdPolicy):
       close query, a loose one accepts a looser one), and
     - its centroid beats the rival, and every lone candidate of another answer, by at least
       ``rival_margin`` (the top-1 / top-2 cluster margin: a query that sits between two
-      answers is not served either).
+      answers is not served either), and
+    - with an ``intent_metric`` (:class:`~semcomm.semantic.IntentMetric`; the default
+      ``SemanticCache()`` has the shipped one), its score of the query against the cluster
+      reaches the metric's ``cut``: a learned metric on the vectors that tells an action from
+      its topic ("make a vacation request" against a cluster of "is my vacation request
+      approved" phrasings) where cosine does not. The cache fills in the score
+      (``Candidate.intent``); a refusal is ``reason="intent-rejected"``.
 
     ``rule="vote"`` (the earlier default; also what ``"centroid"`` falls back to when the
     candidates carry no centroid figures, e.g. built by hand): each of the nearest neighbours
@@ -320,12 +329,17 @@ class ClusterVotePolicy(ThresholdPolicy):
                  scorer: Scorer | None = None, min_score: float = 0.5,
                  lead_weight: float = 0.0, lead_floor: float = LEAD_FLOOR,
                  judge: Scorer | None = None, judge_floor: float = 0.85,
-                 judge_min: float = 0.5) -> None:
+                 judge_min: float = 0.5, intent_metric: Any = None) -> None:
         super().__init__(threshold, verifier=verifier, max_verify=max_verify, scorer=scorer,
                          min_score=min_score, lead_weight=lead_weight, lead_floor=lead_floor)
         if rule not in CLUSTER_RULES:
             raise ConfigError(f"cluster rule must be one of {list(CLUSTER_RULES)}, got {rule!r}")
         self.rule = rule
+        if intent_metric is not None and not (callable(getattr(intent_metric, "score", None))
+                                              and hasattr(intent_metric, "cut")):
+            raise ConfigError("intent_metric must be an IntentMetric (score(query, centroid, "
+                              f"best) and cut), got {type(intent_metric).__name__}")
+        self.intent_metric = intent_metric
         if judge is not None and not callable(judge):
             raise ConfigError(f"judge must be callable f(query, best, runner_up) -> P, got "
                               f"{type(judge).__name__}")
@@ -374,10 +388,13 @@ class ClusterVotePolicy(ThresholdPolicy):
         case = self._centroid_case(candidates)
         if case is None:
             return None
-        _, best, cen, coh, rival = case
+        win, best, cen, coh, rival = case
         margin = cen - rival
         if (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
                 and cen >= coh - self.spread and margin >= self.rival_margin):
+            if (self.intent_metric is not None and win.intent is not None
+                    and win.intent < self.intent_metric.cut):
+                return Decision(None, reason="intent-rejected", score=margin)
             return Decision(best, reason="centroid", score=margin)
         return Decision(None, reason="centroid-rejected", score=margin)
 
@@ -434,7 +451,7 @@ class ClusterVotePolicy(ThresholdPolicy):
         if self.rule == "centroid":
             return (f"ClusterVotePolicy(threshold={self.threshold}, rule='centroid', "
                     f"centroid_floor={self.centroid_floor}, spread={self.spread}, "
-                    f"rival_margin={self.rival_margin})")
+                    f"rival_margin={self.rival_margin}, intent_metric={self.intent_metric!r})")
         return (f"ClusterVotePolicy(threshold={self.threshold}, rule='vote', base={self.base}, "
                 f"margin={self.margin}, floor={self.floor}, support={self.support})")
 

@@ -256,6 +256,8 @@ class SemanticConfig(_Section):
     # None: the cache's default (lone hits at cos >= 0.91 need the shipped cross-encoder's P >= 0.65);
     # true: every hit at or above the threshold needs it; false: off (the plain cosine rule)
     cross_encoder: bool | None = None
+    # None: the cache's default (centroid hits must pass the shipped intent check); false: off
+    intent_check: bool | None = None
     mode: Literal["serve", "shadow"] = "serve"  # shadow: never serve, record would-be hits
     hnsw: dict[str, int | str] | None = None  # HNSW graph options (SemanticCache(hnsw=...))
     ivf: dict[str, int | str | bool] | None = None  # IVF index options (SemanticCache(ivf=...))

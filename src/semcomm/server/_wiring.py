@@ -204,6 +204,8 @@ def build_semantic(config: ServerConfig, salter: TenantSalter | Any) -> tuple[An
         kw["threshold"] = sc.threshold
     if sc.cross_encoder is not None:
         kw["cross_encoder"] = sc.cross_encoder
+    if sc.intent_check is not None:
+        kw["intent_check"] = sc.intent_check
     if sc.mode == "shadow":  # every request goes to the model; `semcomm cache report` reads the log
         kw["mode"] = "shadow"
         kw["shadow_log"] = str(config.state_dir() / "semantic_shadow.jsonl")
