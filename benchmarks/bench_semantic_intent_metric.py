@@ -12,7 +12,13 @@ intent is held out too). Reported: AUC between right and out-of-scope hits and t
 out-of-scope hits removed when 4 % / 8 % of the right ones may go, against the cosine signals
 the rule already reads.
 
-    python benchmarks/bench_semantic_intent_metric.py
+    python benchmarks/bench_semantic_intent_metric.py             # the table (~2 min)
+    python benchmarks/bench_semantic_intent_metric.py --fit 30     # and write the shipped model
+    python benchmarks/bench_semantic_intent_metric.py --cost       # lookup p50 with / without
+
+``--cost`` times the lookups of one development set (clinc-holdout-0, vectors given, no
+cross-encoder) through ``SemanticCache()`` with and without the intent check, in alternating
+order over ``--reps`` rounds, and prints the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -96,6 +102,39 @@ def fit(x: np.ndarray, y: np.ndarray, c: float, mlp: int) -> tuple[object, Calla
     return m, m.decision_function
 
 
+def cost(reps: int) -> dict[str, object]:
+    import time
+
+    from bench_semantic_rule import dev_sets
+
+    from semcomm import SemanticCache
+    from semcomm.semantic import default_embedder
+
+    w = dev_sets(0)["clinc-holdout-0"]
+    sv, qv = embed(w.stored), embed(w.queries)
+    caches = {}
+    for check in (True, False):
+        c = SemanticCache(embedder=default_embedder(), max_entries=None, intent_check=check,
+                          cross_encoder=False)
+        c.store_many(w.stored, w.answers, embeddings=list(sv))
+        caches[check] = c
+    p50: dict[bool, list[float]] = {True: [], False: []}
+    for rep in track(range(reps), description="rounds", console=console):
+        for check in ((True, False) if rep % 2 else (False, True)):
+            lat = []
+            for q, v in zip(w.queries, qv, strict=True):
+                t = time.perf_counter()
+                caches[check].lookup(q, embedding=v)
+                lat.append(time.perf_counter() - t)
+            p50[check].append(float(np.median(lat)) * 1e3)
+    ratio = float(np.median(p50[True]) / np.median(p50[False]))
+    console.print(f"lookup p50 over {len(w.queries):,} lookups, {reps} rounds: with the intent "
+                  f"check {np.round(p50[True], 4)} ms, without {np.round(p50[False], 4)} ms; "
+                  f"ratio of the medians {ratio:.3f}")
+    return {"lookups": len(w.queries), "p50_ms_with": p50[True], "p50_ms_without": p50[False],
+            "ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--folds", type=int, default=4)
@@ -111,11 +150,19 @@ def main() -> None:
     ap.add_argument("--fit", type=float, default=None, metavar="C",
                     help="fit the shipped model with this C on all 74 intents and write it")
     ap.add_argument("--out", type=Path, default=INTENT_METRIC_DIR)
+    ap.add_argument("--cost", action="store_true",
+                    help="only time lookups with and without the check")
+    ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--json", type=Path,
                     default=Path("benchmarks/results/semantic_intent_metric.json"))
     args = ap.parse_args()
     global RAW
     RAW = args.raw
+    if args.cost:
+        out_cost = cost(args.reps)
+        path = args.json.with_name(args.json.stem + "_cost.json")
+        path.write_text(json.dumps(out_cost, indent=1))
+        return
     if args.fit is not None and (args.raw or args.mlp):
         ap.error("--fit writes the linear model of intent_features: no --raw, no --mlp")
     cs = sorted(set(args.C) | ({args.fit} if args.fit is not None else set()))

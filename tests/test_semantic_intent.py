@@ -150,7 +150,7 @@ def test_bad_weights_are_refused(weights, bias, match) -> None:
 
 def test_vectors_of_another_size_are_refused() -> None:
     m = metric()
-    with pytest.raises(InvalidInputError, match="16-dimensional"):
+    with pytest.raises(InvalidInputError, match="16-dimensional vectors, got 8"):
         m.score(np.ones(8) / 8**0.5, np.ones(8) / 8**0.5, 0.5)
     with pytest.raises(InvalidInputError, match="differ"):
         intent_features(np.ones(8), np.ones(9), 0.5)
@@ -223,3 +223,15 @@ def test_the_shipped_metric_refuses_an_action_served_its_status(minilm) -> None:
     assert served[False]["cancel my order"] == "centroid"
     assert served[True]["cancel my order"] is None
     assert all(served[check][q] == "centroid" for check in (True, False) for q in SAME)
+
+
+def test_the_score_is_the_linear_model_of_the_features() -> None:
+    """The lookup path's score equals the weights times :func:`intent_features` (the row the
+    shipped model was fitted on), for the shipped weights."""
+    m = default_intent_metric()
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        q, c = (unit(x) for x in rng.normal(size=(2, m.dim)))
+        best = float(rng.uniform(0.5, 1.0))
+        want = float(intent_features(q, c, best).astype(np.float64) @ m.weights) + m.bias
+        assert m.score(q, c, best) == pytest.approx(want, rel=1e-5, abs=1e-5)

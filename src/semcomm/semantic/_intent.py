@@ -71,6 +71,10 @@ class IntentMetric:
             raise ConfigError("intent metric weights, bias and cut must be finite numbers")
         self.weights = w
         self.dim = (w.size - 2) // 2
+        # the same score without building the feature row (the lookup path)
+        self._w_prod = w[: self.dim].astype(np.float64)
+        self._w_sq = w[self.dim: 2 * self.dim].astype(np.float64)
+        self._w_cos, self._w_best = float(w[-2]), float(w[-1])
         self.bias = float(bias)
         self.cut = float(cut)
         self.embedder = str(embedder)
@@ -79,11 +83,14 @@ class IntentMetric:
     def score(self, query: np.ndarray, centroid: np.ndarray, best: float) -> float:
         """The score of ``query`` against the cluster with this unit ``centroid`` whose most
         similar phrasing is at cosine ``best``; higher means the same intent."""
-        f = intent_features(query, centroid, best)
-        if f.size != self.weights.size:
+        q = np.asarray(query, dtype=np.float64).reshape(-1)
+        c = np.asarray(centroid, dtype=np.float64).reshape(-1)
+        if q.size != self.dim or c.size != self.dim:
             raise InvalidInputError(f"intent metric is for {self.dim}-dimensional vectors, got "
-                                    f"{(f.size - 2) // 2}")
-        return float(f @ self.weights) + self.bias
+                                    f"{q.size} and {c.size}")
+        d = q - c
+        return (float((q * c) @ self._w_prod) + float((d * d) @ self._w_sq)
+                + self._w_cos * float(q @ c) + self._w_best * float(best) + self.bias)
 
     def accepts(self, query: np.ndarray, centroid: np.ndarray, best: float) -> bool:
         return self.score(query, centroid, best) >= self.cut
