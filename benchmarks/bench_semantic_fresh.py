@@ -114,6 +114,7 @@ from semcomm.semantic import (
     VERIFIED_THRESHOLD,
     ClusterVotePolicy,
     default_embedder,
+    default_intent_metric,
 )
 from semcomm.semantic._cross import default_cross_verifier
 
@@ -469,6 +470,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--intent-cut", type=float, default=None,
+                    help="also the shipped intent check at this cut")
     ap.add_argument("--block", type=int, default=2000, help="pairs per quora-fresh cache")
     ap.add_argument("--blocks", type=int, default=3, help="quora-fresh caches")
     ap.add_argument("--no-gptcache", action="store_true")
@@ -577,6 +580,10 @@ def main() -> None:
                                            (prev_label, {"policy": prev}),
                                            ("SemanticCache(cross_encoder=False)",
                                             {"cross_encoder": False})]
+        if args.intent_cut is not None:
+            methods.insert(2, (f"intent check at cut {args.intent_cut:g} (--intent-cut)",
+                               {"intent_check": default_intent_metric().with_cut(
+                                   args.intent_cut)}))
         lw, lt, lp = args.lead_cut
         if lw:
             methods.insert(2, (f"lead weight {lw:g}, lone cut {lt:g} / {lp:g} (--calibrate "

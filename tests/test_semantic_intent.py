@@ -235,3 +235,16 @@ def test_the_score_is_the_linear_model_of_the_features() -> None:
         best = float(rng.uniform(0.5, 1.0))
         want = float(intent_features(q, c, best).astype(np.float64) @ m.weights) + m.bias
         assert m.score(q, c, best) == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+def test_with_cut_keeps_the_weights_and_moves_only_the_cut(emb) -> None:
+    m = metric(cos_weight=1.0, cut=2.0)
+    loose = m.with_cut(0.5)
+    assert loose.cut == 0.5 and m.cut == 2.0 and loose.embedder == m.embedder
+    np.testing.assert_array_equal(loose.weights, m.weights)
+    served = {}
+    for mm in (m, loose):
+        c = SemanticCache(embedder=emb, guard=False, intent_check=mm)
+        three_phrasings(c)
+        served[mm.cut] = c.lookup("q", embedding=Q) is not None  # score 0.918
+    assert served == {2.0: False, 0.5: True}

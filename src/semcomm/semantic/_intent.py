@@ -95,6 +95,12 @@ class IntentMetric:
     def accepts(self, query: np.ndarray, centroid: np.ndarray, best: float) -> bool:
         return self.score(query, centroid, best) >= self.cut
 
+    def with_cut(self, cut: float) -> IntentMetric:
+        """The same weights with another cut: lower serves more cluster hits (and more near-miss
+        twins), higher fewer."""
+        return IntentMetric(self.weights, self.bias, float(cut), embedder=self.embedder,
+                            meta=self.meta)
+
     def save(self, path: str | Path) -> Path:
         """Write ``weights.npy`` and ``config.json`` into the folder ``path``."""
         d = Path(path)
