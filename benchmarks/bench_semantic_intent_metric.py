@@ -145,8 +145,11 @@ def main() -> None:
     ap.add_argument("--C", type=float, nargs="+", default=[1.0, 10.0, 30.0, 100.0])
     ap.add_argument("--raw", action="store_true", help="also the query and centroid vectors")
     ap.add_argument("--mlp", type=int, default=0, help="hidden units of an MLP (0: logistic)")
-    ap.add_argument("--loss", type=float, default=0.04,
-                    help="--fit: the cut drops this share of the right hits (out of sample)")
+    ap.add_argument("--loss", type=float, default=None,
+                    help="--fit: the cut drops this share of the right hits, pooled, out of "
+                         "sample (default: the largest share at which no development set loses "
+                         "more than --max-set-loss of its own)")
+    ap.add_argument("--max-set-loss", type=float, default=0.04)
     ap.add_argument("--fit", type=float, default=None, metavar="C",
                     help="fit the shipped model with this C on all 74 intents and write it")
     ap.add_argument("--out", type=Path, default=INTENT_METRIC_DIR)
@@ -184,7 +187,7 @@ def main() -> None:
     fold_of = {i: k % args.folds for k, i in enumerate(order)}
     scores = {c: np.full(len(hits), np.nan) for c in cs}
     lab = np.array([h["label"] for h in hits])
-    fold_cuts: dict[float, list[dict[str, float]]] = {}
+    fold_pos: dict[float, list[tuple[list[int], np.ndarray]]] = {}  # per fold: hits, own 'same'
     xh = np.stack([features(unit(h["vec"]), unit(embed(h["members"]))) for h in hits])
     for f in track(range(args.folds), description="folds", console=console):
         train = [i for i in intents if fold_of[i] != f]
@@ -194,21 +197,39 @@ def main() -> None:
         for c in cs:
             score = fit(x, y, c, args.mlp)[1]
             scores[c][idx] = score(xh[idx])
+            fold_pos.setdefault(c, []).append((idx, score(x[y == 1])))
+        console.print(f"fold {f}: {len(x):,} training pairs ({int(y.sum()):,} same), "
+                      f"{len(idx)} hits scored")
+    scored = ~np.isnan(scores[cs[0]])
+    sets = np.array([h["set"] for h in hits])
+    right = scored & (lab == "right")
+    losses: dict[float, float] = {}
+    fold_cuts: dict[float, list[dict[str, object]]] = {}
+    for c in cs:
+        # the pooled share of right hits the cut may drop: given, or the largest on a grid at
+        # which no development set loses more than --max-set-loss of its own right hits
+        def worst(loss: float, c: float = c) -> float:
+            cut = np.quantile(scores[c][right], loss)
+            return max(float((scores[c][right & (sets == st)] < cut).mean())
+                       for st in set(sets[right]))
+        grid = [x for x in np.arange(0.005, 0.1001, 0.005)
+                if worst(float(x)) <= args.max_set_loss]
+        losses[c] = args.loss if args.loss is not None else float(max(grid, default=0.005))
+        for f, (idx, own_pos) in enumerate(fold_pos[c]):
             held = scores[c][idx][lab[idx] == "right"]
-            cut_f = float(np.quantile(held, args.loss))
-            own_pos = score(x[y == 1])
+            cut_f = float(np.quantile(held, losses[c]))
             fold_cuts.setdefault(c, []).append(
                 {"cut": cut_f, "train_same_below": float((own_pos < cut_f).mean()),
                  "own_same_q": [float(v) for v in np.quantile(own_pos, [0.1, 0.25, 0.5])]})
-        console.print(f"fold {f}: {len(x):,} training pairs ({int(y.sum()):,} same), "
-                      f"{len(idx)} hits scored")
-    for c, fc in fold_cuts.items():
-        for f, r in enumerate(fc):
-            console.print(f"C={c:g} fold {f}: its cut {r['cut']:.2f} (drops {args.loss:.0%} of "
-                          f"its held-out right hits) has {r['train_same_below']:.3f} of its own "
-                          f"training 'same' pairs below; their 10/25/50 % quantiles "
-                          f"{np.round(r['own_same_q'], 2)}")
-    scored = ~np.isnan(scores[cs[0]])
+            console.print(f"C={c:g} fold {f}: its cut {cut_f:.2f} (drops {losses[c]:.1%} of its "
+                          f"held-out right hits) has {fold_cuts[c][-1]['train_same_below']:.3f}"
+                          f" of its own training 'same' pairs below")
+        cut = np.quantile(scores[c][right], losses[c])
+        per_set = {st: round(float((scores[c][right & (sets == st)] < cut).mean()), 4)
+                   for st in sorted(set(sets[right]))}
+        console.print(f"C={c:g}: pooled loss {losses[c]:.1%} (worst set {worst(losses[c]):.1%}), "
+                      f"twins removed {float((scores[c][scored & (lab == 'oos')] < cut).mean()):.2f};"
+                      f" right hits lost per set {per_set}")
     strict = np.array([fold_of.get(h["q_intent"], -1) == fold_of.get(h["c_intent"], -2)
                        for h in hits])
     signals = {"best": np.array([h["best"] for h in hits]),
@@ -231,6 +252,7 @@ def main() -> None:
                       *(f"{row[f'oos_removed_at_{x:.2f}']:.2f}" for x in LOSSES))
     console.print(t)
     out: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                              "cut_loss": {f"{c:g}": v for c, v in losses.items()},
                               "fold_cuts": {f"{c:g}": fc for c, fc in fold_cuts.items()}}
     if args.fit is not None:
         x, y = training_pairs(intents, vecs, np.random.default_rng(len(intents)),
@@ -239,7 +261,8 @@ def main() -> None:
         # a model fitted on all intents scores lower than the fold models (more intents: harder
         # negatives), so the fold models' cut is carried over as the share of its own training
         # 'same' pairs it leaves below, not as a number
-        share = float(np.mean([r["train_same_below"] for r in fold_cuts[args.fit]]))
+        share = float(np.mean([float(r["train_same_below"])  # type: ignore[arg-type]
+                               for r in fold_cuts[args.fit]]))
         own_pos = m.decision_function(x[y == 1])  # type: ignore[attr-defined]
         cut = float(np.quantile(own_pos, share))
         metric = IntentMetric(m.coef_[0], float(m.intercept_[0]), cut,  # type: ignore[attr-defined]
@@ -248,7 +271,8 @@ def main() -> None:
                                           "development and banking intents",
                                   "pairs": len(x), "same": int(y.sum()), "C": args.fit,
                                   "clusters_per_intent": args.clusters, "floor": args.floor,
-                                  "cut_loss": args.loss, "cv_folds": args.folds,
+                                  "cut_loss": losses[args.fit],
+                                  "max_set_loss": args.max_set_loss, "cv_folds": args.folds,
                                   "cut_train_same_share": share,
                                   "cv": rows[f"metric C={args.fit:g}/all"],
                                   "command": "python benchmarks/bench_semantic_intent_metric.py "
