@@ -241,3 +241,42 @@ def test_the_budget_holds_when_only_the_newly_indexed_chunk_can_go(tmp_path: Pat
     assert store.stats().bytes <= store.capacity_bytes  # the tail itself goes
     assert events == [("store", items[2][0]), ("evict", items[2][0])]
     assert [store.get(k) for k, _ in items[:2]] == [v for _, v in items[:2]]
+
+
+def test_a_read_that_failed_before_a_write_landed_keeps_the_landed_chunk(tmp_path: Path) -> None:
+    """Threads interleave a get that finds no file (the chunk was just evicted) with a put of
+    the same key that renames its file into place and indexes it. The get's miss must not
+    forget the key then: the file would stay on disk uncounted, and a later read indexing it
+    would push the store over its budget."""
+    import os
+
+    store = DiskStore(tmp_path / "kv", capacity_bytes=1 << 20)
+    (key, value), = chain(1)
+    path = store._path(key)
+    store.put(key, value)  # the write that landed
+    # the read that failed earlier, reported now: the file is back
+    store._read_failed(key, path, FileNotFoundError(path))
+    assert key in store._lru.entries and store.stats().bytes == len(value)
+    assert store.get(key) == value
+    # with the file really gone the key is forgotten
+    os.unlink(path)
+    store._read_failed(key, path, FileNotFoundError(path))
+    assert key not in store._lru.entries and store.stats().bytes == 0
+
+
+def test_a_write_evicted_before_it_is_indexed_is_not_indexed(tmp_path: Path) -> None:
+    """A put renames its file into place; before it indexes the key, another write of the key
+    is indexed and evicted, and the eviction unlinks this file. Indexing it then would list
+    a chunk with no file."""
+    import os
+
+    store = DiskStore(tmp_path / "kv", capacity_bytes=1 << 20)
+    (key, value), = chain(1)
+    job = store._admit(key, value, None)
+    assert job is not None and store._write(job, sync=False)
+    os.unlink(store._path(key))  # what the eviction did
+    store._finish(job, True)
+    assert key not in store._lru.entries
+    st = store.stats()
+    assert st.bytes == 0 and st.entries == 0 and store._reserved == 0
+    assert list(store.scan()) == []

@@ -1134,7 +1134,9 @@ class DiskStore(StoreBase, LruPinning):
         if isinstance(exc, FileNotFoundError):
             with self._lock:
                 self._misses += 1
-                gone = self._lru.remove(key) is not None
+                # a write of the key may have renamed its file into place (and indexed it) since
+                # the read failed: forget the key only while its file is still gone
+                gone = not os.path.exists(path) and self._lru.remove(key) is not None
             if gone:
                 self._emit("evict", key, "delete")
             return
@@ -1325,10 +1327,17 @@ class DiskStore(StoreBase, LruPinning):
             if job.existed:  # the old file was not replaced
                 self._forget_or_keep(job.key)
             return
+        path = self._path(job.key)
         with self._lock:  # reservation to index in one step: the bytes are never uncounted
             self._reserved -= len(job.value)
             if self._queued.get(job.key) is job:  # the newest write of the key: readable now
                 del self._queued[job.key]
+            if not os.path.exists(path):
+                # renamed into place, then unlinked before this hold of the lock: another write
+                # of the key was indexed meanwhile and evicted (evictions unlink under _lock),
+                # taking this file with it. Indexing it now would list a chunk with no file.
+                self._puts += 1
+                return
             self._lru.add(job.key, len(job.value), job.parent)
             for _ in range(job.pins):
                 self._lru.pin(job.key)
