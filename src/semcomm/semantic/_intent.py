@@ -18,10 +18,10 @@ The shipped weights (``assets/intent_metric``) belong to the default embedder,
 all-MiniLM-L6-v2, and were fitted by ``benchmarks/bench_semantic_intent_metric.py --fit`` on
 pairs made from the CLINC150 ``train`` phrasings of the 74 development intents only (a cluster
 of 5 phrasings of one intent against another phrasing of it, or against the phrasings of other
-intents nearest its centroid). Its cut drops 4 % of the right centroid hits on the development
-sets, scored out of sample (cross-validated by intent); that cut removed about half of the
-near-miss twins there. Another embedder gets no intent check unless it brings weights of its
-own.
+intents nearest its centroid). Its cut is the strictest at which no development set loses more
+than 4 % of its right centroid hits, scored out of sample (cross-validated by intent): a pooled
+2 %, which removed 30 % of the near-miss twins there. Another embedder gets no intent check
+unless it brings weights of its own.
 """
 
 from __future__ import annotations
