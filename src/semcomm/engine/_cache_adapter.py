@@ -353,7 +353,7 @@ class BufferWindowLayer(_OneSequence, DynamicSlidingWindowLayer):
         self.start = self.base = 0
         self._set_length(0)
 
-    def activate_past_recording(self) -> None:  # it always keeps what it computed
+    def activate_past_recording(self, **kwargs: Any) -> None:  # it always keeps what it computed
         pass
 
     def clone(self) -> BufferWindowLayer:
