@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from bench_semantic_common import DEFAULT_DATA
-from bench_semantic_stack import BAND, auc, lone_rows, pair_logits
-from bench_semantic_traffic import embed, pairs_workload
-from bench_semantic_train_cross import lr_at, training_pairs
+from bench_semantic_stack import BAND, auc, pair_logits, quora_val_rows
+from bench_semantic_train_cross import lr_at, optimizer_step, training_pairs
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -187,11 +186,7 @@ def train(model: SplitEncoder, pairs: list, cache: list, args: argparse.Namespac
             idx = queue.pop()
             h, m = collate([cache[i][rng.random() < 0.5] for i in idx])
             y = torch.tensor([float(pairs[i][2]) for i in idx])
-            loss = lossf(model.upper_logits(h, m), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            optimizer_step(opt, lossf(model.upper_logits(h, m), y), losses)
             step += 1
             now = time.perf_counter()
             seconds += now - t_last
@@ -236,14 +231,7 @@ def main() -> None:
     del cache
 
     # quora-val: the best guard-passing lone candidate of each lookup (bench_semantic_stack.py)
-    w = pairs_workload(2000, name="quora-val")
-    qv, sv = embed(w.queries), embed(w.stored)
-    comp = dict(zip(w.stored, w.answers, strict=True))
-    exp = dict(zip(w.queries, w.expected, strict=True))
-    rows = lone_rows(w.queries, w.stored,
-                     lambda q, c: w.comp_of_answer[comp[c]] == exp[q],  # type: ignore[attr-defined]
-                     qv, sv)
-    n_pos = int(sum(e is not None for e in w.expected))
+    _, rows, n_pos = quora_val_rows()
     y = np.asarray([r["right"] for r in rows])
     cos = np.asarray([r["cos"] for r in rows])
     ex = np.asarray([r["exact"] for r in rows])

@@ -30,8 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from bench_semantic_stack import BAND, auc, lone_rows, pair_logits
-from bench_semantic_traffic import embed, pairs_workload
+from bench_semantic_stack import BAND, auc, pair_logits, quora_val_rows
 from rich.console import Console
 from rich.table import Table
 
@@ -47,13 +46,7 @@ def main() -> None:
     from scipy.stats import rankdata
     from sentence_transformers import SentenceTransformer
 
-    w = pairs_workload(2000, name="quora-val")
-    qv, sv = embed(w.queries), embed(w.stored)
-    comp = dict(zip(w.stored, w.answers, strict=True))
-    exp = dict(zip(w.queries, w.expected, strict=True))
-    rows = lone_rows(w.queries, w.stored,
-                     lambda q, c: w.comp_of_answer[comp[c]] == exp[q],  # type: ignore[attr-defined]
-                     qv, sv)
+    _, rows, _ = quora_val_rows()
     band = [r for r in rows if r["cos"] >= BAND and not r["exact"]]
     y = np.asarray([r["right"] for r in band])
     t0 = time.perf_counter()

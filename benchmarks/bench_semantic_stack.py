@@ -109,6 +109,20 @@ def lone_rows(queries: list[str], stored: list[str], same, qv: np.ndarray, sv: n
     return rows
 
 
+def quora_val_rows() -> tuple[Any, list[dict], int]:
+    """quora-val (the validation pairs), its :func:`lone_rows` (every stored question is its
+    own answer; right = in the query's duplicate component) and the number of its lookups
+    that have a duplicate stored (the recall denominator)."""
+    w = pairs_workload(2000, name="quora-val")
+    qv, sv = embed(w.queries), embed(w.stored)
+    comp = dict(zip(w.stored, w.answers, strict=True))
+    exp = dict(zip(w.queries, w.expected, strict=True))
+    rows = lone_rows(w.queries, w.stored,
+                     lambda q, c: w.comp_of_answer[comp[c]] == exp[q],  # type: ignore[attr-defined]
+                     qv, sv)
+    return w, rows, int(sum(e is not None for e in w.expected))
+
+
 def featurise(rows: list[dict], extra: tuple[Any, ...] = ()) -> np.ndarray:
     """FEATURES of each row, then the logit of each ``extra`` cross-encoder (query first)."""
     lf = pair_logits([(r["q"], r["c"]) for r in rows])
@@ -192,12 +206,8 @@ def main() -> None:
     for r in fit_rows:
         r["in_train"] = frozenset((norm(r["q"]), norm(r["c"]))) in seen_pairs
 
-    w = pairs_workload(2000, name="quora-val")
+    w, val_rows, n_pos = quora_val_rows()
     qv, sv = embed(w.queries), embed(w.stored)
-    comp = {s: a for s, a in zip(w.stored, w.answers, strict=True)}
-    exp = dict(zip(w.queries, w.expected, strict=True))
-    val_rows = lone_rows(w.queries, w.stored,
-                         lambda q, c: w.comp_of_answer[comp[c]] == exp[q], qv, sv)  # type: ignore[attr-defined]
     console.print(f"lone candidates at cos >= {FLOOR}: fit {len(fit_rows)} "
                   f"({sum(r['in_train'] for r in fit_rows)} of them v1 training pairs), "
                   f"quora-val {len(val_rows)}; scoring ({time.time() - t0:.0f} s)")
@@ -246,7 +256,6 @@ def main() -> None:
     rng = np.random.default_rng(0)
     boots = [rng.integers(0, bq.sum(), bq.sum()) for _ in range(args.boot)]
     base = xq[bq, 0]
-    n_pos = int(sum(e is not None for e in w.expected))  # quora-val lookups with a duplicate
     exact_q = np.asarray([r["exact"] for r in val_rows])
     yb = yq[bq]
     res_rows = []

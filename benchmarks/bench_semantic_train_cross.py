@@ -395,6 +395,14 @@ def lr_at(frac: float, peak: float, warmup: float = 0.05) -> float:
     return peak * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * x)))
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, losses: list[float]) -> None:
+    """One step on ``loss``; its value is appended to ``losses``."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+
 def batches_by_length(pairs: list, batch: int, rng: random.Random) -> list[list[int]]:
     """One epoch of index batches: shuffled, then sorted by length inside windows of 16
     batches (less padding per batch), the batches shuffled again."""
@@ -518,11 +526,7 @@ def main() -> None:
         swap = [rng.random() < 0.5 for _ in idx]
         q2 = [cc if w else qq for qq, cc, w in zip(q, c, swap, strict=True)]
         c2 = [qq if w else cc for qq, cc, w in zip(q, c, swap, strict=True)]
-        loss = lossf(logits(q2, c2), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        optimizer_step(opt, lossf(logits(q2, c2), y), losses)
         step += 1
         now = time.perf_counter()
         elapsed += now - t_last
