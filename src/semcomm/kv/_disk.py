@@ -1044,9 +1044,10 @@ class DiskStore(StoreBase, LruPinning):
         runs, then reads layer ``l + 1``). The chunk's first ``head`` bytes, or its whole header
         where that is longer (``head=0``: the header alone), are read now and its header parsed
         (not yet trusted: the checksum covers it); :meth:`ChunkPieces.read` reads any range
-        into the same place of ``buffer`` as in the file, and :meth:`ChunkPieces.finish` reads every byte not read yet and verifies the
-        whole chunk exactly as :meth:`get_into` does (checksum, header, key; a corrupt file is
-        dropped and counted): the verified view, or None. Until ``finish`` returns a view,
+        into the same place of ``buffer`` as in the file, and :meth:`ChunkPieces.finish` reads
+        every byte not read yet and verifies the whole chunk exactly as :meth:`get_into` does
+        (checksum, header, key; a corrupt file is dropped and counted): the verified view, or
+        None. Until ``finish`` returns a view,
         nothing read may be served as this chunk: a caller that used pieces early must undo
         what it did with them when ``finish`` says None.
 
