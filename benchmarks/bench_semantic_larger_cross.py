@@ -42,7 +42,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from bench_semantic_common import DEFAULT_DATA
 from bench_semantic_stack import BAND, auc, pair_logits, quora_val_rows
-from bench_semantic_train_cross import lr_at, optimizer_step, training_pairs
+from bench_semantic_train_cross import (
+    batches_by_length,
+    lr_at,
+    optimizer_step,
+    training_pairs,
+)
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -175,14 +180,8 @@ def train(model: SplitEncoder, pairs: list, cache: list, args: argparse.Namespac
         while step < steps:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step / steps, args.lr)
-            if not queue:  # an epoch: shuffled, length-sorted in windows of 16 batches
-                order = list(range(len(pairs)))
-                rng.shuffle(order)
-                win = args.batch * 16
-                for s in range(0, len(order), win):
-                    w = sorted(order[s : s + win], key=lambda i: cache[i][0].shape[0])
-                    queue.extend(w[k : k + args.batch] for k in range(0, len(w), args.batch))
-                rng.shuffle(queue)
+            if not queue:
+                queue = batches_by_length(pairs, args.batch, rng)
             idx = queue.pop()
             h, m = collate([cache[i][rng.random() < 0.5] for i in idx])
             y = torch.tensor([float(pairs[i][2]) for i in idx])
