@@ -34,7 +34,7 @@ test: $(STAMP) system-deps models
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/mypy src
 
 # vLLM (CPU build) in its own venv: it pins transformers below what semcomm uses (docs/vllm.md)
@@ -53,7 +53,7 @@ $(VLLM_STAMP):
 
 # two vLLM processes (save, then a fresh one loads) on SmolLM2-135M-Instruct: vllm_check.json
 vllm-check: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python benchmarks/bench_vllm.py --quiet --vllm-python $(VLLM_VENV)/bin/python \
+	$(BIN)/python -m benchmarks.vllm.check --quiet --vllm-python $(VLLM_VENV)/bin/python \
 		--model "$$($(BIN)/python -c 'from semcomm.models import model_path; print(model_path("smollm2-135m-instruct"))')" \
 		--block-size 32 --chunk-size 128 --out vllm_check.json --png benchmarks/results/vllm_check.png
 

@@ -1,6 +1,6 @@
 """The CUDA paths: engine exactness, cross-device chunk sharing, lossy codecs and C2C fusion.
 
-Skipped where CUDA is unavailable (CI has no GPU). ``benchmarks/gpu_check.sh`` runs this file
+Skipped where CUDA is unavailable (CI has no GPU). ``tools/gpu_check.sh`` runs this file
 on a GPU machine.
 
 ``SEMCOMM_TEST_DEVICE`` picks the device the test bodies run on: ``cuda`` (the default), or

@@ -819,7 +819,7 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
     from semcomm.models import model_path
 
     out = tmp_path / "check.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--model",
+    subprocess.run([sys.executable, "-m", "benchmarks.vllm.check", "--model",
                     str(model_path("smollm2-135m-instruct")), "--vllm-python", str(VLLM_PY),
                     "--tokens", "1024", "--max-tokens", "12", "--out", str(out), *extra],
                    check=True, timeout=1500, cwd=str(ROOT))

@@ -102,8 +102,9 @@ def placed_cluster(c: SemanticCache, centre_cos: float, spread: float) -> float:
 def test_floor_and_spread_each_refuse_a_query_at_the_edge_of_a_cluster(
         emb, centre_cos, spread, member, stricter) -> None:
     """The default (floor 0.55, spread 0.10) serves a query at the edge of a cluster; the
-    stricter values that ``bench_semantic_rule.py --pick goal`` chose on development traffic
-    (0.58 / 0.08, measured on held-out traffic and not adopted: docs/BENCHMARKS.md) refuse it,
+    stricter values that a rule search (``bench_semantic_rule.py``, since removed) chose on
+    development traffic (0.58 / 0.08, measured on held-out traffic and not adopted:
+    docs/BENCHMARKS.md) refuse it,
     each by its own test."""
     default = ClusterVotePolicy()
     assert (default.centroid_floor, default.spread, default.rival_margin) == (0.55, 0.10, 0.10)

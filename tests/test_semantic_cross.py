@@ -35,7 +35,7 @@ def xv() -> CrossEncoderVerifier:
 def test_shipped_adapter_is_small_and_described() -> None:
     cfg = json.loads((CROSS_VERIFIER_DIR / "config.json").read_text())
     assert cfg["format_version"] == 1 and cfg["rank"] > 0
-    assert "bench_semantic_train_cross.py" in cfg["train"]["command"]
+    assert "tools.train.semantic_cross" in cfg["train"]["command"]
     assert (CROSS_VERIFIER_DIR / "adapter.safetensors").stat().st_size < 2_000_000
 
 

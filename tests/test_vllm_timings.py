@@ -1,6 +1,6 @@
 """The vLLM connector's timing log (SEMCOMM_VLLM_TIMINGS) and the load's read/copy split.
 
-Both are what ``benchmarks/bench_vllm.py`` reads to say where a warm request's time went; they
+Both are what ``benchmarks.vllm.check`` reads to say where a warm request's time went; they
 run without vLLM (``semcomm.integrations._vllm_core``).
 """
 

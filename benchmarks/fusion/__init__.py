@@ -1,0 +1,1 @@
+"""Cache-to-cache fusion on the reference pair and on the real catalog pair."""

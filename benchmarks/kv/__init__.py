@@ -1,0 +1,1 @@
+"""KV prefix reuse: TTFT warm against cold, the stores against LMCache, codecs, real models against llama.cpp."""

@@ -1,0 +1,1 @@
+"""Routing: the replica-routing simulator, the model router, routing by KV headroom."""

