@@ -104,7 +104,7 @@ _MIB = 1 << 20
 TIMINGS_ENV = "SEMCOMM_VLLM_TIMINGS"
 """A file path: each connector process appends one JSON line per store lookup (scheduler side),
 load, save and forward end (worker side) with its start (``at``: ``time.monotonic()``, the
-clock of vLLM's ``queued_ts`` / ``first_token_ts``) and duration (``benchmarks/bench_vllm.py``
+clock of vLLM's ``queued_ts`` / ``first_token_ts``) and duration (``benchmarks.vllm.check``
 reads it to say where a warm request's time went). Unset: nothing is written."""
 
 

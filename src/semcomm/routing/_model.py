@@ -51,7 +51,7 @@ _ASSETS = Path(__file__).resolve().parent / "assets"
 #: Routers shipped with semcomm, by name: ``[routing] model_router = NAME`` or
 #: ``ModelRouter.load(NAME)``. ``smollm2-qwen2.5-coder`` routes between the embedded default's
 #: two real models (SmolLM2-135M-Instruct, cost 1; Qwen2.5-Coder-0.5B-Instruct, cost 4), trained
-#: on their own multiple-choice answers (benchmarks/bench_router_real.py; docs/BENCHMARKS.md).
+#: on their own multiple-choice answers (tools.train.router_real; docs/BENCHMARKS.md).
 SHIPPED_ROUTERS: dict[str, str] = {"smollm2-qwen2.5-coder": "smollm2-qwen2.5-coder.json"}
 
 

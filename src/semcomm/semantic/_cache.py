@@ -138,7 +138,7 @@ _MAX_MERGES = 2
 # above this many cluster centroids in a partition (a product of about 0.35 ms on the loaded box
 # of docs/BENCHMARKS.md), a lookup's rival is the best centroid among the clusters of its
 # _RIVAL_NEIGHBOURS nearest entries instead of all of them: on the development FAQ sets the two
-# agree on every margin decision from 16 neighbours on (benchmarks/bench_semantic_rule.py sets)
+# agree on every margin decision from 16 neighbours on (the sets of bench_semantic_rule.py, in git history)
 _RIVAL_SCAN_ROWS = 8192
 _RIVAL_NEIGHBOURS = 32
 # differing cluster pairs remembered (cleared when full)

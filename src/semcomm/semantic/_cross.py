@@ -5,7 +5,7 @@ and sees "by zero" against "by 0" or "positive" against "negative" directly. sem
 cross-encoder is the packaged all-MiniLM-L6-v2 (the default embedder's own weights, so nothing
 new is downloaded) plus a low-rank adapter (LoRA, rank ``r`` on every attention and MLP
 projection) and a one-logit head, trained on ``meancache_val.csv`` by
-``benchmarks/bench_semantic_train_cross.py``. The adapter ships as safetensors with a JSON
+``tools.train.semantic_cross``. The adapter ships as safetensors with a JSON
 config (``assets/cross_verifier``, well under a megabyte); at load time it is merged into the
 base weights, so inference costs exactly one MiniLM forward per (query, candidate) pair.
 

@@ -3,13 +3,13 @@
 - :class:`FlatIndex`: exact, numpy, contiguous ``(n, dim)`` float32 matrix. Removal swaps the
   last row into the hole, so the matrix never holds a deleted vector.
 - :class:`HNSWIndex`: usearch HNSW over int8-quantised vectors, candidates re-scored exactly
-  in float32; removal deletes the node from the graph and the float32 row. Used above ``hnsw_min`` vectors (see ``benchmarks/bench_semantic_speed.py`` for the
+  in float32; removal deletes the node from the graph and the float32 row. Used above ``hnsw_min`` vectors (see ``benchmarks.semantic.speed`` for the
   cross-over measurement).
 - :class:`IVFIndex`: faiss inverted lists over 8-bit scalar-quantised vectors (k-means cells,
   only the cells nearest the query are scanned), candidates re-scored exactly in float32; exact
   (flat) until ``min_train`` vectors, then trained and rebuilt in a background thread as it
   grows. The fastest index measured for cache lookups at 100k-1M entries
-  (``benchmarks/bench_semantic_index.py``).
+  (``bench_semantic_index.py, in git history``).
 - :class:`AutoIndex`: starts flat and migrates to IVF (or HNSW) once it grows past ``min_size``.
 
 Labels are ints chosen by the caller (the cache maps them to entry ids).
@@ -176,11 +176,11 @@ class HNSWIndex:
     The graph stores vectors quantised to int8 (``dtype="i8"``, cosine metric: the vectors are
     unit, so cosine equals inner product); that makes inserts ~5x and searches ~4x faster than
     float32 on AVX-512 and keeps recall@1 at least as high on 384-d vectors
-    (``benchmarks/bench_semantic_speed.py``). The ``oversample * k`` graph candidates are then
+    (``benchmarks.semantic.speed``). The ``oversample * k`` graph candidates are then
     re-scored against an exact float32 copy (a :class:`FlatIndex`), so the similarities the hit
     policies compare with thresholds are exact, not quantised. Degree ``connectivity=32``: on
     vectors with MiniLM's covariance it reaches a given recall at half the latency of M=16 from
-    100k entries up, for inserts about half as fast (``benchmarks/bench_semantic_hnsw_ef.py``).
+    100k entries up, for inserts about half as fast (``bench_semantic_hnsw_ef.py, in git history``).
     ``expansion_search="auto"`` widens the search as the graph grows (:meth:`auto_ef`); pass an
     int to fix it. Batch adds run on ``threads`` threads (0: all cores)."""
 
@@ -211,7 +211,7 @@ class HNSWIndex:
         from a stored vector as far as labelled duplicates are; right when the exactly closest
         entry comes back) on vectors drawn with the mean and covariance of all-MiniLM-L6-v2
         question embeddings, M=32, int8 graph: 100k: 0.998 at ef 64; 300k: 0.994 at 64; 1M:
-        0.932 at 64, 0.982 at 128, 0.996 at 256 (``benchmarks/bench_semantic_hnsw_ef.py``).
+        0.932 at 64, 0.982 at 128, 0.996 at 256 (``bench_semantic_hnsw_ef.py, in git history``).
         Latency grows about linearly with ef. Isotropic random vectors (no structure) need far
         more: pin ``expansion_search`` for such data."""
         if n <= 300_000:
@@ -304,7 +304,7 @@ class IVFIndex:
     vectors with MiniLM's covariance at 1M entries it finds the right entry more often than the
     HNSW graph at a quarter of its latency (0.992 at 0.61 ms against 0.976 at 2.59 ms), builds
     21x faster and takes single inserts 11x faster (one centre assignment, no graph walk)
-    (``benchmarks/bench_semantic_index.py``).
+    (``bench_semantic_index.py, in git history``).
 
     Lifecycle: below ``min_train`` vectors the exact copy is searched (flat). At ``min_train``
     the cells are trained and the index built; after as many adds as the index held when it
@@ -364,7 +364,7 @@ class IVFIndex:
     def auto_nprobe(nlist: int) -> int:
         """Cells scanned per search: ``sqrt(nlist)``, at least 8. On vectors with MiniLM's
         covariance, paraphrase recall is 0.99 at 100k entries (1024 cells, 32 scanned) and at
-        1M (4096 cells, 64 scanned); ``benchmarks/bench_semantic_index.py``."""
+        1M (4096 cells, 64 scanned); ``bench_semantic_index.py, in git history``."""
         return max(8, int(round(math.sqrt(nlist))))
 
     @property

@@ -15,7 +15,7 @@ its score reaches ``cut``. It costs one dot product of ``2 * dim + 2`` numbers p
 cluster (microseconds; no model call).
 
 The shipped weights (``assets/intent_metric``) belong to the default embedder,
-all-MiniLM-L6-v2, and were fitted by ``benchmarks/bench_semantic_intent_metric.py --fit`` on
+all-MiniLM-L6-v2, and were fitted by ``tools.train.semantic_intent --fit`` on
 pairs made from the CLINC150 ``train`` phrasings of the 74 development intents only (a cluster
 of 5 phrasings of one intent against another phrasing of it, or against the phrasings of other
 intents nearest its centroid). Its cut is the strictest at which no development set loses more

@@ -113,7 +113,7 @@ lone candidate (MiniLM cosine units; ``SemanticCache()`` with the default embedd
 VERIFIED_MIN_SCORE = 0.65
 """Cross-encoder ``P(same question)`` a lone candidate at or above :data:`VERIFIED_THRESHOLD`
 needs. Both values are chosen by :func:`calibrate_scored_cut` on a validation split only
-(``python benchmarks/bench_semantic_fresh.py --calibrate``: the 2,000 ``meancache_test.csv``
+(``python -m benchmarks.semantic.fresh --calibrate``: the 2,000 ``meancache_test.csv``
 protocol pairs, none of which the cross-encoder trained on, though 314 of their texts occur in
 its training file; the cut with the most recall whose precision
 has a one-sided 90 % Wilson lower bound >= 0.90). The previous (0.88, 0.7) was read off the same
@@ -313,7 +313,7 @@ class ClusterVotePolicy(ThresholdPolicy):
     development and banking intents, with a quarter of the intents left unstored so that their
     phrasings are near-miss out-of-scope queries; docs/BENCHMARKS.md) and measured once on
     held-out traffic. A stricter floor and spread chosen by the FAQ goal on every development
-    set (0.58 / 0.08, ``benchmarks/bench_semantic_rule.py --pick goal``) was measured once on
+    set (0.58 / 0.08, ``bench_semantic_rule.py --pick goal``, in git history) was measured once on
     held-out traffic and not adopted: it cost 4.5 points of recall for 0.15 points of
     out-of-scope hits there (docs/BENCHMARKS.md). A lone entry per answer (every answer distinct) behaves exactly like
     ``ThresholdPolicy(threshold)``.

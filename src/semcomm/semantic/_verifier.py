@@ -6,7 +6,7 @@ likely false hit. :class:`LexicalVerifier` scores ``P(right | features)`` with a
 model over eight cheap features (cosine, margin over the runner-up, content-word overlap in
 both directions, character-trigram overlap, length ratio, size of the content-word
 difference). Its weights are plain numbers (``_verifier_weights.py``), trained on
-``meancache_val.csv`` by ``benchmarks/bench_semantic_train_verifier.py``; no pickle.
+``meancache_val.csv`` by ``tools.train.semantic_verifier``; no pickle.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ description = "Qwen2.5-Coder-0.5B-Instruct: code, formats and reasoning; about 4
 
 [routing]
 default_model = "smollm2-135m-instruct"
-# model "auto": the shipped router for these two models (benchmarks/bench_router_real.py)
+# model "auto": the shipped router for these two models (tools.train.router_real)
 model_router = "smollm2-qwen2.5-coder"
 
 [kv]
