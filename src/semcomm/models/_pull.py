@@ -10,7 +10,7 @@
    :class:`~semcomm.errors.IntegrityError` and nothing is kept (the file is written under a
    temporary name and renamed only once verified);
 3. convert once into a transformers directory (safetensors weights dequantized to float32,
-   config, tokenizer and chat template) with a manifest ``semcomm-model.json`` that records the
+   or bfloat16 where the catalog entry says so, config, tokenizer and chat template) with a manifest ``semcomm-model.json`` that records the
    GGUF digest and every file's SHA-256, so ``verify`` can recheck it and later loads take
    seconds.
 
@@ -281,14 +281,17 @@ def _require_gguf() -> None:
             ) from exc
 
 
-def load_gguf(gguf: Path) -> tuple[Any, Any]:
-    """(model, tokenizer) loaded by transformers from a GGUF file, dequantized to float32."""
+def load_gguf(gguf: Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer) loaded by transformers from a GGUF file, dequantized to ``dtype``
+    (``"float32"`` or ``"bfloat16"``)."""
     _require_gguf()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    if dtype not in ("float32", "bfloat16"):
+        raise InvalidInputError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype),
         quantization_config=GgufConfig(dequantize=True),
     )
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -299,7 +302,7 @@ def convert_gguf(entry: CatalogEntry, gguf: Path, target: Path) -> Path:
     """Convert a verified GGUF into a transformers directory at ``target`` (atomically)."""
     import transformers
 
-    model, tok = load_gguf(gguf)
+    model, tok = load_gguf(gguf, entry.dtype)
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
         with contextlib.suppress(AttributeError):
@@ -321,7 +324,7 @@ def convert_gguf(entry: CatalogEntry, gguf: Path, target: Path) -> Path:
             "gguf_file": entry.gguf_file,
             "gguf_sha256": entry.sha256,
             "sources": entry.requirements,
-            "dtype": "float32",
+            "dtype": entry.dtype,
             "transformers": transformers.__version__,
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "files": files,
