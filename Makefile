@@ -51,11 +51,12 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install -q xxhash redis hiredis
 	touch $(VLLM_STAMP)
 
-# two vLLM processes (save, then a fresh one loads) on SmolLM2-135M-Instruct: vllm_check.json
+# two vLLM processes (save, then a fresh one loads) on SmolLM2-135M-Instruct: benchmarks/results/vllm_check.*
 vllm-check: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.vllm.check --quiet --vllm-python $(VLLM_VENV)/bin/python \
 		--model "$$($(BIN)/python -c 'from semcomm.models import model_path; print(model_path("smollm2-135m-instruct"))')" \
-		--block-size 32 --chunk-size 128 --out vllm_check.json --png benchmarks/results/vllm_check.png
+		--block-size 32 --chunk-size 128 --out benchmarks/results/vllm_check.json \
+		--png benchmarks/results/vllm_check.png
 
 # the connector's end-to-end tests with real vLLM (disk and Redis; several minutes)
 vllm-test: $(STAMP) $(VLLM_STAMP)

@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="live KV per replica in tokens (the trace's prompts average 15k)")
     p.add_argument("--scales", type=lambda s: [float(x) for x in s.split(",")],
                    default=[1.0, 2.0, 3.0])
-    p.add_argument("--json", type=Path, default=RESULTS / "route_memory.json")
-    p.add_argument("--png", type=Path, default=RESULTS / "route_memory.png")
+    p.add_argument("--json", type=Path, default=RESULTS / "routing_memory.json")
+    p.add_argument("--png", type=Path, default=RESULTS / "routing_memory.png")
     args = p.parse_args(argv)
     rep = run(args)
     show(rep)

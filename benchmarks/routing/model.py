@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=None, help="labelled JSONL (default: reference labels)")
     ap.add_argument("--text-field", default="question")
     ap.add_argument("--cost", action="append", default=[], help="MODEL=COST (default sharer=2, receiver=1)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/routing"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--embedder", default=None, help="sentence-transformers path (default all-MiniLM-L6-v2)")
     ap.add_argument("--group-field", default="relation",
                     help="row field for a lookup-table baseline (per-group training accuracy); '' to skip")
@@ -120,11 +120,11 @@ def main() -> None:
                  ("oracle quality", ev.oracle_quality), ("fit seconds", fit_s), ("eval seconds", eval_s)]:
         summary.add_row(k, f"{v:.3f}")
     console.print(summary)
-    plot_cost_quality(ev, args.out / "model_router_cost_quality.png")
+    plot_cost_quality(ev, args.out / "routing_model.png")
     doc = {"eval": ev.to_json(), "random": rand.to_json(), "cv_apgr": cv, "group_table_apgr": group_apgr, "costs": costs, "fit_s": fit_s, "eval_s": eval_s,
            "train": len(train.prompts), "source": train.meta["source"]}
-    (args.out / "benchmarks.routing.model.json").write_text(json.dumps(doc, indent=1))
-    console.print(f"wrote {args.out / 'benchmarks.routing.model.json'} and model_router_cost_quality.png")
+    (args.out / "routing_model.json").write_text(json.dumps(doc, indent=1))
+    console.print(f"wrote {args.out / 'routing_model.json'} and routing_model.png")
 
 
 if __name__ == "__main__":

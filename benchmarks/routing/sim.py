@@ -97,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=Path("../shared/data/traces/mooncake_synthetic_trace.jsonl"),
                     help="Mooncake-format JSONL trace")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/routing"), help="output directory")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output directory")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT p90 SLO (s) for the capacity search")
     ap.add_argument("--scale", action="store_true", help="also run 1000 replicas x 100k requests")
@@ -124,13 +124,13 @@ def main() -> None:
             hit_rows.append((tname, scale, by["affinity"].hit_rate, by["default"].hit_rate, ratio))
             report["traces"][tname][f"x{scale:g}"] = {p: r.to_json() for p, r in by.items()}
             if tname == "mooncake" and scale == 3.0:
-                plot_ttft_cdf(results, args.out / "ttft_cdf_mooncake.png", title="Mooncake trace, rate x3")
+                plot_ttft_cdf(results, args.out / "routing_sim_cdf_mooncake.png", title="Mooncake trace, rate x3")
 
     # 2. hotspot: default vs least-loaded p99
     hot = hotspot_trace()
     hot_res = [simulate(hot, SimConfig(replicas=args.replicas, policy=p)) for p in POLICIES]
     console.print(sim_table(hot_res, title="hotspot (Zipf 1.2, 32 groups, 60 req/s)"))
-    plot_ttft_cdf(hot_res, args.out / "ttft_cdf_hotspot.png", title="hotspot workload")
+    plot_ttft_cdf(hot_res, args.out / "routing_sim_cdf_hotspot.png", title="hotspot workload")
     hb = {r.policy: r for r in hot_res}
     report["hotspot"] = {p: r.to_json() for p, r in hb.items()}
     hot_ratio = hb["default"].ttft_p99_s / hb["least-loaded"].ttft_p99_s
@@ -195,9 +195,9 @@ def main() -> None:
         lt.add_row(p, f"{v['p50_us']:.0f}", f"{v['p99_us']:.0f}", f"{v['cpu_p50_us']:.0f}", f"{v['cpu_p99_us']:.0f}")
     console.print(lt)
     report["goals"] = [{"goal": g, "value": v, "target": tg, "met": ok} for g, v, tg, ok in goals]
-    _plot_capacity(cap, args.out / "capacity.png", args.slo)
-    (args.out / "benchmarks.routing.sim.json").write_text(json.dumps(report, indent=1))
-    console.print(f"wrote {args.out / 'benchmarks.routing.sim.json'} and PNGs in {args.out}")
+    _plot_capacity(cap, args.out / "routing_sim.png", args.slo)
+    (args.out / "routing_sim.json").write_text(json.dumps(report, indent=1))
+    console.print(f"wrote {args.out / 'routing_sim.json'} and PNGs in {args.out}")
 
 
 def _plot_capacity(cap: dict[str, dict[str, float]], path: Path, slo: float) -> None:

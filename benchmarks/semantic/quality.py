@@ -310,9 +310,9 @@ def main() -> None:
                      f"{r['final_threshold']:.3f}")
     res["test"]["error_bounded"] = eb_rows
     console.print(etbl)
-    _plot(res, args.out / "semantic_quality_pr.png")
+    _plot(res, args.out / "semantic_quality.png")
     (args.out / "semantic_quality.json").write_text(json.dumps(res, indent=1))
-    console.print(f"wrote {args.out / 'semantic_quality.json'} and semantic_quality_pr.png")
+    console.print(f"wrote {args.out / 'semantic_quality.json'} and semantic_quality.png")
 
 
 def _plot(res: dict, path: Path) -> None:

@@ -112,7 +112,7 @@ async def run_chain(gw: Any, question: str, article: str = ARTICLE) -> dict[str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", type=Path, default=Path("agent_chain.json"))
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/server_agent_chain.json"))
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--hidden", type=int, default=512, help="model width (config-built Qwen2)")
     ap.add_argument("--layers", type=int, default=4)

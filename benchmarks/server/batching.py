@@ -56,7 +56,7 @@ async def drive(app: Any, clients: int, per_client: int, max_tokens: int, tag: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", type=Path, default=Path("batching.json"))
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/server_batching.json"))
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)

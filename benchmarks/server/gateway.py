@@ -229,7 +229,7 @@ def stats(lat: list[float]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", type=Path, default=Path("gateway.json"))
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/server_gateway.json"))
     ap.add_argument("--litellm", default=None, help="path of the litellm executable")
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     ap.add_argument("--dummy-port", type=int, default=None, help=argparse.SUPPRESS)

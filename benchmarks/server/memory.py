@@ -534,7 +534,7 @@ def chart(res: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and shorter sessions")
-    p.add_argument("--out", type=Path, default=RESULTS / "memory.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "server_memory.json")
     p.add_argument("--workers", type=int, default=2,
                    help="in-process workers per model (a long session holds one of them)")
     p.add_argument("--replica-policy", default="default",

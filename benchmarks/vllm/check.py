@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                          "that fails verification: recomputed, the same greedy text)")
     ap.add_argument("--vllm-python", default=sys.executable,
                     help="python of the environment with vLLM (default: this one)")
-    ap.add_argument("--out", default=str(ROOT / "vllm_check.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_check.json"))
     ap.add_argument("--png", default=None)
     ap.add_argument("--quiet", action="store_true", help="do not echo vLLM's output")
     args = ap.parse_args(argv)

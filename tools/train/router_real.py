@@ -93,13 +93,13 @@ def random_quality(y: np.ndarray, share: float, rng: np.random.Generator, reps: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, default=RESULTS / "router_real_labels",
+    p.add_argument("--work", type=Path, default=RESULTS / "train_router_real_labels",
                    help="folder for the per-set label JSONs (resumable)")
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--budget", type=float, default=0.5, help="cost share the shipped router targets")
-    p.add_argument("--json", type=Path, default=RESULTS / "router_real.json")
-    p.add_argument("--png", type=Path, default=RESULTS / "router_real.png")
+    p.add_argument("--json", type=Path, default=RESULTS / "train_router_real.json")
+    p.add_argument("--png", type=Path, default=RESULTS / "train_router_real.png")
     p.add_argument("--ship", action="store_true", help=f"write the trained router to {ASSET.relative_to(ROOT)}")
     args = p.parse_args(argv)
 

@@ -54,7 +54,7 @@ def _model(path: str | None) -> tuple[Any, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/routing/calibration.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/train_routing_calibration.json"))
     ap.add_argument("--model", default=None, help="model path or id (default: reference receiver)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)

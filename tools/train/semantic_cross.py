@@ -420,7 +420,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--out", type=Path, default=CROSS_VERIFIER_DIR)
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/semantic_cross.json"))
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/train_semantic_cross.json"))
     ap.add_argument("--recipe", choices=("v1", "v2"), default="v1",
                     help="training pairs (see the module docstring)")
     ap.add_argument("--mine-seeds", type=int, nargs="+", default=[0, 1, 2])

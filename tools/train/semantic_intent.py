@@ -226,7 +226,7 @@ def main() -> None:
                     help="only time lookups with and without the check")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--json", type=Path,
-                    default=Path("benchmarks/results/semantic_intent_metric.json"))
+                    default=Path("benchmarks/results/train_semantic_intent.json"))
     args = ap.parse_args()
     global RAW
     RAW = args.raw
