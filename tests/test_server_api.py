@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from .test_server_support import ADMIN_KEY, TENANTS, LiveServer, live_server, server_config
 
 ACME, BETA = TENANTS["acme"], TENANTS["beta"]
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = [{"role": "system", "content": "You are the support desk of Nimbus Cloud."},
         {"role": "user", "content": "How do I reset my account password?"}]
 
@@ -30,7 +31,10 @@ MEMORY_BUDGET = 8 * 2**20  # bytes of the memory KV tier of the shared server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One live server for every test of this module (API, dashboard, fuzzing, load)."""
-    cfg = server_config(tmp_path_factory.mktemp("srv"), max_queue=32, max_tokens_limit=16)
+    # the dashboard is open here: headless Chromium loads it without a key (the other ops
+    # endpoints need the admin key; tests/test_server_hardening.py checks who sees what)
+    cfg = server_config(tmp_path_factory.mktemp("srv"), max_queue=32, max_tokens_limit=16,
+                        open_endpoints=["dashboard"])
     cfg.kv.memory_bytes = MEMORY_BUDGET
     with live_server(cfg) as srv:
         yield srv
@@ -160,7 +164,7 @@ def test_tenant_cannot_pick_its_salt(server: LiveServer) -> None:
     ({"model": "tiny", "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "nope", "messages": CHAT}, 404, "model"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
 ])
 def test_malformed_requests_get_openai_errors(server: LiveServer, body: dict, status: int,
                                               param: str | None) -> None:
@@ -218,7 +222,7 @@ def test_metrics_and_health(server: LiveServer) -> None:
     client = _client(server, ACME)
     client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
     client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)  # semantic hit
-    with httpx.Client(base_url=server.url) as c:
+    with httpx.Client(base_url=server.url, headers=ADMIN) as c:
         text = c.get("/metrics").text
         health = c.get("/health").json()
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
@@ -234,7 +238,7 @@ def test_metrics_and_health(server: LiveServer) -> None:
             if line.startswith('semcomm_cache_hits_total{layer="semantic"}')]
     assert hits and float(hits[0].split()[-1]) >= 1
     assert health["models"]["tiny"]["up"] and health["semantic"]["up"]
-    with httpx.Client(base_url=server.url) as c:  # every response names its cache hits
+    with httpx.Client(base_url=server.url, headers=ADMIN) as c:  # every response names its hits
         for path in ("/health", "/metrics", "/v1/models", "/dashboard", "/no-such-page"):
             assert c.get(path).headers["x-semcomm-hits"] == "none", path
 
@@ -292,7 +296,7 @@ def test_anonymous_default_server(tmp_path: Path) -> None:
         assert out.choices[0].message.content is not None
         with httpx.Client(base_url=srv.url) as c:
             assert c.get("/v1/models").status_code == 200
-            assert c.get("/health").json()["semantic"]["enabled"] is False
+            assert c.get("/health", headers=ADMIN).json()["semantic"]["enabled"] is False
 
 
 # --- dashboard in headless Chromium ---------------------------------------------------------
@@ -312,14 +316,14 @@ def _chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.chromium
 def test_dashboard_shows_live_figures(server: LiveServer, tmp_path: Path) -> None:
-    with server.client(ACME) as c:
-        before = c.get("/dashboard/data").json()
+    with server.client(ADMIN_KEY) as adm, server.client(ACME) as c:
+        before = adm.get("/dashboard/data").json()
         body = {"model": "tiny", "max_tokens": 4,
                 "messages": [{"role": "user", "content": "Where is my invoice for March?"}]}
         for _ in range(3):  # one miss, then semantic hits
             assert c.post("/v1/chat/completions", json=body).status_code == 200
-        data = c.get("/dashboard/data").json()
-        html = c.get("/dashboard")
+        data = adm.get("/dashboard/data").json()
+        html = adm.get("/dashboard")
     assert data["requests"] == before["requests"] + 3
     sem_hits = data["layers"]["semantic"]["hits"]
     assert sem_hits == before["layers"].get("semantic", {"hits": 0})["hits"] + 2
@@ -350,7 +354,7 @@ def test_dashboard_screenshot(server: LiveServer, tmp_path: Path) -> None:
     colors = img.getcolors(maxcolors=1_000_000) or []
     assert len(colors) > 50  # text and tables were drawn, not a blank page
     # the live-data JSON the page polls
-    data = httpx.get(f"{server.url}/dashboard/data").json()
+    data = httpx.get(f"{server.url}/dashboard/data", headers=ADMIN).json()
     assert {"layers", "tiers", "routing", "top_prefixes", "history"} <= set(data)
 
 
@@ -359,7 +363,7 @@ def test_dashboard_screenshot(server: LiveServer, tmp_path: Path) -> None:
 
 def test_openapi_fuzz_has_no_server_errors(server: LiveServer) -> None:
     """Every operation of /openapi.json, a dozen generated cases each: never a 5xx."""
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=ADMIN)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 8
     seen: Counter[int] = Counter()
@@ -412,5 +416,5 @@ def test_bounded_load_has_no_5xx(server: LiveServer) -> None:
                       headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     mem = stats["stores"]["kv-memory"]
     assert 0 < mem["bytes"] <= MEMORY_BUDGET
-    health = httpx.get(f"{server.url}/health").json()
+    health = httpx.get(f"{server.url}/health", headers=ADMIN).json()
     assert health["models"]["tiny"]["queue_depth"] == 0

@@ -85,6 +85,18 @@ class RedisEntryStore:
             warnings.warn(f"semantic cache: Redis at {self.url} is down ({exc}); serving misses",
                           BackendDownWarning, stacklevel=4)
 
+    def ping(self) -> bool:
+        """One round trip, whatever the retry back-off says: True when Redis answered (which
+        ends an outage and resynchronises the index on the next poll), False while it is down."""
+        try:
+            self._r.ping()
+        except self._errors_t as exc:
+            if self._down_since is None:
+                self._mark_down(exc)
+            return False
+        self._mark_up()
+        return True
+
     def _may_try(self) -> bool:
         if self._down_since is None:
             return True

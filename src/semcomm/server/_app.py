@@ -2,7 +2,17 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /dashboard``
-and ``GET /dashboard/data``, ``GET /admin/stats`` and ``POST /admin/invalidate`` (admin key).
+and ``GET /dashboard/data``, ``GET /docs``, ``GET /redoc``, ``GET /openapi.json``,
+``GET /admin/stats`` and ``POST /admin/invalidate`` (admin key).
+
+Who may call what (docs/SECURITY.md, "Endpoints"): once a key is configured (a tenant or the
+admin key), ``/health`` without the admin key says only ``ok`` or ``degraded``; ``/metrics``,
+``/dashboard``, the docs and the OpenAPI schema need the admin key (``/metrics`` also takes
+``server.metrics_key``) unless listed in ``server.open_endpoints``; ``/dashboard/data`` with a
+tenant's key shows that tenant's own counters. No response carries a filesystem path.
+
+Bodies are bounded and checked before any work (``_body``): 413 over ``server.max_body_bytes``,
+400 for invalid UTF-8, lone surrogates or too deep a nesting, naming the field.
 
 Every answer to a generation request carries ``x-semcomm-hits``: the layers that served this
 request from cache, for this tenant only (``semantic``, ``kv:<tokens>``, ``c2c`` or ``none``);
@@ -16,6 +26,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +36,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +50,7 @@ from ..errors import (
 )
 from ._backends import Completion, GenRequest
 from ._batching import Delta
+from ._body import BadBody, StrictJSONRoute, default_body_limit
 from ._config import ServerConfig, load_config
 from ._dashboard import dashboard_data
 from ._faults import InjectedFault
@@ -60,6 +73,25 @@ log = logging.getLogger(__name__)
 
 HITS_HEADER = "x-semcomm-hits"
 REPLICA_HEADER = "x-semcomm-replica"  # which worker or upstream served it (several replicas)
+
+
+# an absolute filesystem path in a message ("/root/.cache/semcomm/fusers/x"), not a URL path
+# ("http://h:1/v1" has a word character or ':' before its slashes)
+_ABS_PATH = re.compile(r"(?<![\w:/.~-])(?:~|/)(?:[^\s'\"(),;:]*/)+([^\s'\"(),;:/]*)")
+# parts of a pydantic error location that name a union branch or a validator, not a field
+_LOC_NOISE = re.compile(r"^(str|int|float|bool|list|dict|none|StrictBool)$|[\[\]-]")
+
+
+def redact_paths(obj: Any) -> Any:
+    """``obj`` with every absolute filesystem path in its strings cut to its last part
+    (``.../name``): responses name what was wired, never where it lives on disk."""
+    if isinstance(obj, str):
+        return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", obj)
+    if isinstance(obj, dict):
+        return {k: redact_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [redact_paths(v) for v in obj]
+    return obj
 
 
 class InvalidateRequest(BaseModel):
@@ -165,10 +197,16 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         finally:
             await gw.shutdown()
 
+    body_limit = cfg.server.max_body_bytes or default_body_limit(gw.backends.values())
+    # the docs and the schema are routes of our own below, behind the same access rule as the
+    # other ops endpoints
     app = FastAPI(title="semcomm", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway with semantic, KV-prefix and "
-                              "cache-to-cache reuse inside tenant boundaries.")
+                              "cache-to-cache reuse inside tenant boundaries.",
+                  max_body_size=body_limit, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = StrictJSONRoute  # strict UTF-8, no lone surrogates, bounded depth
     app.state.gateway = gw
+    app.state.max_body_bytes = body_limit
     app.add_middleware(_HitsHeader)
 
     # --- errors ----------------------------------------------------------------------------------
@@ -176,11 +214,16 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            loc = []  # the location is a character offset, not a field
+        loc = [p for p in loc if not _LOC_NOISE.search(p)]
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
-            param = None
+            why = (first.get("ctx") or {}).get("error")
+            pos = first.get("loc", ("body", None))[-1]
+            msg = "the request body is not valid JSON" + (
+                f" ({why} at character {pos})" if why and isinstance(pos, int) else "")
         elif first.get("type") == "missing":
             msg = f"missing required parameter {param!r}"
         else:
@@ -189,6 +232,12 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, BadBody):
+            return _err(400, str(exc.detail), "invalid_request_error", param=exc.param)
+        if exc.status_code == 413:
+            return _err(413, f"the request body is larger than this server accepts "
+                        f"({body_limit:,} bytes: server.max_body_bytes)",
+                        "invalid_request_error", code="request_too_large")
         typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _err(exc.status_code, str(exc.detail), typ)
 
@@ -363,34 +412,81 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         return JSONResponse({"id": model_id, "object": "model", "created": int(gw.stats.started),
                              "owned_by": "semcomm"})
 
-    @app.get("/health", summary="Health of every model and cache backend")
-    async def health() -> JSONResponse:
-        h = gw.health()
-        return JSONResponse(h, status_code=200)
+    # --- ops endpoints: who may see what (docs/SECURITY.md, "Endpoints") -----------------------
+    def _ops_denied(request: Request, name: str) -> JSONResponse | None:
+        """None when the caller may see the ops endpoint ``name``, else the refusal."""
+        auth = request.headers.get("authorization")
+        metrics_key = cfg.server.metrics_key if name == "metrics" else None
+        if metrics_key:  # a metrics key protects /metrics in every mode
+            if gw.is_admin(auth) or gw.has_key(auth, metrics_key):
+                return None
+            return _err(401, "metrics need 'Authorization: Bearer <metrics_key>' (or the "
+                        "admin key)", "invalid_request_error", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+        if not cfg.keys_configured or name in cfg.server.open_endpoints or gw.is_admin(auth):
+            return None
+        path = request.url.path
+        if not cfg.server.admin_key:
+            return _err(403, f"{path} needs the admin key: set server.admin_key (or list "
+                        f"{name!r} in server.open_endpoints)", "permission_error",
+                        code="admin_disabled")
+        return _err(401, f"{path} needs 'Authorization: Bearer <admin_key>' (or {name!r} in "
+                    "server.open_endpoints)", "invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health", summary="Health: ok or degraded; details with the admin key")
+    async def health(request: Request) -> JSONResponse:
+        if _ops_denied(request, "health") is None:
+            return JSONResponse(redact_paths(gw.health()), status_code=200)
+        return JSONResponse({"status": gw.health_status()}, status_code=200)
 
     @app.get("/metrics", summary="Prometheus metrics (all prefixed semcomm_)")
     async def metrics(request: Request) -> Response:
-        key = cfg.server.metrics_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            return _err(401, "metrics need 'Authorization: Bearer <metrics_key>'",
-                        "invalid_request_error", code="invalid_api_key")
+        denied = _ops_denied(request, "metrics")
+        if denied is not None:
+            return denied
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         gw.health()  # refresh gauges
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_schema(request: Request) -> JSONResponse:
+        denied = _ops_denied(request, "docs")
+        return denied if denied is not None else JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger(request: Request) -> Response:
+        denied = _ops_denied(request, "docs")
+        return denied if denied is not None else get_swagger_ui_html(
+            openapi_url="/openapi.json", title="semcomm - API")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> Response:
+        denied = _ops_denied(request, "docs")
+        return denied if denied is not None else get_redoc_html(
+            openapi_url="/openapi.json", title="semcomm - API")
+
     # --- dashboard -------------------------------------------------------------------------------
     @app.get("/dashboard", response_class=HTMLResponse, summary="Live dashboard")
-    async def dashboard() -> HTMLResponse:
+    async def dashboard(request: Request) -> Response:
+        denied = _ops_denied(request, "dashboard")
+        if denied is not None:
+            return denied
         html = resources.files("semcomm.server").joinpath("static/dashboard.html").read_text(
             encoding="utf-8")
         return HTMLResponse(html, headers={"Content-Security-Policy":
                                            "default-src 'self'; script-src 'unsafe-inline'; "
                                            "style-src 'unsafe-inline'; img-src data:"})
 
-    @app.get("/dashboard/data", summary="Figures behind the dashboard (JSON)")
-    async def dashboard_json() -> JSONResponse:
-        return JSONResponse(dashboard_data(gw))
+    @app.get("/dashboard/data", summary="Figures behind the dashboard (JSON): everything for "
+             "the admin, a tenant's own counters for its key")
+    async def dashboard_json(request: Request) -> JSONResponse:
+        auth = request.headers.get("authorization")
+        if gw.is_admin(auth) or (not auth and _ops_denied(request, "dashboard") is None):
+            return JSONResponse(redact_paths(dashboard_data(gw)))
+        tenant = gw.authenticate(auth)  # 401 for a wrong or missing key
+        return JSONResponse(dashboard_data(gw, tenant=tenant))
 
     # --- admin -----------------------------------------------------------------------------------
     def _admin(request: Request) -> JSONResponse | None:
@@ -407,8 +503,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         denied = _admin(request)
         if denied is not None:
             return denied
-        return JSONResponse({"stores": gw.store_stats(), "health": gw.health(),
-                             "dashboard": dashboard_data(gw)})
+        return JSONResponse(redact_paths({"stores": gw.store_stats(), "health": gw.health(),
+                                          "dashboard": dashboard_data(gw)}))
 
     @app.post("/admin/invalidate", summary="Invalidate semantic entries by tag or scope (admin)")
     async def admin_invalidate(body: InvalidateRequest, request: Request) -> JSONResponse:

@@ -128,6 +128,25 @@ async def collect(items: AsyncIterator[StreamItem]) -> Completion:
     return final
 
 
+def prompt_chars(req: GenRequest) -> int:
+    """Characters of the request's text (every message's content, or the prompt)."""
+    if req.messages is not None:
+        return sum(len(m["content"]) for m in req.messages)
+    return len(req.prompt or "")
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters of the tokenizer's longest vocabulary entry (None: unknown). A text of more
+    than ``positions x`` this many characters cannot fit ``positions`` tokens, so it can be
+    refused before it is tokenized (a byte-level entry spells each byte as one character, so
+    this never undercounts)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    return max((len(t) for t in vocab), default=0) or None
+
+
 def render_prompt(tokenizer: Any, req: GenRequest) -> list[int]:
     """Token ids of the request's prompt: the chat template for messages, plain text otherwise."""
     if req.messages is not None:
@@ -191,6 +210,9 @@ class LocalBackend:
         self.tokenizer = worker.runner.tokenizer
         self.model_id = worker.runner.model_id
         self.max_positions = int(worker.runner.max_positions)
+        # the longest text that could fit the context: longer ones are refused untokenized
+        longest = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = self.max_positions * longest if longest else None
         self.kv_reuse = kv_reuse  # the runner restores cached KV prefixes
         # the process's KV admission (semcomm.server._memplan.KVAccountant), set once by
         # build_gateway; None admits every request
@@ -333,15 +355,28 @@ class LocalBackend:
                              queue_depth=w.queue_depth, in_flight=w.in_flight)
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
+        """The request's prompt tokens, or a 400 when it cannot fit the model's context: by its
+        length in characters first (nothing tokenized), then by its tokens. Tokenizing a long
+        prompt takes a while: callers on the event loop run this in a thread."""
+        chars = prompt_chars(req)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            e = InvalidInputError(
+                f"the prompt has {chars:,} characters; model {self.name!r} accepts at most "
+                f"{self.max_positions - 1:,} prompt tokens, which no text over "
+                f"{self.max_prompt_chars:,} characters fits")
+            e.param = "prompt" if req.messages is None else "messages"  # type: ignore[attr-defined]
+            raise e
         ids = render_prompt(self.tokenizer, req)
         if not ids:
             raise InvalidInputError("the prompt is empty after rendering")
         limit = self.max_positions
         if len(ids) + 1 > limit:
-            raise InvalidInputError(
+            e = InvalidInputError(
                 f"the prompt has {len(ids)} tokens; model {self.name!r} accepts at most "
                 f"{limit - 1} prompt tokens"
             )
+            e.param = "prompt" if req.messages is None else "messages"  # type: ignore[attr-defined]
+            raise e
         return ids
 
     def kv_headroom(self) -> int | None:
@@ -367,7 +402,7 @@ class LocalBackend:
         runner = worker.runner
         worker.arriving(1)
         try:
-            ids = self.prompt_ids(req)
+            ids = await asyncio.to_thread(self.prompt_ids, req)  # tokenizing: off the loop
         except BaseException:
             worker.arriving(-1)
             raise

@@ -109,7 +109,17 @@ class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     admin_key: str | None = None  # admin endpoints answer 403 unless this is set
-    metrics_key: str | None = None  # when set, /metrics needs it as a bearer token
+    metrics_key: str | None = None  # when set, /metrics needs it (or the admin key) as a bearer
+    # endpoints open without a key although keys are configured (tenants or admin_key): any of
+    # "health" (its details), "metrics", "dashboard", "docs" (/docs, /redoc, /openapi.json).
+    # Not listed: they need the admin key (docs/SECURITY.md, "Endpoints"). With no key
+    # configured at all (single-user), every endpoint is open
+    open_endpoints: list[Literal["health", "metrics", "dashboard", "docs"]] = []
+    # the largest request body in bytes, answered 413 before it is read (None: from the largest
+    # context the configured models accept, at least 1 MiB; docs/server.md, "Limits")
+    max_body_bytes: int | None = Field(None, ge=1024)
+    # how often the gateway probes its Redis and SQLite backends for /health (seconds)
+    health_probe_s: float = Field(1.0, gt=0, le=60, allow_inf_nan=False)
     allow_anonymous: bool | None = None  # default: True when no tenant is configured
     max_queue: int = Field(64, ge=1)  # per engine; beyond it requests get 429 + Retry-After
     max_batch: int = Field(8, ge=1)  # requests decoded together per engine step
@@ -411,6 +421,11 @@ class ServerConfig(_Section):
             if m not in names:
                 raise ValueError(f"routing.auto_models: unknown model {m!r}")
         return self
+
+    @property
+    def keys_configured(self) -> bool:
+        """A tenant or an admin key exists: ops endpoints then disclose only to the admin."""
+        return bool(self.tenants) or bool(self.server.admin_key) or not self.anonymous_allowed
 
     @property
     def anonymous_allowed(self) -> bool:

@@ -1,15 +1,29 @@
 """Figures behind ``/dashboard``: hit rates, tokens and ms saved, memory per tier, routing
-spread and the most reused cached prefixes (opaque fingerprints, never their text)."""
+spread and the most reused cached prefixes (opaque fingerprints, never their text).
+
+The admin sees every tenant's traffic, the stores, the memory plan and shadow mode; a tenant
+(``dashboard_data(gw, tenant=...)``) sees only the counters of its own requests and the models
+it may use: no store, memory or other tenant's figure (docs/SECURITY.md, "Endpoints").
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
-__all__ = ["dashboard_data", "memory_data", "semantic_shadow_data"]
+__all__ = ["ALL_TENANTS", "dashboard_data", "memory_data", "semantic_shadow_data"]
+
+
+class _All(enum.Enum):
+    ALL = "all"
+
+
+ALL_TENANTS = _All.ALL
+"""``dashboard_data``'s default: every tenant (``tenant=None`` is the public namespace)."""
 
 
 def semantic_shadow_data(gw: Gateway) -> dict[str, Any] | None:
@@ -38,8 +52,9 @@ def memory_data(gw: Gateway) -> dict[str, Any] | None:
             "models": {n: {k: m.get(k) for k in keep} for n, m in snap["models"].items()}}
 
 
-def dashboard_data(gw: Gateway) -> dict[str, Any]:
-    s = gw.stats
+def dashboard_data(gw: Gateway, *, tenant: str | None | _All = ALL_TENANTS) -> dict[str, Any]:
+    everyone = tenant is ALL_TENANTS
+    s = gw.stats if tenant is ALL_TENANTS else gw.tenant_stats(tenant)
     layers = sorted(set(s.layer_hits) | set(s.lookups) | {"semantic", "kv"})
     total = max(1, s.requests)
     per_layer = {
@@ -52,7 +67,7 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
         for layer in layers
     }
     tiers = {}
-    for tier, st in gw.store_stats().items():
+    for tier, st in (gw.store_stats() if everyone else {}).items():
         tiers[tier] = {"bytes": int(st.get("bytes", 0) or 0),
                        "entries": int(st.get("entries", 0) or 0),
                        "capacity_bytes": int(st.get("capacity_bytes", 0) or 0),
@@ -60,7 +75,8 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
     top = sorted(s.prefixes.items(), key=lambda kv: (kv[1].reuses, kv[1].saved_tokens),
                  reverse=True)[:10]
     models = {}
-    for name, b in gw.backends.items():
+    for name in gw.model_names(None if tenant is ALL_TENANTS else tenant):
+        b = gw.backends[name]
         bst = b.status()
         models[name] = {"kind": b.kind, "up": bst.up, "queue_depth": bst.queue_depth,
                         "in_flight": bst.in_flight}
@@ -86,6 +102,6 @@ def dashboard_data(gw: Gateway) -> dict[str, Any]:
         "top_prefixes": [{"id": fp, "tokens": p.tokens, "reuses": p.reuses,
                           "saved_tokens": p.saved_tokens} for fp, p in top],
         "history": list(s.history),
-        "memory": memory_data(gw),
-        "semantic_shadow": semantic_shadow_data(gw),
+        "memory": memory_data(gw) if everyone else None,
+        "semantic_shadow": semantic_shadow_data(gw) if everyone else None,
     }

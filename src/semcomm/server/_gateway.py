@@ -170,6 +170,20 @@ def _kv_tokens(backend: Any, req: GenRequest) -> int | None:
         return None
 
 
+def _prompt_tokens(backend: Any, req: GenRequest) -> int | None:
+    """This request's prompt tokens on an in-process ``backend`` (None: an upstream or a
+    pipeline, whose tokenizer semcomm does not hold, or a prompt that does not render)."""
+    inner = getattr(backend, "inner", backend)  # a FaultyBackend's model
+    replicas = getattr(inner, "replicas", None)
+    fn = getattr(replicas[0] if replicas else inner, "prompt_ids", None)
+    if fn is None:
+        return None
+    try:
+        return len(fn(req))
+    except SemcommError:
+        return None
+
+
 class Gateway:
     """The request path of one server (see the module docstring)."""
 
@@ -193,7 +207,9 @@ class Gateway:
         self.model_router = model_router  # model "auto"; None: routing.default_model
         # what is wired and what is not (/health); shared with the parts that add to it
         self.notes: dict[str, str] = notes if notes is not None else {}
-        self.stats = DashboardStats()
+        self.stats = DashboardStats()  # every tenant's traffic (the admin's dashboard)
+        # each tenant's own traffic (a tenant's dashboard); bounded by the configured tenants
+        self._tenant_stats: dict[str | None, DashboardStats] = {}
         self.metrics = Metrics(self.store_stats)
         self.memory = memory  # the process's memory plan and live KV (None: not planned)
         if memory is not None:
@@ -202,6 +218,10 @@ class Gateway:
         if self.prefill is not None:
             self.metrics.register_prefill(self.prefill.stats)
         self._started = False
+        # KV tiers with a health probe (Redis): tier name -> (up, detail); read by /health
+        self.kv_health: dict[str, tuple[bool, str]] = {
+            self._tier_name(t): (True, "up") for t in self._pinged_tiers()}
+        self._prober: asyncio.Task[None] | None = None
 
     def _prefill_scheduler(self) -> Any:
         if not any(m.kind == "hf" for m in self.config.models.values()):
@@ -222,8 +242,60 @@ class Gateway:
             self.metrics.backend_up.labels(name).set(1 if b.status().up else 0)
         if self.semantic is not None:
             self.metrics.semantic_up.set(1 if self.semantic.up else 0)
+        if self.kv_health or (self.semantic is not None and self.semantic.pingable):
+            self.probe_backends()
+            self._prober = asyncio.create_task(self._probe_loop())
+
+    # --- backend health ----------------------------------------------------------------------
+    def _kv_tiers(self) -> list[Any]:
+        store = self.kv_store
+        if store is None:
+            return []
+        return list(getattr(store, "tiers", None) or getattr(store, "stores", None) or [store])
+
+    def _pinged_tiers(self) -> list[Any]:
+        return [t for t in self._kv_tiers() if callable(getattr(t, "ping", None))]
+
+    @staticmethod
+    def _tier_name(tier: Any) -> str:
+        return str(getattr(tier, "name", type(tier).__name__))
+
+    def probe_backends(self) -> None:
+        """One health probe of every backend that has one (Redis KV tiers, a Redis semantic
+        store): their state in /health and the ``*_backend_up`` gauges follows the probe, so
+        an outage shows for as long as it lasts and recovery within one probe interval
+        (``server.health_probe_s``). Blocking (socket timeouts): run it in a thread."""
+        for tier in self._pinged_tiers():
+            name = self._tier_name(tier)
+            try:
+                ok = bool(tier.ping())
+                why = "no answer to PING"
+            except Exception as exc:  # a probe never raises
+                ok, why = False, f"{type(exc).__name__}: {exc}"
+            was = self.kv_health.get(name, (True, ""))[0]
+            if ok != was:
+                if ok:
+                    log.warning("KV tier %s is back", name)
+                else:
+                    log.error("KV tier %s is down (%s); serving without it", name, why)
+            self.kv_health[name] = (True, "up") if ok else (False, f"down: {why}")
+            self.metrics.kv_up.labels(name).set(1 if ok else 0)
+        if self.semantic is not None:
+            self.metrics.semantic_up.set(1 if self.semantic.probe() else 0)
+
+    async def _probe_loop(self) -> None:
+        interval = self.config.server.health_probe_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.to_thread(self.probe_backends)
+            except Exception:  # pragma: no cover - probe_backends catches per backend
+                log.exception("health probe failed")
 
     async def shutdown(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            self._prober = None
         for b in list(self.backends.values()):
             try:
                 await b.aclose()
@@ -258,12 +330,26 @@ class Gateway:
         raise TenantError("incorrect API key provided")
 
     def is_admin(self, authorization: str | None) -> bool:
-        admin = self.config.server.admin_key
-        if not admin or not authorization:
+        return self.has_key(authorization, self.config.server.admin_key)
+
+    @staticmethod
+    def has_key(authorization: str | None, key: str | None) -> bool:
+        """``authorization`` is ``Bearer <key>`` (constant-time; False when ``key`` is unset)."""
+        if not key or not authorization:
             return False
         scheme, _, value = authorization.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
-                                                                  admin.encode())
+                                                                  key.encode())
+
+    def tenant_stats(self, tenant: str | None) -> DashboardStats:
+        """The dashboard figures of one tenant's traffic alone."""
+        st = self._tenant_stats.get(tenant)
+        if st is None:
+            st = self._tenant_stats[tenant] = DashboardStats()
+        return st
+
+    def _both(self, tenant: str | None) -> tuple[DashboardStats, DashboardStats]:
+        return self.stats, self.tenant_stats(tenant)
 
     def tenant_digest(self, tenant: str | None) -> str:
         return self.salter.digest(tenant)
@@ -305,7 +391,8 @@ class Gateway:
                 raise ModelNotFound(model, names)
             chosen = self._with_headroom(chosen, names, req)
             self.metrics.routed.labels(chosen).inc()
-            self.stats.routing[chosen] = self.stats.routing.get(chosen, 0) + 1
+            for st in self._both(tenant):
+                st.routing[chosen] = st.routing.get(chosen, 0) + 1
             model = chosen
         if model not in names:
             raise ModelNotFound(model, names)
@@ -353,10 +440,16 @@ class Gateway:
         if req.model in ("auto", "default") and self.model_router is not None:
             # the router embeds the conversation: off the event loop
             routed = await asyncio.to_thread(self.model_router, req, self.model_names(req.tenant))
-        model, backend = self.resolve(req.model, req.tenant, req, routed)
+        if req.model in ("auto", "default") and self.memory is not None:
+            # the headroom check renders the prompt with the model's tokenizer: off the loop
+            model, backend = await asyncio.to_thread(self.resolve, req.model, req.tenant, req,
+                                                     routed)
+        else:
+            model, backend = self.resolve(req.model, req.tenant, req, routed)
         req.model = model
         isolate = ctx.isolate
-        self.stats.requests += 1
+        for st in self._both(req.tenant):
+            st.requests += 1
         fp, fp_len = _fingerprint(ctx.digest, req.messages, req.prompt)
 
         # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
@@ -364,11 +457,14 @@ class Gateway:
         sem_ok = (sem is not None and sem.usable() and not isolate
                   and (req.temperature == 0 or not self.config.semantic.only_greedy))
         if sem is not None and sem_ok and not no_cache:
-            self.stats.lookup("semantic")
+            for st in self._both(req.tenant):
+                st.lookup("semantic")
             hit = await sem.lookup(req, ctx)
             self._semantic_health()
             if hit is not None:
-                return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len)
+                # usage counts this request's prompt, not the stored one's (tokenizing: a thread)
+                n = await asyncio.to_thread(_prompt_tokens, backend, req)
+                return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len, n)
             self.metrics.misses.labels("semantic").inc()
 
         # 2. the model (in-process engine, upstream, or pipeline)
@@ -409,27 +505,34 @@ class Gateway:
             sem.rejections_delta = 0
 
     def _semantic_hit(self, req: GenRequest, hit: Any, endpoint: str, t0: float, fp: str,
-                      fp_len: int) -> Served:
+                      fp_len: int, prompt_tokens: int | None = None) -> Served:
+        """Serve a semantic hit. ``prompt_tokens``: this request's prompt (None: unknown, the
+        stored request's count is reported, and ``semcomm.semantic.prompt_tokens`` says so)."""
         answer = hit.answer
-        tokens = hit.prompt_tokens + hit.completion_tokens
+        counted = prompt_tokens is not None
+        prompt_tokens = prompt_tokens if counted else hit.prompt_tokens
+        tokens = prompt_tokens + hit.completion_tokens
         saved_ms = self.stats._ms_per_request
         self.metrics.hits.labels("semantic").inc()
         self.metrics.similarity.observe(hit.similarity)
         self.metrics.tokens_saved.labels("semantic").inc(tokens)
         self.metrics.seconds_saved.labels("semantic").inc(saved_ms / 1000)
-        self.stats.record("semantic", tokens, saved_ms)
-        self.stats.prefix(fp, fp_len, tokens)
+        for st in self._both(req.tenant):
+            st.record("semantic", tokens, saved_ms)
+            st.prefix(fp, fp_len, tokens)
         comp = Completion(
-            text=answer, finish_reason="stop", prompt_tokens=hit.prompt_tokens,
+            text=answer, finish_reason="stop", prompt_tokens=prompt_tokens,
             completion_tokens=hit.completion_tokens, hits=["semantic"], hit_tokens=0,
             ttft_s=time.perf_counter() - t0,
             meta={"model": req.model, "semantic": {"similarity": round(hit.similarity, 4),
                                                     "entry_id": hit.entry_id,
-                                                    "age_s": round(hit.age_s, 3)}},
+                                                    "age_s": round(hit.age_s, 3),
+                                                    "prompt_tokens": "this request" if counted
+                                                    else "stored request"}},
         )
-        self._account(req.model, endpoint, comp, t0, status="200")
+        self._account(req.model, endpoint, comp, t0, status="200", tenant=req.tenant)
 
-        started = Started(prompt_tokens=hit.prompt_tokens, hit_tokens=0)
+        started = Started(prompt_tokens=prompt_tokens, hit_tokens=0)
 
         async def one() -> AsyncIterator[StreamItem]:  # the stream contract, as every backend
             yield started
@@ -461,7 +564,8 @@ class Gateway:
                     yield item
         except BaseException as exc:
             status = "error"
-            self.stats.errors += 1
+            for st in self._both(req.tenant):
+                st.errors += 1
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
         finally:
@@ -470,7 +574,8 @@ class Gateway:
             self.metrics.requests.labels(endpoint, req.model, status).inc()
             self.metrics.backend_up.labels(req.model).set(1 if backend.status().up else 0)
         assert final is not None
-        self._account(req.model, endpoint, final, t0, status="200", count=False)
+        self._account(req.model, endpoint, final, t0, status="200", count=False,
+                      tenant=req.tenant)
         # KV prefix, snapshot and C2C savings, as the backend reported them
         if final.hit_tokens:
             ms = final.hit_tokens * self.stats._ms_per_prompt_token
@@ -480,15 +585,18 @@ class Gateway:
                 self.metrics.tokens_saved.labels(layer).inc(tok)
                 share = tok / final.hit_tokens if final.hit_tokens else 0
                 self.metrics.seconds_saved.labels(layer).inc(ms * share / 1000)
-                self.stats.record(layer, tok, ms * share)
+                for st in self._both(req.tenant):
+                    st.record(layer, tok, ms * share)
         elif backend.kind == "hf":
             self.metrics.misses.labels("kv").inc()
         for mode, n in (final.meta.get("handoffs") or {}).items():
             self.metrics.handoffs.labels(req.model, mode).inc(n)
-            self.stats.handoffs[mode] = self.stats.handoffs.get(mode, 0) + n
-        self.stats.prefix(fp, fp_len, final.hit_tokens)
-        self.stats.learn_cost(final.prompt_tokens, final.hit_tokens, final.ttft_s,
-                              time.perf_counter() - t0)
+            for st in self._both(req.tenant):
+                st.handoffs[mode] = st.handoffs.get(mode, 0) + n
+        for st in self._both(req.tenant):
+            st.prefix(fp, fp_len, final.hit_tokens)
+            st.learn_cost(final.prompt_tokens, final.hit_tokens, final.ttft_s,
+                          time.perf_counter() - t0)
         if (store and self.semantic is not None and final.finish_reason in ("stop", "length")
                 and final.text):
             try:
@@ -498,7 +606,7 @@ class Gateway:
                 self.metrics.errors.labels("SemanticStoreError").inc()
 
     def _account(self, model: str, endpoint: str, comp: Completion, t0: float, *, status: str,
-                 count: bool = True) -> None:
+                 count: bool = True, tenant: str | None = None) -> None:
         if count:
             self.metrics.requests.labels(endpoint, model, status).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
@@ -506,8 +614,9 @@ class Gateway:
             self.metrics.ttft.labels(model).observe(comp.ttft_s)
         self.metrics.prompt_tokens.labels(model).inc(comp.prompt_tokens)
         self.metrics.completion_tokens.labels(model).inc(comp.completion_tokens)
-        self.stats.prompt_tokens += comp.prompt_tokens
-        self.stats.completion_tokens += comp.completion_tokens
+        for st in self._both(tenant):
+            st.prompt_tokens += comp.prompt_tokens
+            st.completion_tokens += comp.completion_tokens
 
     async def complete(self, req: GenRequest, **kw: Any) -> tuple[Served, Completion]:
         served = await self.serve(req, endpoint=kw.pop("endpoint", "internal"), **kw)
@@ -541,6 +650,16 @@ class Gateway:
                 pass
         return out
 
+    def health_status(self) -> str:
+        """``ok`` or ``degraded``: what an unauthenticated ``/health`` says, nothing more."""
+        if any(not b.status().up for b in self.backends.values()):
+            return "degraded"
+        if self.config.semantic.enabled and (self.semantic is None or not self.semantic.up):
+            return "degraded"
+        if any(not up for up, _ in self.kv_health.values()):
+            return "degraded"
+        return "ok"
+
     def health(self) -> dict[str, Any]:
         models = {}
         for name, b in self.backends.items():
@@ -556,14 +675,25 @@ class Gateway:
         elif self.config.semantic.enabled:
             sem.update(up=False, detail=self.notes.get("semantic", "not available"))
             self.metrics.semantic_up.set(0)
-        down = [n for n, m in models.items() if not m["up"]]
-        degraded = bool(down) or (self.config.semantic.enabled and not sem.get("up", False))
+        if self.semantic is not None:
+            sem["backend"] = self.semantic.backend
+        tiers = {}
+        for t in self._kv_tiers():
+            name = self._tier_name(t)
+            up, detail = self.kv_health.get(name, (True, "up"))
+            tiers[name] = {"up": up, "detail": detail}
+        # what is down, by name: "model:<name>", "semantic:<backend>", "kv:<tier>"
+        down = [f"model:{n}" for n, m in models.items() if not m["up"]]
+        if self.config.semantic.enabled and not sem.get("up", False):
+            down.append(f"semantic:{sem.get('backend', self.config.semantic.backend)}")
+        down += [f"kv:{n}" for n, t in tiers.items() if not t["up"]]
         return {
-            "status": "degraded" if degraded else "ok",
+            "status": "degraded" if down else "ok",
+            "down": down,
             "models": models,
             "semantic": sem,
             "kv": {"enabled": self.kv_store is not None,
-                   "detail": self.notes.get("kv", "")},
+                   "detail": self.notes.get("kv", ""), "tiers": tiers},
             "memory": self.memory.snapshot() if self.memory is not None else None,
             "prefill": self.prefill.stats() if self.prefill is not None else None,
             "wiring": dict(self.notes),

@@ -182,6 +182,8 @@ class Metrics:
         self.semantic_up = Gauge("semcomm_semantic_backend_up",
                                  "1 when the semantic cache backend works, 0 when it is down",
                                  registry=r)
+        self.kv_up = Gauge("semcomm_kv_backend_up", "1 when a KV store tier answers its health "
+                           "probe, 0 while it is down", ["tier"], registry=r)
         self.ttft = Histogram("semcomm_ttft_seconds", "Time to first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("semcomm_request_latency_seconds", "End-to-end request latency",

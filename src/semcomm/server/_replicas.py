@@ -18,6 +18,7 @@ upstream's own cache is its business).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,7 +34,6 @@ from ._backends import (
     LocalBackend,
     ModelBackend,
     StreamItem,
-    render_prompt,
 )
 from ._batching import Started
 
@@ -99,7 +99,7 @@ class ReplicatedBackend:
         return None if need is None else int(need)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        keys, n = self.keys(req)
+        keys, n = await asyncio.to_thread(self.keys, req)  # tokenizing: off the event loop
         decision = self.router.route(keys=keys, num_tokens=max(n, 1),
                                      kv_bytes=self.kv_need(req, n))
         backend = self.replicas[decision.slot]
@@ -154,7 +154,7 @@ def local_replicas(name: str, workers: Sequence[LocalBackend], *, chunk_size: in
         policy = "least-loaded"
     return ReplicatedBackend(
         name, workers, [f"worker-{i}" for i in range(len(workers))],
-        prompt_ids=lambda req: render_prompt(first.tokenizer, req),
+        prompt_ids=first.prompt_ids,  # refuses a prompt too long for the context
         namespace=_engine_namespace(first) or _named_namespace(name),
         chunk_size=chunk_size, policy=policy)
 

@@ -1,9 +1,12 @@
 """OpenAI-compatible request bodies (validated) and response builders.
 
 Requests accept the fields OpenAI clients send; fields semcomm does not implement are accepted
-when they would not change the result (``user``, ``logit_bias`` of None, ...) and refused with
-a 400 naming the field when they would (``n > 1``, ``tools``). ``user`` is never used for
-tenancy: the tenant comes from the API key alone.
+when they would not change the result (``user``, ``logit_bias`` of None or ``{}``,
+``logprobs: false``, ``response_format: {"type": "text"}``, a zero penalty, ...) and refused
+with a 400 naming the field when they would (``n > 1``, ``tools``, ``logprobs: true``,
+``top_logprobs``, a non-empty ``logit_bias``, a JSON ``response_format``, a non-zero penalty,
+``best_of > 1``, ...). Booleans are strict: ``"stream": "yes"`` is refused, not read as true.
+``user`` is never used for tenancy: the tenant comes from the API key alone.
 """
 
 from __future__ import annotations
@@ -11,7 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -51,7 +61,15 @@ class ChatMessage(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+def _refuse(field: str, why: str) -> ValueError:
+    return ValueError(f"{field} {why} is not supported by semcomm (it would change the answer); "
+                      "leave it out")
+
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # what the engine's torch generator accepts
 
 
 class _GenFields(_Lenient):
@@ -60,13 +78,55 @@ class _GenFields(_Lenient):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=1, description="only n = 1 is supported")
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     user: str | None = Field(None, description="recorded nowhere; tenancy comes from the API key")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2,
+                                           description="only 0 (no penalty) is supported")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2,
+                                            description="only 0 (no penalty) is supported")
+    logprobs: Any = Field(None, description="not supported: only false or null")
+    top_logprobs: Any = Field(None, description="not supported: only 0 or null")
+    logit_bias: Any = Field(None, description="not supported: only {} or null")
+    best_of: Any = Field(None, description="only 1 or null")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v:
+            raise _refuse(str(info.field_name), f"= {v:g}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        # chat: a boolean; legacy completions: a count of alternatives (0 means none)
+        if not (v is None or v is False or (type(v) is int and v == 0)):
+            raise _refuse("logprobs", f"= {v!r}")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: Any) -> Any:
+        if not (v is None or (type(v) is int and v == 0)):
+            raise _refuse("top_logprobs", f"= {v!r}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Any) -> Any:
+        if v is not None and v != {}:
+            raise _refuse("logit_bias", "(a non-empty map)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, v: Any) -> Any:
+        if not (v is None or (type(v) is int and v == 1)):
+            raise _refuse("best_of", f"= {v!r}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -86,19 +146,52 @@ class ChatCompletionRequest(_GenFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: Any = None
+    response_format: Any = Field(None, description='only {"type": "text"} or null')
+    functions: Any = Field(None, description="not supported (tool calling)")
+    function_call: Any = Field(None, description="not supported (tool calling)")
+    modalities: Any = Field(None, description='only ["text"] or null')
+    audio: Any = Field(None, description="not supported")
+    prediction: Any = Field(None, description="not supported")
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+    def _no_tools(cls, v: Any) -> Any:
         if v:
             raise ValueError("tool calling is not supported by semcomm models")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v not in ("none", "auto"):
+            raise _refuse(str(info.field_name), f"= {v!r}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v: Any) -> Any:
+        if v is not None and v != {"type": "text"}:
+            raise _refuse("response_format", f"= {v!r}")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v is not None and v != ["text"]:
+            raise _refuse("modalities", f"= {v!r}")
+        return v
+
+    @field_validator("audio", "prediction")
+    @classmethod
+    def _absent(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise _refuse(str(info.field_name), "(any value)")
         return v
 
 
 class CompletionRequest(_GenFields):
     prompt: str | list[str] = Field(description="one prompt (a list must hold exactly one)")
-    echo: bool | None = False
+    echo: StrictBool | None = False
     suffix: str | None = None
 
     @field_validator("prompt")

@@ -129,8 +129,44 @@ class SemanticLayer:
             scorer.scores("warm up", ["warm up"])
 
     def usable(self) -> bool:
-        """Up, or down long enough ago that one request may probe it again."""
-        return self.up or time.monotonic() - self._down_at > self.RETRY_DOWN_S
+        """Up, or (for a store without a health probe) down long enough ago that one request
+        may probe it again. A store with ``ping`` is back only when :meth:`probe` says so."""
+        if self.up:
+            return True
+        return not self.pingable and time.monotonic() - self._down_at > self.RETRY_DOWN_S
+
+    @property
+    def pingable(self) -> bool:
+        """The entry store answers a health probe (Redis)."""
+        return callable(getattr(getattr(self.cache, "backend", None), "ping", None))
+
+    def probe(self) -> bool:
+        """One health probe of the entry store (Redis: a PING, at most its socket timeout);
+        the gateway calls it every ``server.health_probe_s`` from a thread. Only a probe brings
+        a pinged store back up, so the state follows the store and does not flap with the
+        requests that happen to touch it. Returns whether the layer is up."""
+        ping = getattr(getattr(self.cache, "backend", None), "ping", None)
+        if ping is None:
+            return self.up
+        try:
+            ok = bool(ping())
+            why: Exception = ConnectionError("no answer to PING")
+        except Exception as exc:  # a probe must never raise into the gateway
+            ok, why = False, exc
+        if not ok:
+            self._down(ConnectionError(f"{self.backend} entry store unreachable ({why})"))
+        elif not self.up:
+            log.warning("semantic cache backend (%s) is back", self.backend)
+            self.up = True
+            self.detail = f"{self.backend} semantic cache (recovered)"
+            self._errors = self._error_count()  # errors from the outage are not a new one
+        return self.up
+
+    def _error_count(self) -> int:
+        try:
+            return int(getattr(self.cache.stats(), "errors", 0) or 0)
+        except Exception:
+            return self._errors
 
     def _check_counters(self) -> None:
         """The cache turns backend errors into misses; surface them (health, metric, log)."""
@@ -146,7 +182,7 @@ class SemanticLayer:
         if errors > self._errors:
             self._errors = errors
             self._down(RuntimeError(f"{errors} backend errors (lookups degraded to misses)"))
-        elif not self.up:
+        elif not self.up and not self.pingable:  # a pinged store comes back by probe() only
             log.warning("semantic cache backend recovered")
             self.up = True
             self.detail = f"{self.backend} semantic cache (recovered)"
