@@ -1,0 +1,1117 @@
+"""Documents reused at any position: per-document KV, re-rotated keys, selective recompute.
+
+A prompt is a sequence of segments (:class:`System`, :class:`User`, :class:`Assistant`,
+:class:`Text`, :class:`Document`). A document's tokens are its own tokenization (never a
+separator string that must tokenize the same way in every context), and its KV is computed
+once, alone after a fixed *anchor* (the model's chat header, so the document's first tokens
+are not attention sinks of their own), and stored in the engine's chunk store under a key root
+of its own (``H("semcomm.doc/1" || namespace digest || key mode || anchor tokens)``, then the
+usual chain over the document's tokens): one copy per (model namespace incl. tenant, anchor,
+document tokens), whatever prompt or position it later appears in.
+
+At use (:meth:`DocumentReuse.prefill` / :meth:`DocumentReuse.generate`) the stored KV is
+restored at the document's position in the prompt with its keys re-rotated (RoPE: a key computed
+at position ``p`` is ``R(p) k``; ``R(q - p) R(p) k = R(q) k``, with the model's own inverse
+frequencies), then a share ``r`` of the document tokens is recomputed in context, with every
+token outside the documents (the instructions, the labels between documents, the question and
+everything after the last document), in one forward whose attention mask lets each recomputed
+token see the reused KV of the earlier positions and the fresh KV of the earlier recomputed
+ones. Which document tokens (the *selector*):
+
+* ``cacheblend``: the tokens whose KV deviates most at an early layer (layer 1) between the
+  reused copy and a fresh computation of layers 0-1 over the whole prompt (CacheBlend,
+  EuroSys'25); those layers' fresh KV is kept for every position.
+* ``epic``: the first ``ceil(r * n)`` tokens of each document (EPIC/LegoLink, ICML'25).
+* ``prophet``: the tokens the question attends to most (ProphetKV, ICML'26): a first pass runs
+  the non-document tokens over the reused KV and scores every document token by the attention
+  the question's tokens give it (a quarter of the layers, all heads).
+* ``concat`` (``r = 0`` whatever the selector) and ``full`` (every document token) are the bounds.
+
+Models whose positions cannot be moved are refused with :class:`UnsupportedModelError` naming
+why: ALiBi, learned absolute positions, no rotary embedding, rotary frequencies that depend on
+the sequence length (dynamic/longrope scaling), keys that do not move by the rotate-half
+rotation (checked on the model's own layer-0 keys at load), and sliding-window layers shorter
+than the prompt.
+
+After a blended prompt its KV is stored under a blend root that names the selector, ``r`` and
+the document spans (``H("semcomm.blend/1" || ...)``), with its last-position logits beside it,
+so the same prompt repeated restores everything and runs no forward; the exactly computed
+chunks before the first document go under the ordinary prefix keys; stored documents are never
+overwritten (and approximate KV never lands under an exact prefix key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import math
+import re
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import (
+    BackendUnavailableError,
+    CorruptEntryError,
+    InvalidInputError,
+    NamespaceMismatchError,
+    StoreError,
+    UnsupportedModelError,
+)
+from ..kv import chunk_keys, chunk_spans, decode_chunk, encode_chunk, logits_key
+from . import _cache_adapter as ca
+from ._decode import DecodeState, SamplingParams, decode_steps
+
+__all__ = [
+    "SELECTORS",
+    "Assistant",
+    "BlendResult",
+    "BlendStats",
+    "Document",
+    "DocumentReuse",
+    "RopeSpec",
+    "Segment",
+    "SegmentedPrompt",
+    "System",
+    "Text",
+    "User",
+    "blend_root",
+    "document_root",
+    "rope_spec",
+    "rotate_keys",
+]
+
+logger = logging.getLogger("semcomm.engine")
+
+SELECTORS = ("cacheblend", "epic", "prophet", "concat", "full")
+DEFAULT_SELECTOR = "prophet"
+DEFAULT_RECOMPUTE = 0.15
+KEY_MODES = ("rotated", "unrotated")
+_DOC_TAG = b"semcomm.doc/1"
+_BLEND_TAG = b"semcomm.blend/1"
+_CHECK_LAYER = 1  # CacheBlend's deviation layer (layer 0's KV does not depend on context)
+_LOGITS_CODEC = "logits"
+
+
+# ------------------------------------------------------------------------------ segments
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a prompt: text (tokenized alone) or token ids."""
+
+    text: str | None = None
+    tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.tokens is None):
+            raise InvalidInputError(f"{type(self).__name__} takes text or tokens (exactly one)")
+        if self.tokens is not None:
+            toks = tuple(int(t) for t in self.tokens)
+            object.__setattr__(self, "tokens", toks)
+
+
+class System(Segment):
+    """The system message (chat models)."""
+
+
+class User(Segment):
+    """Text of the user's message; Documents and Text around it join the same message."""
+
+
+class Assistant(Segment):
+    """An earlier assistant turn."""
+
+
+class Text(Segment):
+    """Text inside the current message (or raw, for a prompt without chat roles)."""
+
+
+class Document(Segment):
+    """A document whose KV is computed once and reused at any position (in any prompt)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.text == "" or self.tokens == ():
+            raise InvalidInputError("a Document is empty")
+
+
+_ROLE = {System: "system", Assistant: "assistant"}
+
+
+@dataclass(frozen=True)
+class SegmentedPrompt:
+    """Token ids of a segmented prompt and where its documents lie."""
+
+    ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]  # [start, end) of each document, in prompt order
+
+    @property
+    def document_tokens(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+
+def _tokens(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        raise InvalidInputError("text segments need a tokenizer; pass tokens= instead")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def _adds_bos(tokenizer: Any) -> list[int]:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    ids = list(tokenizer("a")["input_ids"])
+    return [int(bos)] if ids and ids[0] == bos else []
+
+
+def build_prompt(tokenizer: Any, segments: Sequence[Segment]) -> SegmentedPrompt:
+    """Token ids and document spans of ``segments``.
+
+    With a chat role among them (System/User/Assistant) and a tokenizer with a chat template,
+    the messages go through the template (generation prompt added): System opens a system
+    message, Assistant an assistant one, User/Text/Document pieces join the current user
+    message as written (no separator is added). Each piece is tokenized alone; a document's
+    tokens are its own tokenization, spliced in. Without roles the pieces are concatenated
+    (after the tokenizer's BOS where it adds one).
+    """
+    if not segments or not all(isinstance(s, Segment) for s in segments):
+        raise InvalidInputError("a segmented prompt is a non-empty list of Segment objects")
+    if not any(isinstance(s, Document) for s in segments):
+        logger.debug("a segmented prompt without documents")
+    doc_toks = [list(s.tokens) if s.tokens is not None else _tokens(tokenizer, s.text or "")
+                for s in segments if isinstance(s, Document)]
+    if any(not t for t in doc_toks):
+        raise InvalidInputError("a Document tokenizes to no tokens")
+    chat = (any(type(s) in (System, User, Assistant) for s in segments) and tokenizer is not None
+            and getattr(tokenizer, "chat_template", None))
+    # pieces: str (text to tokenize), list[int] (tokens), or int (document index)
+    pieces: list[Any] = []
+    if chat:
+        if any(s.tokens is not None and not isinstance(s, Document) for s in segments):
+            raise InvalidInputError("chat segments take text, not tokens")
+        messages: list[dict[str, str]] = []
+        di = 0
+        for s in segments:
+            role = _ROLE.get(type(s), "user")
+            if isinstance(s, Document):
+                piece = f"\ue000semcomm-doc-{di}\ue001"
+                di += 1
+            else:
+                piece = s.text or ""
+            if messages and messages[-1]["role"] == role == "user":
+                messages[-1]["content"] += piece
+            else:
+                messages.append({"role": role, "content": piece})
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        for i, part in enumerate(re.split("\ue000semcomm-doc-(\\d+)\ue001", rendered)):
+            pieces.append(int(part) if i % 2 else part)
+        if sum(isinstance(p, int) for p in pieces) != len(doc_toks):
+            raise InvalidInputError("the chat template dropped or repeated a document")
+    else:
+        if tokenizer is not None:
+            pieces.append(_adds_bos(tokenizer))
+        di = 0
+        for s in segments:
+            if isinstance(s, Document):
+                pieces.append(di)
+                di += 1
+            else:
+                pieces.append(list(s.tokens) if s.tokens is not None else s.text)
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for p in pieces:
+        if isinstance(p, int):
+            spans.append((len(ids), len(ids) + len(doc_toks[p])))
+            ids.extend(doc_toks[p])
+        elif isinstance(p, str):
+            ids.extend(_tokens(tokenizer, p))
+        else:
+            ids.extend(p)
+    return SegmentedPrompt(ids=tuple(ids), spans=tuple(spans))
+
+
+# -------------------------------------------------------------------------------- RoPE
+@dataclass(frozen=True)
+class RopeSpec:
+    """How a model's keys move: ``rot_dim`` leading dims rotated (rotate-half pairs) by
+    ``position * inv_freq``."""
+
+    inv_freq: torch.Tensor  # float64 [rot_dim / 2]
+    rot_dim: int
+    head_dim: int
+
+
+def _decoder_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def rope_spec(model: Any) -> RopeSpec:
+    """The model's rotary parameters, or :class:`UnsupportedModelError` naming why its
+    positions cannot be moved. Checked once a model on its own layer-0 keys (a probe at two
+    offsets: rotating the first by the difference must give the second)."""
+    known = getattr(model, "_semcomm_rope_spec", None)
+    if isinstance(known, RopeSpec):
+        return known
+    if isinstance(known, UnsupportedModelError):
+        raise known
+    try:
+        spec = _rope_spec(model)
+    except UnsupportedModelError as exc:
+        model._semcomm_rope_spec = exc
+        raise
+    model._semcomm_rope_spec = spec
+    return spec
+
+
+def _rope_spec(model: Any) -> RopeSpec:
+    cfg = _decoder_config(model.config)
+    mtype = getattr(cfg, "model_type", type(model).__name__)
+    why = f"{mtype}: documents cannot be reused at another position"
+    if (getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "") == "alibi"
+            or mtype in ("bloom", "mpt")):
+        raise UnsupportedModelError(f"{why}: ALiBi attention biases are not a rotation of "
+                                    "stored keys")
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, torch.nn.Embedding) and leaf in ("wpe", "embed_positions",
+                                                             "position_embeddings"):
+            raise UnsupportedModelError(f"{why}: it has learned absolute position embeddings "
+                                        f"({name}), mixed into every layer's keys and values")
+    rot = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not rot:
+        raise UnsupportedModelError(f"{why}: it has no rotary position embedding")
+    for m in rot:
+        rtype = str(getattr(m, "rope_type", "default"))
+        if rtype in ("dynamic", "longrope"):
+            raise UnsupportedModelError(f"{why}: its rotary frequencies ({rtype} scaling) depend "
+                                        "on the sequence length")
+    freqs = rot[0].inv_freq.detach().double().cpu()
+    if any(m.inv_freq.shape != freqs.shape or not torch.allclose(
+            m.inv_freq.detach().double().cpu(), freqs) for m in rot[1:]):
+        raise UnsupportedModelError(f"{why}: its layers use different rotary frequencies")
+    layout = ca.probe_layout(model, next(model.parameters()).device)
+    spec = RopeSpec(inv_freq=freqs, rot_dim=2 * freqs.numel(), head_dim=layout.k_dim)
+    if spec.rot_dim > spec.head_dim:
+        raise UnsupportedModelError(f"{why}: rotary dims {spec.rot_dim} > head dim "
+                                    f"{spec.head_dim}")
+    # the check: layer-0 keys of the same tokens at positions 0.. and 37.. differ by R(37)
+    dev = next(model.parameters()).device
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    gen = torch.Generator().manual_seed(7)
+    probe = torch.randint(3, max(4, vocab), (1, 8), generator=gen).to(dev)
+    keys = []
+    with torch.no_grad():
+        for off in (0, 37):
+            cache = ca.new_cache()
+            pos = torch.arange(off, off + 8, device=dev)[None]
+            model(input_ids=probe, position_ids=pos, attention_mask=torch.ones_like(probe),
+                  use_cache=True, **ca.cache_kwargs(model, cache))
+            keys.append(ca.cache_layers(cache)[0][0].float())
+    moved = rotate_keys(keys[0], 37, spec)
+    scale = float(keys[1].abs().max()) or 1.0
+    if not torch.allclose(moved, keys[1], atol=1e-3 * scale, rtol=1e-3):
+        raise UnsupportedModelError(
+            f"{why}: its keys do not move by the rotate-half rotation of its rotary embedding "
+            f"(max error {float((moved - keys[1]).abs().max()):.3g} at scale {scale:.3g})")
+    return spec
+
+
+def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Keys ``[..., T, D]`` moved by ``delta`` positions (an int, or ``[T]`` per token):
+    the leading ``rot_dim`` dims rotated by ``delta * inv_freq`` (angles in float64), the
+    rest unchanged. Returns a new tensor of the keys' dtype."""
+    t = keys.shape[-2]
+    d = (torch.full((t,), float(delta), dtype=torch.float64) if isinstance(delta, int)
+         else delta.detach().to("cpu", torch.float64).reshape(t))
+    ang = d[:, None] * spec.inv_freq[None, :]  # [T, rot/2]
+    work = torch.float32 if keys.dtype in (torch.bfloat16, torch.float16) else keys.dtype
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(keys.device, work)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(keys.device, work)
+    k = keys.to(work)
+    r = spec.rot_dim
+    kr = k[..., :r]
+    half = r // 2
+    rh = torch.cat([-kr[..., half:], kr[..., :half]], -1)
+    out = torch.cat([kr * cos + rh * sin, k[..., r:]], -1) if r < k.shape[-1] else kr * cos + rh * sin
+    return out.to(keys.dtype)
+
+
+# ------------------------------------------------------------------------------- keys
+def _u32(ids: Sequence[int]) -> bytes:
+    return np.asarray(list(ids), dtype="<u4").tobytes()
+
+
+def document_root(namespace: bytes, anchor: Sequence[int], mode: str) -> bytes:
+    """Root of a document's key chain: never a prefix chain's (those root at the namespace)."""
+    h = hashlib.blake2b(_DOC_TAG, digest_size=32)
+    h.update(bytes(namespace))
+    h.update(mode.encode() + b"\0")
+    h.update(struct.pack("<I", len(anchor)) + _u32(anchor))
+    return h.digest()
+
+
+def blend_root(namespace: bytes, anchor: Sequence[int], mode: str, selector: str, r: float,
+               spans: Sequence[tuple[int, int]]) -> bytes:
+    """Root of a blended prompt's key chain (its KV depends on the spans, selector and r)."""
+    h = hashlib.blake2b(_BLEND_TAG, digest_size=32)
+    h.update(document_root(namespace, anchor, mode))
+    h.update(f"{selector}:{r!r}".encode() + b"\0")
+    h.update(_u32([x for s in spans for x in s]))
+    return h.digest()
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass
+class BlendStats:
+    """What a segmented request reused and recomputed."""
+
+    prompt_tokens: int = 0
+    document_tokens: int = 0  # tokens inside documents
+    documents: int = 0
+    documents_hit: int = 0  # documents whose KV came from the store
+    documents_computed: int = 0  # documents computed alone (and stored) by this request
+    reused_tokens: int = 0  # document tokens whose reused KV was kept
+    recomputed_document_tokens: int = 0
+    recomputed_tokens: int = 0  # every prompt token run through the model in context
+    prefix_hit_tokens: int = 0  # exact prefix restored from the ordinary prefix chain
+    blend_hit: bool = False  # the whole blended prompt was stored: restored, no forward
+    selector: str = ""
+    recompute: float = 0.0  # the requested r
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    chunks_stored: int = 0
+    load_ms: float = 0.0
+    select_ms: float = 0.0
+    prefill_ms: float = 0.0
+    store_ms: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    new_tokens: int = 0
+    finish_reason: str = ""
+
+    @property
+    def recompute_share(self) -> float:
+        """Share of document tokens recomputed."""
+        return self.recomputed_document_tokens / self.document_tokens if self.document_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["recompute_share"] = self.recompute_share
+        return out
+
+
+@dataclass
+class BlendResult:
+    token_ids: list[int]
+    text: str | None
+    stats: BlendStats
+    prompt_ids: list[int]
+
+
+@dataclass
+class _Prefilled:
+    cache: Any
+    last_logits: torch.Tensor
+    prompt: SegmentedPrompt
+    stats: BlendStats
+    store_jobs: list[Callable[[], None]] = field(default_factory=list)
+
+
+class _Stop(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------ engine
+class DocumentReuse:
+    """Position-independent document KV for one :class:`HFEngine` (same store, namespace,
+    chunk size and codec).
+
+    Args:
+        engine: the engine (its ``model``, ``tokenizer``, ``store``, ``layout``, ``_runner``,
+            ``namespace_digest``, ``chunk_size``, ``codec``).
+        anchor: token ids every document is computed after (default: the chat template's
+            header before a user message's content, else the BOS token, else nothing).
+        key_mode: ``"rotated"`` (keys stored as computed, at the anchor's positions, moved by
+            the difference at use) or ``"unrotated"`` (keys stored at position 0, moved by
+            their target position).
+    """
+
+    def __init__(self, engine: Any, anchor: Sequence[int] | None = None,
+                 key_mode: str = "rotated"):
+        if key_mode not in KEY_MODES:
+            raise InvalidInputError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+        self.engine = engine
+        self.model = engine.model
+        self.spec = rope_spec(engine.model)
+        self.key_mode = key_mode
+        lay = engine.layout
+        self.layout = ca.KVLayout(lay.num_layers, lay.kv_heads, lay.k_dim, lay.v_dim, lay.dtype)
+        self.windows = tuple(w for w in (lay.windows or ()) if w is not None)
+        self.anchor: tuple[int, ...] = tuple(anchor) if anchor is not None else self._default_anchor()
+        self.root = document_root(engine.namespace_digest, self.anchor, key_mode)
+        self.device = engine.device
+
+    def _default_anchor(self) -> tuple[int, ...]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return ()
+        if getattr(tok, "chat_template", None):
+            mark = "\ue000semcomm-anchor\ue001"
+            text = tok.apply_chat_template([{"role": "user", "content": mark}],
+                                           add_generation_prompt=True, tokenize=False)
+            head = text.split(mark)[0]
+            return tuple(_tokens(tok, head))
+        return tuple(_adds_bos(tok))
+
+    # ------------------------------------------------------------------ documents
+    def document_tokens(self, doc: Document | str | Sequence[int]) -> list[int]:
+        if isinstance(doc, str):
+            doc = Document(doc)
+        elif not isinstance(doc, Document):
+            doc = Document(tokens=tuple(doc))
+        toks = list(doc.tokens) if doc.tokens is not None else _tokens(self.engine.tokenizer,
+                                                                        doc.text or "")
+        if not toks:
+            raise InvalidInputError("a Document tokenizes to no tokens")
+        self._validate(toks)
+        return toks
+
+    def _validate(self, ids: Sequence[int], max_new_tokens: int = 0) -> None:
+        eng = self.engine
+        if not ids:
+            raise InvalidInputError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= eng.vocab_size:
+            bad = [t for t in ids if t < 0 or t >= eng.vocab_size][:5]
+            raise InvalidInputError(f"token ids out of the vocabulary [0, {eng.vocab_size}): {bad}")
+        limit = getattr(eng, "max_positions", None)
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            raise InvalidInputError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"maximum of {limit} positions")
+
+    def document_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        return chunk_keys(self.root, tokens, self.engine.chunk_size)
+
+    def is_stored(self, doc: Document | str | Sequence[int]) -> bool:
+        store = self.engine.store
+        if store is None:
+            return False
+        keys = self.document_keys(self.document_tokens(doc))
+        return store.lookup(keys).num_chunks == len(keys)
+
+    def precompute(self, doc: Document | str | Sequence[int]) -> int:
+        """Compute a document's KV alone (after the anchor) and store it, unless stored.
+
+        Returns the chunks written (0 when it was stored already). Raises
+        :class:`InvalidInputError` without a store.
+        """
+        if self.engine.store is None:
+            raise InvalidInputError("precompute needs an engine with a store")
+        toks = self.document_tokens(doc)
+        keys = self.document_keys(toks)
+        if self.engine.store.lookup(keys).num_chunks == len(keys):
+            return 0
+        k, v = self._compute_alone(toks)
+        return self._store_document(toks, keys, k, v)[0]
+
+    def _compute_alone(self, toks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[L, H, n, D]`` KV of a document computed after the anchor (keys as computed)."""
+        ids = list(self.anchor) + toks
+        self._check_length(len(ids))
+        cache = ca.new_cache()
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.engine._runner.forward(x, cache)
+            k, v = ca.stack_range(cache, len(self.anchor), len(ids))
+        return k, v
+
+    def _store_document(self, toks: list[int], keys: list[bytes], k: torch.Tensor,
+                        v: torch.Tensor) -> tuple[int, int]:
+        eng = self.engine
+        a = len(self.anchor)
+        if self.key_mode == "unrotated":
+            k = rotate_keys(k, -torch.arange(a, a + len(toks)), self.spec)
+        k, v = k.cpu(), v.cpu()
+        batch = []
+        store = eng.store
+        for i, (s, e) in enumerate(chunk_spans(len(toks), eng.chunk_size)):
+            try:
+                if store.contains(keys[i]):  # a stored original is never overwritten
+                    continue
+            except (StoreError, BackendUnavailableError):
+                return 0, 0
+            enc = eng.codec.encode(k[:, :, s:e], v[:, :, s:e])
+            batch.append((keys[i], encode_chunk(
+                namespace=eng.namespace_digest, key=keys[i], parent=keys[i - 1] if i else None,
+                num_tokens=e - s, start=a + s, dtype=eng.namespace.dtype, codec=eng.codec.name,
+                codec_params={**eng.codec.params, "spec": eng.codec.spec}, arrays=enc.arrays,
+                bf16_names=enc.bf16_names,
+                meta={"layers": self.layout.num_layers, "kind": "document",
+                      "keys": self.key_mode})))
+        try:
+            store.put_many(batch)
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store put of a document failed (%s)", exc)
+            return 0, 0
+        return len(batch), sum(len(d) for _, d in batch)
+
+    def _fetch_document(self, keys: list[bytes], n: int, out_k: torch.Tensor,
+                        out_v: torch.Tensor, at: int, stats: BlendStats) -> bool:
+        """Decode a stored document into ``out[:, :, at:at+n]`` (keys as stored); False when
+        any chunk is missing or unusable (the caller computes the document instead)."""
+        eng = self.engine
+        spans = chunk_spans(n, eng.chunk_size)
+        try:
+            if eng.store is None or eng.store.lookup(keys).num_chunks < len(keys):
+                return False
+            fetched = [eng.store.fetch(key) for key in keys]
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store read of a document failed (%s); computing it", exc)
+            return False
+        a = len(self.anchor)
+        for key, f, (s, e) in zip(keys, fetched, spans):
+            if f is None:
+                return False
+            try:
+                chunk = decode_chunk(f.value, expect_key=key,
+                                     expect_namespace=eng.namespace_digest, verify=False)
+            except (CorruptEntryError, NamespaceMismatchError) as exc:
+                logger.warning("a document chunk is unusable (%s); computing it", exc)
+                return False
+            h = chunk.header
+            if (h.num_tokens != e - s or h.start != a + s or h.codec != eng.codec.name
+                    or h.dtype != eng.namespace.dtype):
+                logger.warning("document chunk %s does not match its span", h.key[:16])
+                return False
+            eng.codec.decode_into(chunk.arrays, out_k, out_v, at + s, e - s)
+            stats.bytes_loaded += len(f.value)
+        return True
+
+    # -------------------------------------------------------------------- checks
+    def _check_length(self, n: int) -> None:
+        if self.windows and n > min(self.windows):
+            raise UnsupportedModelError(
+                f"{getattr(self.model.config, 'model_type', '')}: a prompt of {n} tokens is longer "
+                f"than its sliding window of {min(self.windows)}: document KV cannot be moved "
+                "into a sliding-window layer")
+
+    def _budget(self, r: float) -> float:
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise InvalidInputError(f"recompute must be a share in [0, 1], got {r!r}")
+        return float(r)
+
+    # ------------------------------------------------------------------- prefill
+    def prepare(self, segments: Sequence[Segment] | SegmentedPrompt) -> SegmentedPrompt:
+        if isinstance(segments, SegmentedPrompt):
+            prompt = segments
+        else:
+            prompt = build_prompt(self.engine.tokenizer, segments)
+        self._validate(list(prompt.ids))
+        self._check_length(len(prompt.ids))
+        return prompt
+
+    def prefill(self, segments: Sequence[Segment] | SegmentedPrompt, *,
+                selector: str = DEFAULT_SELECTOR, recompute: float = DEFAULT_RECOMPUTE,
+                capacity: int = 0, store: bool = True) -> _Prefilled:
+        """The prompt's cache (documents reused, a share recomputed) and its last logits.
+
+        ``store``: write the blended prompt and its exact head (run the returned
+        ``store_jobs`` yourself when False is not what you want: :meth:`generate` runs them
+        after the first token)."""
+        t0 = time.perf_counter()
+        if selector not in SELECTORS:
+            raise InvalidInputError(f"unknown selector {selector!r}; one of {', '.join(SELECTORS)}")
+        r = self._budget(recompute)
+        if selector == "concat":
+            r = 0.0
+        elif selector == "full":
+            r = 1.0
+        prompt = self.prepare(segments)
+        pre = self._prefill(prompt, selector, r, capacity, t0)
+        pre.stats.recompute = float(recompute)
+        if store:
+            for job in pre.store_jobs:
+                job()
+            pre.store_jobs = []
+        return pre
+
+    def _blend_keys(self, prompt: SegmentedPrompt, selector: str, r: float) -> list[bytes]:
+        root = blend_root(self.engine.namespace_digest, self.anchor, self.key_mode, selector, r,
+                          prompt.spans)
+        return chunk_keys(root, prompt.ids, self.engine.chunk_size)
+
+    def _prefill(self, prompt: SegmentedPrompt, selector: str, r: float, capacity: int,
+                 t0: float) -> _Prefilled:
+        eng = self.engine
+        lay = self.layout
+        ids = list(prompt.ids)
+        n = len(ids)
+        stats = BlendStats(prompt_tokens=n, document_tokens=prompt.document_tokens,
+                           documents=len(prompt.spans), selector=selector)
+        stats.recompute = r
+        cap = max(capacity, n) + n + 1  # room for the recomputed tokens appended before scatter
+        # not zeroed (page faults of a large zeroed buffer cost TTFT): every position is
+        # restored or computed before it is read, and the stale ones a forward may see
+        # (masked, but a NaN survives an additive mask) are zeroed below
+        bk = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.k_dim), dtype=lay.dtype,
+                         device=self.device)
+        bv = torch.empty((lay.num_layers, lay.kv_heads, cap, lay.v_dim), dtype=lay.dtype,
+                         device=self.device)
+        jobs: list[Callable[[], None]] = []
+        # 1. the same blended prompt stored whole: restore it and its logits, no forward
+        bkeys = self._blend_keys(prompt, selector, r)
+        logits = self._restore_chain(bkeys, n, bk, bv, stats, whole=True)
+        if logits is not None:
+            stats.blend_hit = True
+            stats.reused_tokens = prompt.document_tokens
+            stats.load_ms = (time.perf_counter() - t0) * 1e3
+            cache = ca.buffer_cache(lay, cap, self.device, n, (bk, bv))
+            stats.ttft_s = time.perf_counter() - t0
+            return _Prefilled(cache, logits, prompt, stats)
+        # 2. documents: stored KV at their positions (computed alone and stored on a miss)
+        a = len(self.anchor)
+        doc_jobs = []
+        for (s, e) in prompt.spans:
+            toks = ids[s:e]
+            keys = self.document_keys(toks)
+            delta: int | torch.Tensor = s - a  # keys as computed after the anchor
+            if self._fetch_document(keys, e - s, bk, bv, s, stats):
+                stats.documents_hit += 1
+                if self.key_mode == "unrotated":  # stored at position 0: each to its own
+                    delta = torch.arange(s, e)
+            else:
+                k, v = self._compute_alone(toks)
+                bk[:, :, s:e].copy_(k)
+                bv[:, :, s:e].copy_(v)
+                stats.documents_computed += 1
+                if eng.store is not None:
+                    doc_jobs.append((toks, keys, k, v))
+            if not isinstance(delta, int) or delta:
+                bk[:, :, s:e] = rotate_keys(bk[:, :, s:e], delta, self.spec)
+        # 3. the exact prefix from the ordinary chain (restored over anything placed above)
+        h = self._restore_prefix(ids, bk, bv, stats)
+        stats.load_ms = (time.perf_counter() - t0) * 1e3
+        in_doc = torch.zeros(n, dtype=torch.bool)
+        for s, e in prompt.spans:
+            in_doc[s:e] = True
+        first_doc = next((s for s, e in prompt.spans if e > h), n)
+        head_end = max(h, min(first_doc, n - 1))  # exact head: [h, head_end), one forward
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            if head_end > h:
+                cache = ca.buffer_cache(lay, cap, self.device, h, (bk, bv))
+                x = torch.tensor([ids[h:head_end]], dtype=torch.long, device=self.device)
+                eng._runner.forward(x, cache)
+            stats.recomputed_tokens = head_end - h
+            # candidates: document tokens after the exact head; fixed: everything else there
+            pos = torch.arange(n)
+            cand = pos[(pos >= head_end) & in_doc]
+            fixed = pos[(pos >= head_end) & ~in_doc]
+            if fixed.numel() == 0 or int(fixed[-1]) != n - 1:
+                fixed = torch.cat([fixed, torch.tensor([n - 1])])
+                cand = cand[cand != n - 1]
+            idx = fixed.to(self.device)
+            bk[:, :, idx] = 0  # stale until recomputed (masked out of every forward)
+            bv[:, :, idx] = 0
+            budget = min(cand.numel(), math.ceil(r * prompt.document_tokens - 1e-9))
+            ts = time.perf_counter()
+            chosen = self._select(selector, budget, ids, prompt, cand, fixed, head_end, bk, bv,
+                                  cap)
+            stats.select_ms = (time.perf_counter() - ts) * 1e3
+            run = torch.unique(torch.cat([fixed, chosen]))  # sorted
+            logits = self._masked_forward(ids, run, head_end, n, bk, bv, cap)
+        stats.recomputed_document_tokens = int(in_doc[run].sum()) + int(in_doc[h:head_end].sum())
+        stats.recomputed_tokens += run.numel()
+        stats.reused_tokens = prompt.document_tokens - stats.recomputed_document_tokens - int(
+            in_doc[:h].sum())
+        stats.prefill_ms = (time.perf_counter() - t1) * 1e3
+        cache = ca.buffer_cache(lay, cap, self.device, n, (bk, bv))
+        stats.ttft_s = time.perf_counter() - t0
+
+        def store_all() -> None:
+            ts0 = time.perf_counter()
+            for toks, keys, k, v in doc_jobs:
+                c, b = self._store_document(toks, keys, k, v)
+                stats.chunks_stored += c
+                stats.bytes_stored += b
+            self._store_head(ids, head_end, bk, bv, stats)
+            self._store_blend(bkeys, n, bk, bv, logits, stats)
+            stats.store_ms += (time.perf_counter() - ts0) * 1e3
+
+        jobs.append(store_all)
+        return _Prefilled(cache, logits, prompt, stats, jobs)
+
+    # ------------------------------------------------------------------ selection
+    def _select(self, selector: str, budget: int, ids: list[int], prompt: SegmentedPrompt,
+                cand: torch.Tensor, fixed: torch.Tensor, head_end: int, bk: torch.Tensor,
+                bv: torch.Tensor, cap: int) -> torch.Tensor:
+        empty = torch.zeros(0, dtype=torch.long)
+        if budget <= 0 or cand.numel() == 0:
+            return empty
+        if budget >= cand.numel():
+            return cand
+        if selector == "epic":
+            share = budget / cand.numel()
+            per = [cand[(cand >= s) & (cand < e)] for s, e in prompt.spans]
+            take = [math.floor(share * c.numel()) for c in per]
+            for j in range(len(per)):  # the remainder, one more token each, in order
+                if sum(take) >= budget:
+                    break
+                if take[j] < per[j].numel():
+                    take[j] += 1
+            out = [c[:t] for c, t in zip(per, take)]
+            return torch.cat(out) if out else empty
+        if selector == "cacheblend":
+            score = self._deviation(ids, cand, head_end, bk, bv)
+        elif selector == "prophet":
+            score = self._query_attention(ids, prompt, cand, fixed, head_end, bk, bv, cap)
+        else:  # pragma: no cover - the bounds never reach here
+            raise InvalidInputError(f"selector {selector!r} does not select")
+        top = torch.topk(score, budget).indices
+        return cand[top]
+
+    def _deviation(self, ids: list[int], cand: torch.Tensor, head_end: int, bk: torch.Tensor,
+                   bv: torch.Tensor) -> torch.Tensor:
+        """Per candidate: squared distance between the reused and a fresh KV at layer 1 (fresh
+        layers 0..1 over the prompt after the exact head; kept for every position)."""
+        c = min(_CHECK_LAYER, self.layout.num_layers - 1)
+        n = len(ids)
+        cache = ca.cache_from_stacks(bk[: c + 1, :, :head_end], bv[: c + 1, :, :head_end],
+                                     self.device)
+        layers = self._decoder_layers()
+        def stop(*_: Any) -> None:  # layers after c are not needed: end the forward here
+            raise _Stop
+
+        hook = layers[c].register_forward_hook(stop)
+        try:
+            x = torch.tensor([ids[head_end:]], dtype=torch.long, device=self.device)
+            self.engine._runner.forward(x, cache)
+        except _Stop:
+            pass
+        finally:
+            hook.remove()
+        fresh = ca.cache_layers(cache)
+        k1, v1 = fresh[c]
+        idx = cand.to(self.device)
+        dk = (k1[0, :, idx].float() - bk[c, :, idx].float()).pow(2).sum((0, 2))
+        dv = (v1[0, :, idx].float() - bv[c, :, idx].float()).pow(2).sum((0, 2))
+        for li in range(c + 1):  # layers 0..c are exact now for every position
+            kf, vf = fresh[li]
+            bk[li, :, head_end:n] = kf[0, :, head_end:n]
+            bv[li, :, head_end:n] = vf[0, :, head_end:n]
+        return (dk + dv).cpu()
+
+    def _decoder_layers(self) -> Any:
+        base = self.engine._runner.base_model()
+        n = self.layout.num_layers
+        for mod in (base or self.model).modules():
+            if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+                return mod
+        raise UnsupportedModelError("cannot find the model's decoder layers for cacheblend")
+
+    def _attention_modules(self) -> list[Any]:
+        mods = [m for m in self.model.modules()
+                if hasattr(m, "q_proj") and isinstance(getattr(m, "layer_idx", None), int)]
+        if len(mods) != self.layout.num_layers:
+            raise UnsupportedModelError(
+                "the prophet selector needs attention modules with a q_proj and layer_idx "
+                f"(found {len(mods)} of {self.layout.num_layers} layers)")
+        return sorted(mods, key=lambda m: m.layer_idx)
+
+    def _query_attention(self, ids: list[int], prompt: SegmentedPrompt, cand: torch.Tensor,
+                         fixed: torch.Tensor, head_end: int, bk: torch.Tensor, bv: torch.Tensor,
+                         cap: int) -> torch.Tensor:
+        """Per candidate: the attention the question (every token after the last document)
+        gives it over a quarter of the layers, from a first pass of the non-document tokens
+        over the reused KV."""
+        n = len(ids)
+        last_doc = max((e for _, e in prompt.spans), default=0)
+        mods = self._attention_modules()
+        L = len(mods)
+        chosen = sorted({min(L - 1, round(i * (L - 1) / max(1, L // 4 - 1)))
+                         for i in range(max(1, L // 4))})
+        captured: dict[int, tuple[torch.Tensor, Any]] = {}
+
+        def pre_hook(mod: Any, args: Any, kwargs: Any) -> None:
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            captured[mod.layer_idx] = (hs, kwargs.get("position_embeddings"))
+
+        hooks = [mods[i].register_forward_pre_hook(pre_hook, with_kwargs=True) for i in chosen]
+        try:
+            self._masked_forward(ids, fixed, head_end, n, bk, bv, cap, scatter=False)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        qpos = fixed >= last_doc  # the question: fixed tokens after the last document
+        m = fixed.numel()
+        score = torch.zeros(n, dtype=torch.float32)
+        for li in chosen:
+            hs, pe = captured[li]
+            mod = mods[li]
+            q = self._queries(mod, hs, pe)  # [Hq, m, D]
+            q = q[:, qpos.to(q.device)]
+            if q.shape[1] == 0:
+                continue
+            hq, hkv = q.shape[0], self.layout.kv_heads
+            k_ctx = bk[li, :, :n].float()  # reused/exact context (stale at fixed positions)
+            k_new = bk[li, :, n : n + m].float()  # the fixed tokens, fresh
+            k_ctx = k_ctx.repeat_interleave(hq // hkv, 0)
+            k_new = k_new.repeat_interleave(hq // hkv, 0)
+            scale = float(getattr(mod, "scaling", 1 / math.sqrt(q.shape[-1])))
+            s_ctx = torch.einsum("hqd,hkd->hqk", q.float(), k_ctx) * scale
+            s_new = torch.einsum("hqd,hkd->hqk", q.float(), k_new) * scale
+            qp = fixed[qpos]
+            vis_ctx = (torch.arange(n)[None, :] < qp[:, None])
+            vis_ctx[:, fixed] = False
+            vis_new = fixed[None, :] <= qp[:, None]
+            s_ctx = s_ctx.masked_fill(~vis_ctx.to(s_ctx.device)[None], float("-inf"))
+            s_new = s_new.masked_fill(~vis_new.to(s_new.device)[None], float("-inf"))
+            p = torch.softmax(torch.cat([s_ctx, s_new], -1), -1)[..., :n]
+            score += p.sum((0, 1)).cpu()
+        return score[cand]
+
+    @staticmethod
+    def _queries(mod: Any, hs: torch.Tensor, pe: Any) -> torch.Tensor:
+        """Post-rotary queries ``[Hq, m, D]`` of an attention module's input (q_proj, an
+        optional q_norm, the rotary embedding it was given)."""
+        d = int(getattr(mod, "head_dim", 0)) or None
+        q = mod.q_proj(hs)  # [1, m, Hq * D]
+        norm = getattr(mod, "q_norm", None)
+        if d is None:
+            raise UnsupportedModelError("the prophet selector needs the attention's head_dim")
+        if norm is not None and getattr(norm, "weight", None) is not None and \
+                norm.weight.numel() != d:
+            q = norm(q)
+            norm = None
+        q = q.view(1, q.shape[1], -1, d)
+        if norm is not None:
+            q = norm(q)
+        q = q.transpose(1, 2)[0]  # [Hq, m, D]
+        if pe is None:
+            raise UnsupportedModelError("the prophet selector needs the rotary embedding the "
+                                        "attention receives (position_embeddings)")
+        cos, sin = pe
+        cos, sin = cos[0].to(q.dtype), sin[0].to(q.dtype)  # [m, rot]
+        r = cos.shape[-1]
+        qr = q[..., :r]
+        rh = torch.cat([-qr[..., r // 2:], qr[..., : r // 2]], -1)
+        return torch.cat([qr * cos + rh * sin, q[..., r:]], -1)
+
+    # -------------------------------------------------------------- the forward
+    def _masked_forward(self, ids: list[int], run: torch.Tensor, head_end: int, n: int,
+                        bk: torch.Tensor, bv: torch.Tensor, cap: int,
+                        scatter: bool = True) -> torch.Tensor:
+        """Run the tokens at positions ``run`` (sorted) over the prompt's KV in the buffers.
+
+        The cache holds ``n`` positions (reused documents, the exact head, stale entries at
+        ``run``); the run's fresh KV is appended at ``[n, n + m)``; a position ``p`` of the run
+        sees the context positions ``< p`` outside the run and the run's positions ``<= p``.
+        Returns the last run position's logits; with ``scatter`` the fresh KV is moved to its
+        positions (the buffers then hold the prompt's final KV).
+        """
+        m = run.numel()
+        cache = ca.buffer_cache(self.layout, cap, self.device, n, (bk, bv))
+        dtype = self.model.get_input_embeddings().weight.dtype
+        if not dtype.is_floating_point:
+            dtype = torch.float32
+        allowed_ctx = torch.arange(n)[None, :] < run[:, None]
+        allowed_ctx[:, run] = False
+        allowed_new = run[None, :] <= run[:, None]
+        allowed = torch.cat([allowed_ctx, allowed_new], 1)
+        mask = torch.zeros((1, 1, m, n + m), dtype=dtype)
+        mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+        x = torch.tensor([[ids[int(p)] for p in run]], dtype=torch.long, device=self.device)
+        kw = {"input_ids": x, "attention_mask": mask.to(self.device),
+              "position_ids": run[None].to(self.device), "use_cache": True,
+              **ca.cache_kwargs(self.model, cache)}
+        if "logits_to_keep" in self._params():
+            kw["logits_to_keep"] = 1
+        logits = self.model(**kw).logits[0, -1].float()
+        if scatter:
+            idx = run.to(self.device)
+            bk[:, :, idx] = bk[:, :, n : n + m].clone()
+            bv[:, :, idx] = bv[:, :, n : n + m].clone()
+        return logits
+
+    def _params(self) -> Any:
+        params = getattr(self, "_fwd_params", None)
+        if params is None:
+            params = self._fwd_params = inspect.signature(self.model.forward).parameters
+        return params
+
+    # ------------------------------------------------------------- prefix chains
+    def _restore_chain(self, keys: list[bytes], n: int, bk: torch.Tensor, bv: torch.Tensor,
+                       stats: BlendStats, whole: bool) -> torch.Tensor | None:
+        """A blended prompt stored whole: its chunks into the buffers and its logits."""
+        eng = self.engine
+        if eng.store is None:
+            return None
+        try:
+            if eng.store.lookup(keys).num_chunks < len(keys):
+                return None
+            lf = eng.store.fetch(logits_key(keys[-1]))
+            if lf is None:
+                return None
+            fetched = [eng.store.fetch(k) for k in keys]
+        except (StoreError, BackendUnavailableError):
+            return None
+        spans = chunk_spans(n, eng.chunk_size)
+        try:
+            for key, f, (s, e) in zip(keys, fetched, spans):
+                if f is None:
+                    return None
+                chunk = decode_chunk(f.value, expect_key=key,
+                                     expect_namespace=eng.namespace_digest, verify=False)
+                if chunk.header.num_tokens != e - s or chunk.header.start != s:
+                    return None
+                eng.codec.decode_into(chunk.arrays, bk, bv, s, e - s)
+                stats.bytes_loaded += len(f.value)
+            entry = decode_chunk(lf.value, expect_key=logits_key(keys[-1]),
+                                 expect_namespace=eng.namespace_digest, verify=False)
+        except (CorruptEntryError, NamespaceMismatchError):
+            return None
+        arr = entry.arrays.get("logits")
+        if arr is None or entry.header.codec != _LOGITS_CODEC:
+            return None
+        return torch.from_numpy(np.array(arr, dtype="<f4")).to(self.device)
+
+    def _restore_prefix(self, ids: list[int], bk: torch.Tensor, bv: torch.Tensor,
+                        stats: BlendStats) -> int:
+        """The longest exact prefix in the ordinary chain (at most ``len - 1`` tokens)."""
+        eng = self.engine
+        if eng.store is None:
+            return 0
+        keys = eng.chunk_keys(ids)
+        spans = chunk_spans(len(ids), eng.chunk_size)
+        try:
+            hit = eng.store.lookup(keys).num_chunks
+        except (StoreError, BackendUnavailableError):
+            return 0
+        got = 0
+        for i in range(hit):
+            s, e = spans[i]
+            if e > len(ids) - 1:
+                break
+            try:
+                f = eng.store.fetch(keys[i])
+                if f is None:
+                    break
+                chunk = decode_chunk(f.value, expect_key=keys[i],
+                                     expect_namespace=eng.namespace_digest, verify=False)
+            except (StoreError, BackendUnavailableError, CorruptEntryError,
+                    NamespaceMismatchError):
+                break
+            if chunk.header.start != s or chunk.header.num_tokens != e - s:
+                break
+            eng.codec.decode_into(chunk.arrays, bk, bv, s, e - s)
+            stats.bytes_loaded += len(f.value)
+            got = e
+        stats.prefix_hit_tokens = got
+        return got
+
+    def _store_head(self, ids: list[int], head_end: int, bk: torch.Tensor, bv: torch.Tensor,
+                    stats: BlendStats) -> None:
+        """Full chunks inside the exactly computed head, under the ordinary prefix keys."""
+        eng = self.engine
+        keys = eng.chunk_keys(ids)
+        batch = []
+        for i, (s, e) in enumerate(chunk_spans(len(ids), eng.chunk_size)):
+            if e > head_end or e - s < eng.chunk_size:
+                break
+            try:
+                if eng.store.contains(keys[i]):
+                    continue
+            except (StoreError, BackendUnavailableError):
+                return
+            batch.append((keys[i], self._encode(keys, i, s, e, bk, bv, "prefix")))
+        self._put(batch, stats)
+
+    def _store_blend(self, keys: list[bytes], n: int, bk: torch.Tensor, bv: torch.Tensor,
+                     logits: torch.Tensor, stats: BlendStats) -> None:
+        eng = self.engine
+        batch = []
+        for i, (s, e) in enumerate(chunk_spans(n, eng.chunk_size)):
+            try:
+                if eng.store.contains(keys[i]):
+                    continue
+            except (StoreError, BackendUnavailableError):
+                return
+            batch.append((keys[i], self._encode(keys, i, s, e, bk, bv, "blend")))
+        lk = logits_key(keys[-1])
+        x = logits.detach().to("cpu", torch.float32).contiguous().numpy()
+        batch.append((lk, encode_chunk(
+            namespace=eng.namespace_digest, key=lk, parent=keys[-1], num_tokens=0, start=n,
+            dtype=eng.namespace.dtype, codec=_LOGITS_CODEC, codec_params={"bf16": []},
+            arrays={"logits": x}, meta={"kind": "logits"})))
+        self._put(batch, stats)
+
+    def _encode(self, keys: list[bytes], i: int, s: int, e: int, bk: torch.Tensor,
+                bv: torch.Tensor, kind: str) -> bytes:
+        eng = self.engine
+        enc = eng.codec.encode(bk[:, :, s:e].cpu(), bv[:, :, s:e].cpu())
+        return encode_chunk(
+            namespace=eng.namespace_digest, key=keys[i], parent=keys[i - 1] if i else None,
+            num_tokens=e - s, start=s, dtype=eng.namespace.dtype, codec=eng.codec.name,
+            codec_params={**eng.codec.params, "spec": eng.codec.spec}, arrays=enc.arrays,
+            bf16_names=enc.bf16_names, meta={"layers": self.layout.num_layers, "kind": kind})
+
+    def _put(self, batch: list[tuple[bytes, bytes]], stats: BlendStats) -> None:
+        if not batch:
+            return
+        try:
+            self.engine.store.put_many(batch)
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store put failed (%s)", exc)
+            return
+        stats.chunks_stored += len(batch)
+        stats.bytes_stored += sum(len(d) for _, d in batch)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, segments: Sequence[Segment] | SegmentedPrompt, max_new_tokens: int = 32,
+                 *, selector: str = DEFAULT_SELECTOR, recompute: float = DEFAULT_RECOMPUTE,
+                 stop: Sequence[str | int] | str | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> BlendResult:
+        """Generate after a segmented prompt (documents reused, a share ``recompute`` of their
+        tokens recomputed by ``selector``); greedy unless ``temperature > 0``."""
+        t0 = time.perf_counter()
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        eng = self.engine
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+        prompt = self.prepare(segments)
+        self._validate(list(prompt.ids), max_new_tokens)
+        pre = self.prefill(prompt, selector=selector, recompute=recompute,
+                           capacity=len(prompt.ids) + max_new_tokens, store=False)
+        ids = list(pre.prompt.ids)
+        seq = DecodeState(eng.tokenizer, params, self.device, max_new_tokens=max_new_tokens,
+                          stop=[s for s in stops if isinstance(s, str) and s],
+                          stop_ids={int(s) for s in stops if isinstance(s, int)},
+                          eos_ids=eng.eos_token_ids)
+        cache = pre.cache
+        step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        stats = pre.stats
+
+        def forward(nxt: list[int]) -> torch.Tensor:
+            step.fill_(nxt[0])
+            with torch.inference_mode():
+                return eng._runner.forward(step, cache)[None]
+
+        for i, _ in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
+            if i == 0:
+                stats.ttft_s = time.perf_counter() - t0
+                for job in pre.store_jobs:
+                    job()
+        seq.finish()
+        stats.new_tokens = len(seq.token_ids)
+        stats.finish_reason = seq.finish_reason or "length"
+        stats.total_s = time.perf_counter() - t0
+        return BlendResult(token_ids=list(seq.token_ids), text=seq.text, stats=stats,
+                           prompt_ids=ids)
