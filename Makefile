@@ -1,4 +1,4 @@
-# semcomm: `make run` runs the quickstart, `make test` runs the whole suite.
+# semcomm: `make run` runs the quickstart, `make test` runs the whole suite, `make docs` builds the site.
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,14 +7,14 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test system-deps models lint bench clean
+.PHONY: run test system-deps models lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch from local disk first, so that nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[all,dev]'
+	$(BIN)/pip install -q -e '.[all,dev,docs]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -32,6 +32,11 @@ models: $(STAMP)
 
 test: $(STAMP) system-deps models
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the documentation site in site/ (MkDocs Material + mkdocstrings; broken links fail the build).
+# make test builds it too (tests/test_docs.py), so CI rejects what --strict rejects.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks tools
