@@ -516,6 +516,9 @@ def _eval_mcqa(
             progress=lambda i, n: prog.update(task, completed=i),
         )
     setup = doc["setup"]
+    if setup.get("c2c_note"):
+        console.print(f"[yellow]{setup['c2c_note']}[/]")
+    chosen = tuple(setup.get("methods") or chosen)
     table = Table(title=f"{data.name}: {setup['items']} questions, rule {rule}")
     extra = ["loglik_mean"] if rule == "loglik" else []
     for col in ("method", "accuracy", *extra, "median latency", "tokens generated"):
@@ -537,7 +540,30 @@ def _eval_mcqa(
                 for k, v in doc["summary"].items()
             )
         )
+    _print_complementarity(doc.get("complementarity") or {})
     _write_outputs(console, doc, {m: doc[m] for m in chosen}, json_out, png)
+
+
+def _print_complementarity(comp: dict[str, Any]) -> None:
+    """Per rule: each model alone, the questions only one gets right, the best-of-two oracle
+    and (with C2C) the share of the receiver -> oracle gap it closes."""
+    by_rule = comp.get("by_rule") or {}
+    if not by_rule:
+        return
+    table = Table(title="where the pair is complementary (per rule)")
+    cols = ("rule", "receiver", "sharer", "only receiver", "only sharer", "oracle", "T2T", "C2C",
+            "gap closed")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "rule" else "right")
+
+    def f(x: Any, pct: bool = False) -> str:
+        return "-" if x is None else (f"{x * 100:.0f}%" if pct else f"{x:.3f}")
+
+    for rule, c in by_rule.items():
+        table.add_row(rule, f(c["receiver"]), f(c["sharer"]), f(c["only_receiver"]),
+                      f(c["only_sharer"]), f(c["either_right"]), f(c.get("t2t")), f(c.get("c2c")),
+                      f(c.get("c2c_gap_closed"), pct=True))
+    console.print(table)
 
 
 @fusion_app.command("info")

@@ -25,9 +25,12 @@ from ._mcqa import (
     build_training_rows,
     c2c_mcqa_metric,
     evaluate_mcqa,
+    evaluate_mcqa_receivers,
+    find_pair_fuser,
     read_mcqa,
     run_mcqa_eval,
     shipped_pair_fuser_path,
+    shipped_pair_fusers,
 )
 from ._pipeline import FusionPipeline, Generation, ModelSide, greedy_decode, iter_greedy
 from ._reference import load_side, shipped_fuser_path, split_template
@@ -62,6 +65,8 @@ __all__ = [
     "estimate_parameters",
     "evaluate",
     "evaluate_mcqa",
+    "evaluate_mcqa_receivers",
+    "find_pair_fuser",
     "greedy_decode",
     "iter_greedy",
     "layer_mapping",
@@ -77,5 +82,6 @@ __all__ = [
     "save_fuser",
     "shipped_fuser_path",
     "shipped_pair_fuser_path",
+    "shipped_pair_fusers",
     "split_template",
 ]

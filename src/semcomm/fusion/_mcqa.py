@@ -30,6 +30,7 @@ would cost alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -64,11 +65,14 @@ __all__ = [
     "McqaSettings",
     "build_choice_rows",
     "evaluate_mcqa",
+    "evaluate_mcqa_receivers",
+    "find_pair_fuser",
     "load_pair_side",
     "mcqa_training_examples",
     "oracle_fewshot",
     "read_mcqa",
     "shared_text",
+    "shipped_pair_fusers",
 ]
 
 log = logging.getLogger(__name__)
@@ -277,6 +281,8 @@ class _Tally:
         for k, v in self.stages.items():
             out[f"median_{k}_s"] = statistics.median(v)
         out["correct"] = [int(c) for c in self.correct[rule]]  # per question, file order
+        if rule == "loglik":  # the per-token mean rule's, for the complementarity table
+            out["correct_loglik_mean"] = [int(c) for c in self.correct["loglik_mean"]]
         return out
 
 
@@ -366,83 +372,122 @@ def evaluate_mcqa(
 ) -> dict[str, dict[str, Any]]:
     """``{method: {accuracy, latency_s, n, accuracy_<rule>...}}`` over ``questions``."""
     st = settings or McqaSettings()
+    if "c2c" in st.methods and fuser is None:
+        raise InvalidInputError("c2c needs a fuser")
+    return evaluate_mcqa_receivers(
+        sharer, {"receiver": (receiver, fuser)}, questions, st, progress
+    )["receiver"]
+
+
+def evaluate_mcqa_receivers(
+    sharer: ModelSide,
+    receivers: dict[str, tuple[ModelSide, Fuser | None]],
+    questions: list[MCQuestion],
+    settings: McqaSettings | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`evaluate_mcqa` for one sharer and several receivers at once:
+    ``{receiver name: {method: figures}}``.
+
+    The sharer's work is done once per question (its prefill and scoring, the text-to-text
+    analysis) and its timings enter every receiver's figures, so each pair's result is what
+    :func:`evaluate_mcqa` would give for it alone (the same scores; latencies from one shared
+    measurement). A receiver whose fuser is None gets no ``c2c``.
+    """
+    st = settings or McqaSettings()
     if st.rule not in ("loglik", "letter"):
         raise InvalidInputError(f"rule must be 'loglik' or 'letter', got {st.rule!r}")
     unknown = [m for m in st.methods if m not in METHODS]
     if unknown:
         raise InvalidInputError(f"unknown methods {unknown}; choose from {METHODS}")
-    if "c2c" in st.methods and fuser is None:
-        raise InvalidInputError("c2c needs a fuser")
-    if fuser is not None:
-        fuser.eval()
-    tallies = {m: _Tally() for m in st.methods}
+    if not receivers:
+        raise InvalidInputError("no receiver to evaluate")
+    for _, fz in receivers.values():
+        if fz is not None:
+            fz.eval()
+    methods = {
+        name: tuple(m for m in st.methods if m != "c2c" or fz is not None)
+        for name, (_, fz) in receivers.items()
+    }
+    tallies = {name: {m: _Tally() for m in ms} for name, ms in methods.items()}
     bf16 = st.bf16
+    any_c2c = any("c2c" in ms for ms in methods.values())
     for i, q in enumerate(questions):
         shared = shared_text(q, st.rule)
-        r_enc = _encode(receiver, shared)
         s_enc = _encode(sharer, shared)
-        need_r = "receiver" in st.methods or "c2c" in st.methods
-        need_s = "sharer" in st.methods or "c2c" in st.methods
-        r_layers: KVLayers | None = None
         s_layers: KVLayers | None = None
-        t_rp = t_sp = 0.0
-        if need_r:
-            r_layers, t_rp = _timed(_prefill_all_but_last, receiver, r_enc.input_ids, bf16)
-        if need_s:
+        t_sp = 0.0
+        if "sharer" in st.methods or any_c2c:
             s_layers, t_sp = _timed(_prefill_all_but_last, sharer, s_enc.input_ids, bf16)
-        for method, side, layers, enc, t_pre in (("receiver", receiver, r_layers, r_enc, t_rp),
-                                                 ("sharer", sharer, s_layers, s_enc, t_sp)):
-            if method not in st.methods:
-                continue
-            assert layers is not None
-            sc, t_sc = _timed(score_choices, side, layers, enc.input_ids[-1],
-                              len(enc.input_ids) - 1, q.choices, bf16)
-            tallies[method].add(sc, q.answer, t_pre + t_sc, prefill=t_pre, score=t_sc)
+        s_scores: tuple[dict[str, list[float]], float] | None = None
+        if "sharer" in st.methods:
+            assert s_layers is not None
+            s_scores = _timed(score_choices, sharer, s_layers, s_enc.input_ids[-1],
+                              len(s_enc.input_ids) - 1, q.choices, bf16)
+        analysis: tuple[tuple[str, int], float] | None = None
         if "t2t" in st.methods:
-            (text, ntok), t_gen = _timed(_analysis, sharer, shared, st.analysis_tokens, bf16)
-            ctx = shared + (f"Hint: {text}\n" if text else "")
-            t_enc = _encode(receiver, ctx)
-            t_layers, t_rp2 = _timed(_prefill_all_but_last, receiver, t_enc.input_ids, bf16)
-            sc, t_sc = _timed(
-                score_choices,
-                receiver,
-                t_layers,
-                t_enc.input_ids[-1],
-                len(t_enc.input_ids) - 1,
-                q.choices,
-                bf16,
-            )
-            tally = tallies["t2t"]
-            tally.add(
-                sc,
-                q.answer,
-                t_gen + t_rp2 + t_sc,
-                sharer_generate=t_gen,
-                receiver_prefill=t_rp2,
-                score=t_sc,
-            )
-            tally.tokens.append(ntok)
-        if "c2c" in st.methods:
-            assert fuser is not None and r_layers is not None and s_layers is not None
-            fused, r_ids, stages = fused_prompt_layers(
-                sharer, receiver, fuser, shared, bf16, r_layers=r_layers, s_layers=s_layers
-            )
-            sc, t_sc = _timed(
-                score_choices, receiver, fused, r_ids[-1], len(r_ids) - 1, q.choices, bf16
-            )
-            t_total = t_rp + t_sp + stages["fuse"] + t_sc
-            tallies["c2c"].add(
-                sc,
-                q.answer,
-                t_total,
-                receiver_prefill=t_rp,
-                sharer_prefill=t_sp,
-                fuse=stages["fuse"],
-                score=t_sc,
-            )
+            analysis = _timed(_analysis, sharer, shared, st.analysis_tokens, bf16)
+        for name, (receiver, fuser) in receivers.items():
+            ms, tally = methods[name], tallies[name]
+            r_enc = _encode(receiver, shared)
+            r_layers: KVLayers | None = None
+            t_rp = 0.0
+            if "receiver" in ms or "c2c" in ms:
+                r_layers, t_rp = _timed(_prefill_all_but_last, receiver, r_enc.input_ids, bf16)
+            if "receiver" in ms:
+                assert r_layers is not None
+                sc, t_sc = _timed(score_choices, receiver, r_layers, r_enc.input_ids[-1],
+                                  len(r_enc.input_ids) - 1, q.choices, bf16)
+                tally["receiver"].add(sc, q.answer, t_rp + t_sc, prefill=t_rp, score=t_sc)
+            if s_scores is not None:
+                sc, t_sc = s_scores
+                tally["sharer"].add(sc, q.answer, t_sp + t_sc, prefill=t_sp, score=t_sc)
+            if analysis is not None:
+                (text, ntok), t_gen = analysis
+                ctx = shared + (f"Hint: {text}\n" if text else "")
+                t_enc = _encode(receiver, ctx)
+                t_layers, t_rp2 = _timed(_prefill_all_but_last, receiver, t_enc.input_ids, bf16)
+                sc, t_sc = _timed(
+                    score_choices,
+                    receiver,
+                    t_layers,
+                    t_enc.input_ids[-1],
+                    len(t_enc.input_ids) - 1,
+                    q.choices,
+                    bf16,
+                )
+                tally["t2t"].add(
+                    sc,
+                    q.answer,
+                    t_gen + t_rp2 + t_sc,
+                    sharer_generate=t_gen,
+                    receiver_prefill=t_rp2,
+                    score=t_sc,
+                )
+                tally["t2t"].tokens.append(ntok)
+            if "c2c" in ms:
+                assert fuser is not None and r_layers is not None and s_layers is not None
+                fused, r_ids, stages = fused_prompt_layers(
+                    sharer, receiver, fuser, shared, bf16, r_layers=r_layers, s_layers=s_layers
+                )
+                sc, t_sc = _timed(
+                    score_choices, receiver, fused, r_ids[-1], len(r_ids) - 1, q.choices, bf16
+                )
+                tally["c2c"].add(
+                    sc,
+                    q.answer,
+                    t_rp + t_sp + stages["fuse"] + t_sc,
+                    receiver_prefill=t_rp,
+                    sharer_prefill=t_sp,
+                    fuse=stages["fuse"],
+                    score=t_sc,
+                )
         if progress is not None:
             progress(i + 1, len(questions))
-    return {m: t.summary(st.rule) for m, t in tallies.items()}
+    return {
+        name: {m: t.summary(st.rule) for m, t in by_method.items()}
+        for name, by_method in tallies.items()
+    }
 
 
 def oracle_fewshot(
@@ -590,26 +635,111 @@ def c2c_mcqa_metric(
     return metric
 
 
-def shipped_pair_fuser_path() -> Path:
-    """Folder of the fuser shipped for the default real pair (sharer -> receiver above)."""
+PAIR_FUSERS: dict[tuple[str, str], str] = {
+    ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"): "qwen2.5-coder-0.5b_to_smollm2-135m",
+    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
+        "qwen2.5-coder-1.5b_to_qwen2.5-coder-0.5b",
+    ("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"): "qwen2.5-coder-1.5b_to_smollm2-135m",
+}
+"""Catalog pairs (sharer, receiver) with a fuser folder under ``fusion/assets``."""
+
+
+def shipped_pair_fuser_path(
+    sharer: str | Path | None = None, receiver: str | Path | None = None
+) -> Path:
+    """Folder of the fuser shipped for a catalog pair (default: :data:`DEFAULT_SHARER` ->
+    :data:`DEFAULT_RECEIVER`). The folder holds ``fuser.json`` once a fuser has been trained
+    and shipped for the pair (:func:`find_pair_fuser` checks); an error for other pairs."""
+    from ._reference import ASSETS_DIR, catalog_name_of
+
+    s = catalog_name_of(sharer or DEFAULT_SHARER)
+    r = catalog_name_of(receiver or DEFAULT_RECEIVER)
+    folder = PAIR_FUSERS.get((s or "", r or ""))
+    if folder is None:
+        raise InvalidInputError(
+            f"no fuser is shipped for {sharer} -> {receiver}; pairs: "
+            + ", ".join(f"{a} -> {b}" for a, b in PAIR_FUSERS)
+        )
+    return ASSETS_DIR / folder
+
+
+def find_pair_fuser(sharer: str | Path | None = None, receiver: str | Path | None = None
+                    ) -> Path | None:
+    """The shipped fuser folder for the pair when there is one (``fuser.json`` present)."""
+    try:
+        path = shipped_pair_fuser_path(sharer, receiver)
+    except InvalidInputError:
+        return None
+    return path if (path / "fuser.json").is_file() else None
+
+
+def shipped_pair_fusers() -> list[Path]:
+    """Every shipped catalog-pair fuser folder (the default pair's first)."""
     from ._reference import ASSETS_DIR
 
-    return ASSETS_DIR / "qwen2.5-coder-0.5b_to_smollm2-135m"
+    found = [ASSETS_DIR / f for f in PAIR_FUSERS.values()]
+    return [p for p in found if (p / "fuser.json").is_file()]
 
 
-def complementarity(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """How the receiver's and sharer's right answers overlap (per-question ``correct``)."""
-    r = results.get("receiver", {}).get("correct")
-    s = results.get("sharer", {}).get("correct")
+def _overlap(results: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """Receiver, sharer, best-of-two oracle (and text hand-off and C2C when present) on the
+    same questions, from the per-question lists ``results[method][key]``."""
+    r = results.get("receiver", {}).get(key)
+    s = results.get("sharer", {}).get(key)
     if not r or not s or len(r) != len(s):
         return {}
     n = len(r)
-    return {
+    either = [bool(a or b) for a, b in zip(r, s)]
+    out: dict[str, Any] = {
+        "n": n,
+        "receiver": sum(r) / n,
+        "sharer": sum(s) / n,
         "both_right": sum(a and b for a, b in zip(r, s)) / n,
         "only_receiver": sum(a and not b for a, b in zip(r, s)) / n,
         "only_sharer": sum(b and not a for a, b in zip(r, s)) / n,
-        "either_right": sum(a or b for a, b in zip(r, s)) / n,
+        "either_right": sum(either) / n,  # the best-of-two oracle
+        "counts": {
+            "only_receiver": sum(bool(a and not b) for a, b in zip(r, s)),
+            "only_sharer": sum(bool(b and not a) for a, b in zip(r, s)),
+            "both_right": sum(bool(a and b) for a, b in zip(r, s)),
+            "neither": sum(not e for e in either),
+        },
     }
+    t = results.get("t2t", {}).get(key)
+    if t and len(t) == n:
+        out["t2t"] = sum(t) / n
+    c = results.get("c2c", {}).get(key)
+    if c and len(c) == n:
+        gap = out["either_right"] - out["receiver"]
+        out["c2c"] = sum(c) / n
+        # the share of the receiver -> oracle gap that C2C closes (None when there is no gap)
+        out["c2c_gap_closed"] = (out["c2c"] - out["receiver"]) / gap if gap > 0 else None
+        only_s = [i for i in range(n) if s[i] and not r[i]]
+        out["c2c_right_of_only_sharer"] = (
+            sum(bool(c[i]) for i in only_s) / len(only_s) if only_s else None
+        )
+        out["c2c_lost_of_receiver_right"] = sum(bool(r[i] and not c[i]) for i in range(n)) / n
+        out["c2c_right_where_neither"] = sum(bool(c[i] and not either[i]) for i in range(n)) / n
+    return out
+
+
+def complementarity(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How the receiver's and sharer's right answers overlap (per-question ``correct``):
+    the flat keys for the run's rule (as before), and ``by_rule`` for both log-likelihood
+    rules (summed, per-token mean) with the best-of-two oracle and C2C's share of the
+    receiver -> oracle gap."""
+    base = _overlap(results, "correct")
+    if not base:
+        return {}
+    out: dict[str, Any] = {k: base[k] for k in
+                           ("both_right", "only_receiver", "only_sharer", "either_right")}
+    rule = next((v.get("rule") for v in results.values() if isinstance(v, dict)), None)
+    by_rule = {str(rule or "loglik"): base}
+    mean = _overlap(results, "correct_loglik_mean")
+    if mean:
+        by_rule["loglik_mean"] = mean
+    out["by_rule"] = by_rule
+    return out
 
 
 def goal_summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -670,8 +800,23 @@ def run_mcqa_eval(
         side.model.to(device=device, dtype=w_dtype)
     fz: Fuser | None = None
     meta: dict[str, Any] = {}
-    fpath = Path(fuser) if fuser is not None else shipped_pair_fuser_path()
+    fpath = Path(fuser) if fuser is not None else find_pair_fuser(
+        sharer or DEFAULT_SHARER, receiver or DEFAULT_RECEIVER
+    )
+    c2c_note = None
+    if "c2c" in st.methods and fpath is None:
+        # no fuser for this pair yet: the other methods still run (the pair's baselines and
+        # its complementarity), C2C is left out and the setup says why
+        c2c_note = (
+            f"no fuser is shipped for {sharer or DEFAULT_SHARER} -> "
+            f"{receiver or DEFAULT_RECEIVER}; c2c not run (pass --fuser DIR)"
+        )
+        log.info(c2c_note)
+        st = dataclasses.replace(st, methods=tuple(m for m in st.methods if m != "c2c"))
+        if not st.methods:
+            raise InvalidInputError(c2c_note)
     if "c2c" in st.methods:
+        assert fpath is not None
         _, meta = read_fuser_config(fpath)
         fz = load_fuser(fpath, sharer=s_side.spec, receiver=r_side.spec, device=device)
     t0 = time.perf_counter()
@@ -701,6 +846,8 @@ def run_mcqa_eval(
         "sharer": str(sharer or DEFAULT_SHARER),
         "receiver": str(receiver or DEFAULT_RECEIVER),
         "fuser": str(fpath) if fz is not None else None,
+        "c2c_note": c2c_note,
+        "methods": list(st.methods),
         "fuser_params": fz.num_parameters() if fz is not None else None,
         "fuser_gates": fz.gates() if fz is not None else None,
         "fuser_meta": meta,
