@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def _shipped_fusers() -> list[Path]:
-    """Fusers shipped with semcomm: the real catalog pair's, then the reference pair's."""
-    from ..fusion import shipped_fuser_path, shipped_pair_fuser_path
+    """Fusers shipped with semcomm: the catalog pairs' (the default pair's first; the larger
+    sharer's pairs once shipped), then the reference pair's."""
+    from ..fusion import shipped_fuser_path, shipped_pair_fusers
 
-    return [shipped_pair_fuser_path(), shipped_fuser_path()]
+    return [*shipped_pair_fusers(), shipped_fuser_path()]
 
 
 def _fits(path: Path, sharer: LocalBackend, receiver: LocalBackend) -> bool:
@@ -58,7 +59,9 @@ def find_fuser(sharer: LocalBackend, receiver: LocalBackend, fuser: str | None
     """``(C2CHandoff | None, why)`` for a (sharer, receiver) pair of in-process models.
 
     With no ``fuser`` configured, the shipped fuser whose pair has these models' shapes is used
-    (the catalog pair Qwen2.5-Coder-0.5B-Instruct -> SmolLM2-135M-Instruct, or the reference pair).
+    (a catalog pair: Qwen2.5-Coder-0.5B-Instruct -> SmolLM2-135M-Instruct, or
+    Qwen2.5-Coder-1.5B-Instruct -> either of them once its fuser is shipped; or the reference
+    pair).
     """
     try:
         from ..fusion import FusionPipeline, ModelSide, load_fuser  # noqa: F401
