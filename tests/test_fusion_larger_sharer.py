@@ -208,3 +208,42 @@ def test_real_larger_sharer_eval_contract(tmp_path: Path) -> None:
         assert "c2c" not in doc and doc["setup"]["c2c_note"]
     else:
         assert doc["c2c"]["n"] == 2 and doc["setup"]["fuser"] == str(shipped)
+
+
+def test_gateway_picks_the_shipped_fuser_of_the_configured_pair(tmp_path: Path, monkeypatch
+                                                                ) -> None:
+    """A `c2c` pipeline naming either larger-sharer pair finds that pair's shipped fuser by
+    the models' shapes; the default pair keeps its own."""
+    from types import SimpleNamespace
+
+    import semcomm.fusion._reference as ref
+    import semcomm.server._c2c as c2c
+
+    shapes = {CODER15: ("qwen2", 28, 151_936), CODER05: ("qwen2", 24, 151_936),
+              SMOL: ("llama", 30, 49_152)}
+
+    def spec(name: str) -> dict[str, Any]:
+        t, n, v = shapes[name]
+        return {"model_type": t, "num_layers": n, "vocab_size": v}
+
+    monkeypatch.setattr(ref, "ASSETS_DIR", tmp_path)
+    for (s, r), folder in (((CODER05, SMOL), "qwen2.5-coder-0.5b_to_smollm2-135m"),
+                           ((CODER15, CODER05), "qwen2.5-coder-1.5b_to_qwen2.5-coder-0.5b"),
+                           ((CODER15, SMOL), "qwen2.5-coder-1.5b_to_smollm2-135m")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "fuser.json").write_text(
+            json.dumps({"sharer": spec(s), "receiver": spec(r)}))
+
+    def backend(name: str) -> Any:
+        t, n, v = shapes[name]
+        cfg = SimpleNamespace(model_type=t, num_hidden_layers=n, vocab_size=v)
+        return SimpleNamespace(name=name, runner=SimpleNamespace(model=SimpleNamespace(config=cfg)))
+
+    monkeypatch.setattr(c2c, "C2CHandoff", lambda s, r, path: ("handoff", path))
+    for s, r, folder in ((CODER05, SMOL, "qwen2.5-coder-0.5b_to_smollm2-135m"),
+                         (CODER15, CODER05, "qwen2.5-coder-1.5b_to_qwen2.5-coder-0.5b"),
+                         (CODER15, SMOL, "qwen2.5-coder-1.5b_to_smollm2-135m")):
+        handoff, why = c2c.find_fuser(backend(s), backend(r), None)
+        assert handoff == ("handoff", tmp_path / folder), why
+    handoff, why = c2c.find_fuser(backend(SMOL), backend(CODER15), None)
+    assert handoff is None and "none of the shipped ones" in why
