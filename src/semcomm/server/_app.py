@@ -50,7 +50,7 @@ from ..errors import (
 )
 from ._backends import Completion, GenRequest
 from ._batching import Delta
-from ._body import BadBody, StrictJSONRoute, default_body_limit
+from ._body import BadBody, BodyLimit, BodyTooLarge, StrictJSONRoute, default_body_limit
 from ._config import ServerConfig, load_config
 from ._dashboard import dashboard_data
 from ._faults import InjectedFault
@@ -148,6 +148,10 @@ def _error_response(exc: BaseException) -> JSONResponse:
     return _err(500, "internal error (see the server log)", "server_error")
 
 
+def _too_large(exc: BodyTooLarge) -> JSONResponse:
+    return _err(413, str(exc.detail), "invalid_request_error", code="request_too_large")
+
+
 def _cache_flags(request: Request) -> tuple[bool, bool]:
     cc = request.headers.get("cache-control", "").lower()
     return "no-cache" in cc, "no-store" in cc
@@ -203,11 +207,12 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
     app = FastAPI(title="semcomm", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway with semantic, KV-prefix and "
                               "cache-to-cache reuse inside tenant boundaries.",
-                  max_body_size=body_limit, docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = StrictJSONRoute  # strict UTF-8, no lone surrogates, bounded depth
     app.state.gateway = gw
     app.state.max_body_bytes = body_limit
     app.add_middleware(_HitsHeader)
+    app.add_middleware(BodyLimit, limit=body_limit, respond=_too_large)  # outermost of ours
 
     # --- errors ----------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -234,10 +239,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, BadBody):
             return _err(400, str(exc.detail), "invalid_request_error", param=exc.param)
-        if exc.status_code == 413:
-            return _err(413, f"the request body is larger than this server accepts "
-                        f"({body_limit:,} bytes: server.max_body_bytes)",
-                        "invalid_request_error", code="request_too_large")
+        if isinstance(exc, BodyTooLarge):
+            return _too_large(exc)
         typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _err(exc.status_code, str(exc.detail), typ)
 

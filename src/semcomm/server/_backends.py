@@ -358,14 +358,7 @@ class LocalBackend:
         """The request's prompt tokens, or a 400 when it cannot fit the model's context: by its
         length in characters first (nothing tokenized), then by its tokens. Tokenizing a long
         prompt takes a while: callers on the event loop run this in a thread."""
-        chars = prompt_chars(req)
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            e = InvalidInputError(
-                f"the prompt has {chars:,} characters; model {self.name!r} accepts at most "
-                f"{self.max_positions - 1:,} prompt tokens, which no text over "
-                f"{self.max_prompt_chars:,} characters fits")
-            e.param = "prompt" if req.messages is None else "messages"  # type: ignore[attr-defined]
-            raise e
+        self.check_prompt_chars(req)
         ids = render_prompt(self.tokenizer, req)
         if not ids:
             raise InvalidInputError("the prompt is empty after rendering")
@@ -378,6 +371,18 @@ class LocalBackend:
             e.param = "prompt" if req.messages is None else "messages"  # type: ignore[attr-defined]
             raise e
         return ids
+
+    def check_prompt_chars(self, req: GenRequest) -> None:
+        """400 when the request's text is longer than any prompt the context holds could be
+        (no tokenizer runs: the gateway calls this before the semantic lookup)."""
+        chars = prompt_chars(req)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            e = InvalidInputError(
+                f"the prompt has {chars:,} characters; model {self.name!r} accepts at most "
+                f"{self.max_positions - 1:,} prompt tokens, which no text over "
+                f"{self.max_prompt_chars:,} characters fits")
+            e.param = "prompt" if req.messages is None else "messages"  # type: ignore[attr-defined]
+            raise e
 
     def kv_headroom(self) -> int | None:
         """KV bytes this worker may still reserve (None: no memory plan)."""

@@ -3,10 +3,13 @@
 Three limits apply to every JSON body, each answered with a 4xx that names the problem, never
 a 5xx or a traceback:
 
-- **size** (``server.max_body_bytes``): FastAPI's ``max_body_size`` refuses a body whose
-  ``Content-Length`` (or whose bytes as they arrive) exceed it with 413 before the body is read
-  or parsed; the default is sized from the largest context the configured models accept
-  (:func:`default_body_limit`);
+- **size** (``server.max_body_bytes``): :class:`BodyLimit` answers a body whose
+  ``Content-Length`` exceeds it with 413 before the app sees it (the bytes are read and
+  dropped, up to :data:`DRAIN_FACTOR` times the limit, so the client reads the answer and the
+  connection stays usable), and one without a length once its bytes pass the limit; nothing
+  is parsed or kept. The default is sized from the largest context the configured models
+  accept (:func:`default_body_limit`). (Starlette's own ``RequestBodyLimitMiddleware`` answers
+  in plain text, not in OpenAI's error shape, and closes the connection.)
 - **encoding**: the bytes must be UTF-8 and every string in the JSON valid Unicode (no lone
   surrogates such as ``"\\ud800"``, which JSON allows and UTF-8 cannot encode): 400 naming
   the byte offset or the field;
@@ -26,10 +29,14 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
+    "DRAIN_FACTOR",
     "MAX_DEPTH",
     "BadBody",
+    "BodyLimit",
+    "BodyTooLarge",
     "StrictJSONRoute",
     "default_body_limit",
     "parse_json_body",
@@ -37,6 +44,10 @@ __all__ = [
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects a request body may have."""
+
+DRAIN_FACTOR = 32
+"""A refused body is read and dropped up to this many times the limit (then the connection
+is closed): the client gets its 413 instead of a reset while it is still sending."""
 
 # the default body limit: bytes per token of the largest context (a token is at most a few
 # characters of text, and JSON escapes a character in at most 12 bytes: a surrogate pair as
@@ -54,6 +65,79 @@ class BadBody(HTTPException):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(status_code=400, detail=message)
         self.param = param
+
+
+class BodyTooLarge(HTTPException):
+    """The body passed ``server.max_body_bytes`` (413). An HTTPException, so that FastAPI's
+    body parsing lets it through to the app's handler, which answers in OpenAI's shape."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(status_code=413, detail=f"the request body is larger than this server "
+                         f"accepts ({limit:,} bytes: server.max_body_bytes)")
+        self.limit = limit
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies of at most ``limit`` bytes (see the module docstring).
+
+    ``respond(exc)`` builds the 413 response (the app's error shape)."""
+
+    def __init__(self, app: ASGIApp, *, limit: int,
+                 respond: Callable[[BodyTooLarge], Response]) -> None:
+        self.app = app
+        self.limit = limit
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = None
+        for k, v in scope.get("headers", ()):
+            if k.lower() == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = None
+        if declared is not None and declared > self.limit:
+            await self._drain(receive)
+            await self.respond(BodyTooLarge(self.limit))(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return msg
+
+        async def watch(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, watch)
+        except BodyTooLarge as exc:  # raised outside a route's body parsing
+            if started:
+                raise
+            await self._drain(receive)
+            await self.respond(exc)(scope, receive, send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of the body, at most DRAIN_FACTOR x the limit."""
+        left = self.limit * DRAIN_FACTOR
+        while left > 0:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            left -= len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
 
 
 def _path(parts: Iterable[str | int]) -> str:

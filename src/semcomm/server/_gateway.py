@@ -170,12 +170,24 @@ def _kv_tokens(backend: Any, req: GenRequest) -> int | None:
         return None
 
 
+def _local_first(backend: Any) -> Any:
+    """The in-process worker a model's requests render on (itself, its first replica, or a
+    FaultyBackend's model); an upstream or a pipeline comes back as it is."""
+    inner = getattr(backend, "inner", backend)
+    replicas = getattr(inner, "replicas", None)
+    return replicas[0] if replicas else inner
+
+
+def _check_prompt_chars(backend: Any, req: GenRequest) -> None:
+    check = getattr(_local_first(backend), "check_prompt_chars", None)
+    if check is not None:
+        check(req)
+
+
 def _prompt_tokens(backend: Any, req: GenRequest) -> int | None:
     """This request's prompt tokens on an in-process ``backend`` (None: an upstream or a
     pipeline, whose tokenizer semcomm does not hold, or a prompt that does not render)."""
-    inner = getattr(backend, "inner", backend)  # a FaultyBackend's model
-    replicas = getattr(inner, "replicas", None)
-    fn = getattr(replicas[0] if replicas else inner, "prompt_ids", None)
+    fn = getattr(_local_first(backend), "prompt_ids", None)
     if fn is None:
         return None
     try:
@@ -447,6 +459,7 @@ class Gateway:
         else:
             model, backend = self.resolve(req.model, req.tenant, req, routed)
         req.model = model
+        _check_prompt_chars(backend, req)  # a text too long for any context: 400, untokenized
         isolate = ctx.isolate
         for st in self._both(req.tenant):
             st.requests += 1
