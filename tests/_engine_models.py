@@ -93,3 +93,26 @@ def reference_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[in
         pad_token_id=0,
     )
     return out[0, len(ids):].tolist()
+
+
+def greedy_margin(model: Any, ids: list[int], tokens: list[int]) -> float:
+    """How far ``tokens`` are from being the model's own greedy continuation of ``ids``: the
+    largest gap, over the steps, between the best logit and the chosen token's logit, with the
+    model run once on ``ids + tokens`` (no cache). 0.0 where every token is the argmax; a small
+    gap is a near-tie that another kernel's rounding may decide the other way."""
+    if not tokens:
+        return 0.0
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids + tokens[:-1]], device=dev)
+    with torch.no_grad():
+        logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].float()
+    steps = logits[len(ids) - 1 :]
+    chosen = steps.gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0]
+    return float((steps.max(-1).values - chosen).max())
+
+
+def assert_greedy_of(model: Any, ids: list[int], tokens: list[int], tol: float = 1e-4) -> None:
+    """``tokens`` are the model's greedy continuation of ``ids``, up to near-ties within
+    ``tol`` (float32 rounding differs between kernels and CPUs; bfloat16 needs a wider one)."""
+    gap = greedy_margin(model, ids, tokens)
+    assert gap <= tol, f"a generated token is {gap:.3g} below the model's best logit"

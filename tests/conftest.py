@@ -52,7 +52,7 @@ def own_redis() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """torch at one thread for the test (the exact CPU kernels run at one thread only)."""
+    """torch at one thread for the test."""
     import torch
 
     before = torch.get_num_threads()

@@ -18,7 +18,7 @@ from semcomm.errors import (
 from semcomm.kv import MemoryStore
 from semcomm.security import TenantSalter
 
-from ._engine_models import prompt_ids, reference_greedy, tiny_model
+from ._engine_models import assert_greedy_of, prompt_ids, tiny_model
 
 CHUNK = 16
 _SMALL: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
@@ -107,19 +107,20 @@ def test_snapshot_round_trip_continues_exactly() -> None:
 
     store_b = MemoryStore()
     b = HFEngine(model, store=store_b, chunk_size=CHUNK, device="cpu")
-    ref = reference_greedy(model, ids, 6)
     r = b.generate(ids, max_new_tokens=6, snapshot=back)  # continue from the snapshot
-    assert r.token_ids == ref
+    assert_greedy_of(model, ids, r.token_ids)
     assert r.stats.hit_tokens == 35 and set(r.stats.hit_tiers) == {"snapshot"}
 
     c = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
     assert c.import_snapshot(data) == 3  # or import it into the store, then hit normally
     r2 = c.generate(ids[:35], max_new_tokens=6)
-    assert r2.stats.hit_tokens == 34 and r2.token_ids == reference_greedy(model, ids[:35], 6)
+    # no stored logits: the last (partial) chunk is recomputed whole, as with the cache off
+    assert r2.stats.hit_tokens == 32 and r2.token_ids == HFEngine(
+        model, chunk_size=CHUNK, device="cpu").generate(ids[:35], max_new_tokens=6).token_ids
 
     d = HFEngine(model, store=MemoryStore(), chunk_size=8, device="cpu")  # other chunking
     assert d.import_snapshot(snap) == 5
-    assert d.generate(ids[:35], max_new_tokens=1).stats.hit_tokens == 34
+    assert d.generate(ids[:35], max_new_tokens=1).stats.hit_tokens == 32
 
 
 def test_snapshot_from_another_namespace_is_refused() -> None:

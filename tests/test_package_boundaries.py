@@ -127,3 +127,55 @@ def test_the_check_sees_each_kind_of_import(tmp_path: Path, source: str, caught:
     (tmp_path / "semcomm" / "engine" / "_cache_adapter.py").write_text("")
     (tmp_path / "semcomm" / "server" / "_probe.py").write_text(source)
     assert bool(violations(tmp_path)) is caught
+
+
+# -------------------------------------------- no other library's private names (portability)
+
+_LIBRARIES = ("torch", "transformers", "numpy", "safetensors", "tokenizers", "torchao")
+
+
+def private_library_names(src: Path = SRC) -> list[str]:
+    """``path:line: name`` for every private name of a library in ``_LIBRARIES`` that code
+    under ``src`` imports or reads (``torch._foo``, ``from torch._x import``, ``from torch
+    import _y``): such names change without notice between releases and CPUs."""
+    bad: list[str] = []
+    for path in sorted(src.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        aliases = {lib: lib for lib in _LIBRARIES}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in _LIBRARIES:
+                        aliases[a.asname or a.name.split(".")[0]] = a.name.split(".")[0]
+        rel = path.relative_to(src)
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                parts = [node.attr]
+                base: ast.expr = node.value
+                while isinstance(base, ast.Attribute):
+                    parts.append(base.attr)
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in aliases:
+                    names = [".".join([aliases[base.id], *reversed(parts)])]
+            for name in names:
+                segs = name.split(".")
+                if segs[0] in _LIBRARIES and any(
+                        s.startswith("_") and not s.startswith("__") for s in segs[1:]):
+                    bad.append(f"{rel}:{node.lineno}: {name}")
+    return sorted(set(bad))
+
+
+def test_no_private_name_of_torch_or_another_library_is_used(tmp_path: Path) -> None:
+    bad = private_library_names()
+    assert not bad, "use the library's public API instead:\n" + "\n".join(bad)
+    probe = tmp_path / "semcomm" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("import torch as T\nfrom transformers import _x\n"
+                     "y = T._weight_int8pack_mm\nz = T.nn.functional.linear\n")
+    assert private_library_names(tmp_path) == [
+        "semcomm/_probe.py:2: transformers._x", "semcomm/_probe.py:3: torch._weight_int8pack_mm"]

@@ -18,7 +18,6 @@ from semcomm.server._memplan import (
     KVAccountant,
     MemoryPlan,
     ModelPlan,
-    greedy_head_bytes,
     kv_shape_from_config,
     weight_bytes,
     weight_bytes_from_dir,
@@ -78,21 +77,17 @@ def test_weight_bytes_count_tied_tensors_once_and_match_the_safetensors_headers(
         weight_bytes_from_dir(tmp_path / "nowhere")
 
 
-def test_weight_bytes_count_the_greedy_head_an_engine_keeps_beside_the_model() -> None:
+def test_an_engine_keeps_nothing_beside_the_models_weights() -> None:
+    """The plan counts the weights only: an engine adds no copy of them, before or after a
+    request."""
     from semcomm.engine import HFEngine
     from semcomm.kv import MemoryStore
 
     model = tiny_model("llama")
     before = weight_bytes(model)
-    estimate = greedy_head_bytes(model.config, torch.float32)
-    assert estimate > 0 and greedy_head_bytes(model.config, torch.bfloat16) == 0
     engine = HFEngine(model, store=MemoryStore(), chunk_size=16, device="cpu")
-    head = engine._greedy_head()
-    if head is None:  # the head's own checks refused this machine: nothing is kept
-        assert weight_bytes(model) == before
-        return
-    assert weight_bytes(model) == before + head.nbytes
-    assert estimate == head.nbytes  # the plan before load prices the same bytes
+    engine.generate(list(range(3, 40)), max_new_tokens=4)
+    assert weight_bytes(model) == before
 
 
 @pytest.mark.skipif(not is_pulled("smollm2-135m-instruct"), reason="smollm2 not pulled")
@@ -305,90 +300,25 @@ def test_the_plan_baseline_counts_the_semantic_embedder_and_cross_encoder(tmp_pa
     assert got["rss_warm"] - got["rss_built"] < 24 * 2**20
 
 
-# ------------------------------------------------ what a one-thread float32 engine keeps beside
+# ------------------------------------------------ the plan against what the engine holds
 
-def _smollm2_or_skip() -> Path:
-    from semcomm.engine._exact_matvec import ExactMatVec
-    from semcomm.engine._quant_matvec import QuantMatVec
-
-    if not is_pulled("smollm2-135m-instruct"):
-        pytest.skip("smollm2 not pulled")
-    pytest.importorskip("gguf")
-    if ExactMatVec.shared() is None or QuantMatVec.shared() is None:
-        pytest.skip("no exact kernels here (x86-64 with AVX-512 and a C compiler)")
-    return Path(model_path("smollm2-135m-instruct", pull_missing=False))
-
-
-def _smollm2_plan(tmp_path: Path, threads: int) -> int:
+@pytest.mark.skipif(not is_pulled("smollm2-135m-instruct"), reason="smollm2 not pulled")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_before_load_is_what_the_engine_holds(tmp_path: Path, dtype: str) -> None:
+    """SmolLM2 through ``serve --check``'s plan, then loaded by the engine with the same
+    ``dtype``: the same weight bytes (rotary buffers apart), nothing beside them."""
+    from semcomm.engine import HFEngine
     from semcomm.server import load_config
     from semcomm.server._wiring import plan_config
 
     cfg = load_config(None, overrides={
-        "server": {"state_dir": str(tmp_path), "torch_threads": threads},
-        "models": {"small": {"path": "smollm2-135m-instruct", "max_context": 256}},
+        "server": {"state_dir": str(tmp_path)},
+        "models": {"small": {"path": "smollm2-135m-instruct", "max_context": 256,
+                             "dtype": dtype}},
         "kv": {"tiers": ["memory"], "memory_bytes": 2**20},
         "semantic": {"enabled": False}}, defaults=False, environ={})
-    return int(plan_config(cfg).models["small"].weight_bytes)
-
-
-def test_the_plan_counts_the_gguf_codes_and_no_greedy_head_where_they_serve_the_head(
-        tmp_path: Path, one_thread: None) -> None:
-    """SmolLM2 at one float32 thread: the plan before load (``serve --check``) prices the
-    GGUF's codes the lean decoder keeps (126.6 MiB of layers, 30.4 MiB of the tied head), and
-    no greedy head (greedy steps take the head from the codes); the loaded engine holds
-    exactly those codes and makes no greedy head, and its measured weight bytes agree."""
-    from semcomm.engine import HFEngine, codes_nbytes_on, planned_codes_nbytes
-
-    path = _smollm2_or_skip()
-    cfg = T.AutoConfig.from_pretrained(path)
-    layers, head = planned_codes_nbytes(path, cfg, threads=1)
-    assert layers > 100 * 2**20 and head > 20 * 2**20
-    greedy = greedy_head_bytes(cfg, torch.float32)
-    base = weight_bytes_from_dir(path)
-    assert _smollm2_plan(tmp_path, 1) == base + layers + head  # the codes, no greedy head
-    assert _smollm2_plan(tmp_path, 2) == base + greedy  # no codes at two threads
-    # what the engine would not build is not counted
-    assert planned_codes_nbytes(path, cfg, threads=2) == (0, 0)
-    assert planned_codes_nbytes(path, cfg, dtype="bfloat16", threads=1) == (0, 0)
-    bare = tmp_path / "no-gguf"  # the same directory without the GGUF beside it
-    bare.mkdir()
-    for f in path.iterdir():
-        (bare / f.name).symlink_to(f)
-    assert planned_codes_nbytes(bare, cfg, threads=1) == (0, 0)
-
-    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = T.AutoTokenizer.from_pretrained(path)
-    eng = HFEngine(model, tok, device="cpu")
-    assert codes_nbytes_on(model) == layers + head  # exactly what was planned
-    lm = model.get_output_embeddings()
-    assert eng._codes_head() is not None
-    out = eng.generate("The capital of France is", max_new_tokens=6)
-    assert len(out.token_ids) >= 2
-    # greedy steps ran from the codes: no int8 copy was made
-    assert eng._ghead is None and getattr(lm, "_semcomm_greedy_head", None) is None
-    assert abs(weight_bytes(model) - (base + layers + head)) <= 64 * 1024  # rotary buffers
-
-
-def test_with_the_codes_off_the_plan_counts_the_greedy_head_the_engine_makes(
-        tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from semcomm.engine import HFEngine, codes_nbytes_on, planned_codes_nbytes
-    from semcomm.engine._greedy_head import GreedyHead
-
-    path = _smollm2_or_skip()
-    cfg = T.AutoConfig.from_pretrained(path)
-    with_codes = planned_codes_nbytes(path, cfg, threads=1)
-    monkeypatch.setenv("SEMCOMM_QUANT_MATVEC", "0")
-    assert planned_codes_nbytes(path, cfg, threads=1) == (0, 0)
-    base, greedy = weight_bytes_from_dir(path), greedy_head_bytes(cfg, torch.float32)
-    assert _smollm2_plan(tmp_path, 1) == base + greedy
-    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = T.AutoTokenizer.from_pretrained(path)
-    eng = HFEngine(model, tok, device="cpu")
-    assert codes_nbytes_on(model) == 0 and eng._codes_head() is None
-    out = eng.generate("The capital of France is", max_new_tokens=6)
-    head = eng._greedy_head()
-    assert isinstance(head, GreedyHead) and head.nbytes == greedy  # made, and used
-    assert len(out.token_ids) >= 2
-    assert abs(weight_bytes(model) - (base + greedy)) <= 64 * 1024
-    monkeypatch.delenv("SEMCOMM_QUANT_MATVEC")
-    assert planned_codes_nbytes(path, cfg, threads=1) == with_codes
+    planned = int(plan_config(cfg).models["small"].weight_bytes)
+    path = model_path("smollm2-135m-instruct", pull_missing=False)
+    eng = HFEngine(str(path), device="cpu", dtype=dtype)
+    eng.generate("The capital of France is", max_new_tokens=4)
+    assert abs(weight_bytes(eng.model) - planned) <= 64 * 1024  # rotary buffers only

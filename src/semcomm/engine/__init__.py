@@ -7,9 +7,9 @@ decoded together, with or without KV reuse); and the decode loop's parts:
 :class:`SamplingParams`, :class:`Sampler`, :class:`StopText` (incremental detokenization with
 stop strings held back), :class:`DecodeState` (one sequence's decode) and
 :func:`decode_steps`, the decode loop every one of these runs (with a caller's forward);
-:func:`greedy_head_nbytes`, what the greedy head keeps beside a float32 head (for a memory plan);
-:func:`planned_codes_nbytes` and :func:`codes_nbytes_on`, the GGUF's quantized codes a
-one-thread float32 lean decoder keeps beside the weights, before and after load.
+:data:`DTYPE_CHOICES` and :data:`QUANTIZE_CHOICES`, the names ``HFEngine(dtype=...,
+quantize=...)`` takes (engine/_options.py), and :func:`resolve_dtype` (what ``"auto"`` means
+on this machine).
 ``BatchDecoder.continue_greedy`` decodes from KV a caller built (fusion's fused cache).
 
 ``_cache_adapter`` is the only module that touches the transformers Cache API; callers that
@@ -21,13 +21,14 @@ from ._batch import BatchDecoder, BatchRequest, BatchResult
 from ._cache_adapter import cache_from_layers, cache_kwargs, cache_layers, output_cache
 from ._decode import DecodeState, FinishReason, Sampler, SamplingParams, StopText, decode_steps
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
-from ._greedy_head import greedy_head_nbytes
-from ._lean_decode import codes_nbytes_on, planned_codes_nbytes
+from ._options import DTYPE_CHOICES, QUANTIZE_CHOICES, resolve_dtype
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DTYPE_CHOICES",
+    "QUANTIZE_CHOICES",
     "BatchDecoder",
     "BatchRequest",
     "BatchResult",
@@ -45,9 +46,7 @@ __all__ = [
     "cache_from_layers",
     "cache_kwargs",
     "cache_layers",
-    "codes_nbytes_on",
     "decode_steps",
-    "greedy_head_nbytes",
     "output_cache",
-    "planned_codes_nbytes",
+    "resolve_dtype",
 ]

@@ -43,6 +43,7 @@ from ..errors import UnsupportedModelError
 __all__ = [
     "BufferLayer",
     "BufferWindowLayer",
+    "ChunkedRunner",
     "KVLayout",
     "ModelRunner",
     "buffer_cache",
@@ -558,6 +559,36 @@ class ModelRunner:
                    attention_mask=self._mask(cache_length(cache) + n, input_ids.device),
                    use_cache=True, **{self._base_cache_kw: cache})
         return out.last_hidden_state[:, -1:]
+
+
+class ChunkedRunner:
+    """A :class:`ModelRunner` whose prefills run one KV chunk at a time.
+
+    Every piece ends at an absolute position that is a multiple of ``chunk_size``, so the
+    forward that computes a chunk's KV has the same inputs and shapes whether the positions
+    before it were restored from a store or computed in the same call: with a lossless codec
+    the cache never changes what is computed (docs/architecture.md, invariant 2), on any CPU,
+    without relying on a kernel's rounding being independent of its shapes.
+    """
+
+    def __init__(self, runner: ModelRunner, chunk_size: int) -> None:
+        self.runner = runner
+        self.model = runner.model  # the scheduler gates this model's decoder layers
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """``ModelRunner.forward`` of ``input_ids`` ``[1, n]`` piece by piece: the last
+        position's float32 logits ``[vocab]``."""
+        start, n = cache_length(cache), int(input_ids.shape[1])
+        c = self.chunk_size
+        a = 0
+        logits = None
+        while a < n:
+            b = min(n, ((start + a) // c + 1) * c - start)
+            logits = self.runner.forward(input_ids[:, a:b], cache)
+            a = b
+        assert logits is not None, "a prefill computes at least one token"
+        return logits
 
 
 def probe_layout(model: Any, device: torch.device, windows: Sequence[Window] = ()) -> KVLayout:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -49,10 +50,8 @@ from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
-from ._greedy_head import GreedyHead
-from ._lean_decode import LeanDecoder
+from ._options import apply_quantize, check_quantize, resolve_dtype
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
-from ._quant_matvec import QuantWeight
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -74,15 +73,6 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
 
 
-def _resolve_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str):
-        dt = getattr(torch, dtype, None)
-        if isinstance(dt, torch.dtype):
-            return dt
-    raise InvalidInputError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
-
 
 class HFEngine:
     """A transformers causal LM that reuses KV chunks from a :class:`semcomm.kv.ChunkStore`.
@@ -101,25 +91,21 @@ class HFEngine:
         salter: the server's :class:`~semcomm.security.TenantSalter` (default: a new one from
             the local secret).
         device: ``"cuda"``/``"cpu"``/a ``torch.device``; default cuda when available.
-        dtype: model dtype (casts the model), default the model's own.
+        dtype: weight and KV dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, a
+            ``torch.dtype``, ``"auto"`` (bfloat16 on a CPU with native bfloat16 arithmetic,
+            else float32: engine/_options.py) or None (the model's own; the default).
+        quantize: ``"int8"``: torchao's int8 weight-only linear layers (``semcomm[quant]``);
+            ``"none"``/None: the weights as loaded. Part of the KV namespace.
         adapter: fingerprint of a LoRA/adapter applied to the model ("" for none).
         keep_logits: store each prompt's last-position logits beside its final chunk (one
             ``[vocab]`` entry: 2 bytes a token id for a bfloat16 model, 4 otherwise), so a
             whole-prompt hit restores them and runs no forward (docs/architecture.md,
-            invariant 3). False: every hit recomputes the prompt's last token.
+            invariant 3). False: every hit recomputes the prompt's last chunk.
         kv_pool_bytes: on the CPU, idle K/V buffer bytes kept for the next request, so a
             restore writes into memory that is already mapped (engine/_pool.py); 0: none.
             ``engine.kv_pool`` may be set to a pool shared by several engines.
-        greedy_head: on the CPU with a float32 LM head, greedy decode steps find the exact
-            argmax from an int8 copy of the head plus an error bound, recomputing only the
-            rows that can hold the maximum in float32 (engine/_greedy_head.py: a quarter of the
-            head's bytes a step, same tokens; the copy costs a quarter of the head's memory,
-            made with the first engine of the model and shared by its others; not made
-            where greedy steps take the full head from the GGUF's codes instead,
-            engine/_lean_decode.py). False: every step runs the full float32 head.
-        lean_decode: decode steps of Llama, Mistral and Qwen2 models run the model's own
-            operations without transformers' per-call machinery (engine/_lean_decode.py:
-            checked bit for bit against the model's forward once); False: the model's forward.
+        greedy_head, lean_decode: accepted for compatibility and ignored (the decode-step
+            shortcuts they named were replaced by ``dtype`` and ``quantize``).
     """
 
     def __init__(
@@ -136,16 +122,22 @@ class HFEngine:
         adapter: str = "",
         keep_logits: bool = True,
         kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
-        greedy_head: bool = True,
-        lean_decode: bool = True,
+        greedy_head: bool | None = None,
+        lean_decode: bool | None = None,
+        quantize: str | None = None,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.codec: KVCodec = get_codec(codec)
-        tdtype = _resolve_dtype(dtype)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        tdtype = resolve_dtype(dtype, self.device)
+        self.quantize = check_quantize(quantize)
+        for flag, value in (("greedy_head", greedy_head), ("lean_decode", lean_decode)):
+            if value is not None:
+                warnings.warn(f"HFEngine({flag}=...) has no effect any more; see dtype= and "
+                              "quantize=", DeprecationWarning, stacklevel=2)
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,6 +161,9 @@ class HFEngine:
             model = model.to(tdtype)
         windows = ca.check_supported(model)
         self.model = model.to(self.device).eval()
+        # fingerprinted before quantization: the namespace names the quantization apart
+        fingerprint = model_fingerprint(self.model)
+        apply_quantize(self.model, self.quantize)
         self.tokenizer = tokenizer
         self.store = store
         self.chunk_size = chunk_size
@@ -180,21 +175,13 @@ class HFEngine:
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
         self.kv_pool: KVBufferPool | None = pool if kv_pool_bytes > 0 else None
-        for flag, value in (("greedy_head", greedy_head), ("lean_decode", lean_decode)):
-            if not isinstance(value, bool):
-                raise InvalidInputError(f"{flag} must be True or False, got {value!r}")
-        self.greedy_head = greedy_head
-        self.lean_decode = lean_decode
-        self._ghead: GreedyHead | None | Literal[False] = None  # None: not tried; False: unusable
-        self._split: bool | None = None  # logits == head(base model's hidden state), bit for bit
-        self._lean: LeanDecoder | None | Literal[False] = None  # as _ghead
         self.tenant = tenant
         self.layout = ca.probe_layout(self.model, self.device, windows)
         self._runner = ca.ModelRunner(self.model)
-        # optional: runs the prefill's forward (``run(runner, ids, cache, align=chunk_size)``;
-        # align 0: one piece, where cut results would change: a sliding-window model, or torch
-        # with more than one intra-op thread), e.g. the
-        # server's scheduler bounding concurrent long prefills (server._engine_runner)
+        self._chunked = ca.ChunkedRunner(self._runner, chunk_size)
+        # optional: runs the prefill's forward (``run(runner, ids, cache, align=chunk_size)``),
+        # e.g. the server's scheduler bounding concurrent long prefills (server._engine_runner);
+        # whatever it does, every piece it runs is cut at chunk boundaries (_ChunkedRunner)
         self.prefill_scheduler: Any = None
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
@@ -204,12 +191,13 @@ class HFEngine:
         else:
             tenant_digest = (salter or TenantSalter()).digest(tenant)
         self.namespace = Namespace(
-            model=model_fingerprint(self.model),
+            model=fingerprint,
             tokenizer=tokenizer_fingerprint(tokenizer),
             dtype=_DTYPE_NAMES[self.dtype],
             codec=self.codec.spec,
             tenant=tenant_digest,
             adapter=adapter,
+            quantize="" if self.quantize == "none" else self.quantize,
         )
         self.namespace_digest: NamespaceDigest = self.namespace.digest
         emb = self.model.get_input_embeddings()
@@ -225,12 +213,6 @@ class HFEngine:
             type(self.model).__name__, self.device, self.layout.num_layers,
             self.layout.kv_heads, chunk_size, self.codec.spec, self.namespace_digest.hex()[:12],
         )
-        # made and checked now (a second or two for a 0.5B model), not inside the first request;
-        # the greedy head only where greedy steps will read it: not where the full head runs
-        # from the GGUF's codes (made later if a step needs it, e.g. at more threads)
-        self._lean_decoder()
-        if self._codes_head() is None:
-            self._greedy_head()
 
     # ------------------------------------------------------------------ input
     def _eos_ids(self) -> frozenset[int]:
@@ -566,7 +548,14 @@ class HFEngine:
         with torch.no_grad():
             # a snapshot's chunks may be cut for other keys (another chunk size, a shorter
             # prompt): they are re-encoded from the cache, so every layer keeps them all
-            upto = len(ids) if logits is not None else len(ids) - 1
+            # without stored logits the prompt's last chunk is recomputed whole, so its
+            # forward has the shapes it has with the cache off (invariant 2)
+            upto = (len(ids) if logits is not None
+                    else (len(ids) - 1) // self.chunk_size * self.chunk_size)
+            if snapshot is None:  # the chunks restored, not those fetched beyond them
+                used = sum(1 for s, _ in chunk_spans(len(ids), self.chunk_size)[:len(chunks)]
+                           if s < upto)
+                chunks, tiers, raw = chunks[:used], tiers[:used], raw[:used]
             cache, _, bufs = self._restore(chunks, upto, max(capacity, len(ids)),
                                            full=snapshot is not None)
             stats.load_ms = (time.perf_counter() - t0) * 1e3
@@ -581,13 +570,8 @@ class HFEngine:
             if logits is None:
                 rest = torch.tensor([ids[kept:]], dtype=torch.long, device=self.device)
                 sched = self.prefill_scheduler
-                # cut only where a cut prefill is bit-identical to one forward: one intra-op
-                # thread (with more, CPU matmuls split rows differently by shape) and no
-                # sliding layers
-                cut = not self.layout.sliding and torch.get_num_threads() == 1
-                logits = (self._runner.forward(rest, cache) if sched is None
-                          else sched.run(self._runner, rest, cache,
-                                         align=self.chunk_size if cut else 0))
+                logits = (self._chunked.forward(rest, cache) if sched is None
+                          else sched.run(self._chunked, rest, cache, align=self.chunk_size))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             stats.prefill_ms = (time.perf_counter() - t1) * 1e3
@@ -768,30 +752,13 @@ class HFEngine:
         cache, bufs = pre.cache, pre.buffers
         pre.buffers = None
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        lean = self._lean_decoder() if max_new > 1 else None
-        if lean is not None and not all(isinstance(layer, ca.BufferLayer)
-                                        for layer in cache.layers):
-            lean = None
-        lm = self.model.get_output_embeddings()
-        # the greedy head, made on first need, unless the full head runs from the GGUF's codes
-        # (every exact logit, from fewer bytes; decided once for the whole decode)
-        codes_head = lean.codes_head(lm) if lean is not None else None
-        head = (self._greedy_head() if params.greedy and max_new > 1 and codes_head is None
-                else None)
 
         def forward(nxt: list[int]) -> torch.Tensor:  # one token on the cache, in place
             step.fill_(nxt[0])
             # inference mode: no version counters or view tracking (a few percent a step here);
             # the cache's buffers stay ordinary tensors written in place
             with torch.inference_mode():
-                if lean is None and head is None:
-                    return self._runner.forward(step, cache)[None]
-                h = lean.hidden(step, cache) if lean is not None else self._runner.hidden(
-                    step, cache)
-                if head is not None and head.verified():  # exact at the argmax, -inf elsewhere
-                    return head.logits(h)[None]
-                full = lean.head_logits(h, lm) if lean is not None else lm(h)  # same bits
-                return full.reshape(1, -1).float()
+                return self._runner.forward(step, cache)[None]
 
         t_dec = time.perf_counter()
         for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
@@ -815,98 +782,6 @@ class HFEngine:
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(token_ids=out, text=seq.text, stats=stats, prompt_ids=ids)
-
-    def _greedy_head(self) -> GreedyHead | None:
-        """The model's LM head as a :class:`GreedyHead`, made once; None where it does not
-        apply (not on the CPU, not a float32 linear head without bias, a model whose logits
-        are not ``lm_head(base model's last hidden state)`` bit for bit, or a machine where the
-        head's own checks fail)."""
-        if self._ghead is None:
-            self._ghead = self._make_greedy_head() or False
-        return self._ghead if isinstance(self._ghead, GreedyHead) else None
-
-    def _codes_head(self) -> QuantWeight | None:
-        """The LM head's GGUF codes where greedy steps take the full head from them now
-        (:meth:`LeanDecoder.codes_head`), else None."""
-        lean = self._lean_decoder()
-        return None if lean is None else lean.codes_head(self.model.get_output_embeddings())
-
-    def _split_head(self) -> bool:
-        """Whether the causal LM's logits are its output embedding (a linear layer) applied to
-        the base model's last hidden state, bit for bit (checked once on a probe)."""
-        if self._split is None:
-            known = getattr(self.model, "_semcomm_split_head", None)  # one check a model
-            if isinstance(known, bool):
-                self._split = known
-                return known
-            lm = self.model.get_output_embeddings()
-            self._split = False
-            if isinstance(lm, torch.nn.Linear) and self._runner.base_model() is not None:
-                probe = torch.tensor([[1, 2, 3]], dtype=torch.long, device=self.device)
-                with torch.inference_mode():
-                    full = self._runner.forward(probe, ca.new_cache())
-                    h = self._runner.hidden(probe, ca.new_cache())
-                    self._split = torch.equal(full, lm(h).reshape(-1).float())
-            if not self._split:
-                logger.info("the model's logits are not its head on the hidden state: "
-                            "decode steps run its whole forward")
-            self.model._semcomm_split_head = self._split
-        return self._split
-
-    def _lean_decoder(self) -> LeanDecoder | None:
-        """The model's :class:`LeanDecoder`, made and checked once a model (a few steps from a
-        probe prompt give the base model's hidden states bit for bit; kept on the model for its
-        other engines); None where it does not apply or ``lean_decode`` is off."""
-        if self._lean is None:
-            if not self.lean_decode:
-                self._lean = False
-            else:  # one lean decoder a model, checked once, shared by its engines
-                known = getattr(self.model, "_semcomm_lean_decoder", None)
-                if not isinstance(known, LeanDecoder) and known is not False:
-                    known = self._make_lean() or False
-                    self.model._semcomm_lean_decoder = known
-                self._lean = known if isinstance(known, LeanDecoder) else False
-        return self._lean if isinstance(self._lean, LeanDecoder) else None
-
-    def _make_lean(self) -> LeanDecoder | None:
-        if self.layout.sliding or not self._split_head():
-            return None
-        lean = LeanDecoder.build(self.model, self._runner.base_model())
-        if lean is None:
-            return None
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randint(3, max(4, self.vocab_size), (1, 9), generator=gen)
-        with torch.inference_mode():  # a short prompt, then 4 steps both ways
-            a = ca.buffer_cache(self.layout, 16, self.device)
-            self._runner.forward(probe[:, :5].to(self.device), a)
-            b = ca.copy_cache(a)
-            for i in range(5, 9):
-                tok = probe[:, i : i + 1].to(self.device)
-                if not torch.equal(self._runner.hidden(tok, a), lean.hidden(tok, b)):
-                    logger.info("lean decode off: its steps differ from the model's forward")
-                    return None
-        return lean
-
-    def _make_greedy_head(self) -> GreedyHead | None:
-        lm = self.model.get_output_embeddings()
-        if (not self.greedy_head or self.device.type != "cpu"
-                or not isinstance(lm, torch.nn.Linear) or lm.bias is not None
-                or lm.weight.dtype != torch.float32 or not self._split_head()):
-            return None
-        # one head per model, shared by its engines (the server makes one engine a tenant):
-        # kept on the head module, valid while its weight is the same, unchanged tensor
-        shared = getattr(lm, "_semcomm_greedy_head", None)
-        key = (lm.weight.data_ptr(), tuple(lm.weight.shape), lm.weight._version)
-        if isinstance(shared, tuple) and shared[0] == key:
-            head: GreedyHead = shared[1]
-        else:
-            head = GreedyHead(lm.weight.detach())
-            lm._semcomm_greedy_head = (key, head)
-        if not head.verified():
-            logger.info("greedy head off: its checks fail on this machine")
-            return None
-        logger.info("greedy head on: %.0f MB beside the float32 head", head.nbytes / 2**20)
-        return head
 
     # -------------------------------------------------------------- snapshots
     def snapshot(self, prompt: Prompt) -> KVSnapshot:

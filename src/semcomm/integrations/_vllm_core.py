@@ -49,7 +49,6 @@ from ..kv import (
     get_codec,
     tensor_arrays,
 )
-from ._vllm_kernels import keys_kernel
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -1004,7 +1003,6 @@ def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
 
     layers, h, t, d = shape
     e = caches[0].element_size()
-    kernel = keys_kernel() if key_layout == "d_bs" else None
     itype = {2: np.int16, 4: np.int32}[e]
     ttype = {2: torch.int16, 4: torch.int32}[e]
     bs = block_size
@@ -1027,13 +1025,6 @@ def _copy_group(caches: Sequence[torch.Tensor], view: memoryview, offset: int,
             src = np.ndarray(dst_shape, dtype=itype, buffer=view,
                              offset=offset + src_off + lay, strides=src_strides)
             if kind == 0 and key_layout == "d_bs":  # each K region holds [D, bs]
-                at = src.ctypes.data, dst.ctypes.data + first_block * sb
-                if kernel is not None and e == 2:
-                    # the same bytes as the numpy copy below, 8x8 tiles at a time
-                    kernel.copy(at[0], at[1], (g, nblk, h),
-                                (slot_bytes // e, bs * d, t * d, d),
-                                (nblk * sb // e, sb // e, sh // e), bs, d)
-                    continue
                 out = np.ndarray((g, nblk, h, d, bs), dtype=itype, buffer=dst,
                                  offset=first_block * sb,
                                  strides=(nblk * sb, sb, sh, bs * e, e))

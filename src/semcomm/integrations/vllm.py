@@ -76,7 +76,6 @@ from ._vllm_core import (
     tenant_of,
     tokenizer_dir_fingerprint,
 )
-from ._vllm_kernels import keys_kernel
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -300,8 +299,6 @@ class SemcommConnector(KVConnectorBase_V1):
         if self._registered:
             caches = [t for _, t in self._registered]
             self._load_buffer(caches)
-            if self.key_layout == "d_bs":
-                keys_kernel()  # built (or found built) now, not inside a request's first load
             if self.settings.layerwise_load:
                 # every chunk of a max_model_len prompt, made and faulted in now: a buffer
                 # made by the first load cost 90 ms of its TTFT here

@@ -5,11 +5,9 @@ once loaded; the KV cache grows with tokens, batch and concurrency; the process 
 sum of the weights, the peak KV of the running requests and the prefix cache it keeps in
 memory. The plan holds, per configured model:
 
-* ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once),
-  or before load from the safetensors headers of the model directory (``serve --check``);
-  both with what the engine keeps beside the weights: the GGUF's quantized codes of a
-  one-thread float32 lean decoder (:func:`~semcomm.engine.planned_codes_nbytes`), and the
-  greedy head's int8 copy where greedy steps do not take the head from those codes;
+* ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once,
+  a quantized weight as the tensors it holds), or before load from the safetensors headers of
+  the model directory (``serve --check``); the engine keeps nothing beside the weights;
 * ``kv_bytes_per_token``: layers x KV heads x (key dim + value dim) x dtype bytes, from the
   model config; a sliding-window layer holds at most ``window - 1`` positions, so
   :meth:`KVShape.bytes_for` caps those layers;
@@ -50,7 +48,6 @@ __all__ = [
     "ModelPlan",
     "build_plan",
     "current_rss_bytes",
-    "engine_bytes_from_dir",
     "kv_shape_from_config",
     "peak_rss_bytes",
     "weight_bytes",
@@ -141,71 +138,25 @@ def kv_shape_from_config(config: Any, dtype: Any = "float32") -> KVShape:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of a loaded model's parameters and buffers (tied tensors counted once), plus what
-    its engines keep beside them: the greedy head's int8 copy of a float32 CPU head
-    (engine/_greedy_head.py) and the lean decoder's GGUF codes (engine/_quant_matvec.py)."""
+    """Bytes of a loaded model's parameters and buffers, tied tensors counted once; a tensor
+    subclass (torchao's quantized weights) counts the plain tensors it is made of."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    tensors = list(model.parameters()) + list(model.buffers())
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    todo = list(model.parameters()) + list(model.buffers())
+    while todo:
+        t = todo.pop()
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if callable(flatten):  # a wrapper subclass: its inner tensors hold the bytes
+            names, _ = flatten()
+            todo.extend(getattr(t, n) for n in names)
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
-    from ..engine import codes_nbytes_on
-
-    return total + _greedy_head_bytes_on(model) + codes_nbytes_on(model)
-
-
-def _greedy_head_bytes_on(model: Any) -> int:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    shared = getattr(head, "_semcomm_greedy_head", None)  # (key, GreedyHead), one a model
-    if isinstance(shared, tuple) and len(shared) == 2:
-        return int(getattr(shared[1], "nbytes", 0))
-    return 0
-
-
-def greedy_head_bytes(config: Any, dtype: Any) -> int:
-    """Bytes of the greedy head an engine makes for this model before it is loaded: an int8
-    copy of a float32 output embedding, a bfloat16 scale a row and its per-block bounds
-    (0 for other dtypes, where the engine keeps the full head only)."""
-    if _dtype_bytes(dtype) != 4:
-        return 0
-    from ..engine import greedy_head_nbytes
-
-    text = _text_config(config)
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-    hidden = int(getattr(text, "hidden_size", 0) or 0)
-    return greedy_head_nbytes(vocab, hidden) if vocab and hidden else 0
-
-
-def engine_bytes_from_dir(path: str | Path, config: Any, dtype: Any, *, threads: int | None,
-                          device: Any = "cpu") -> int:
-    """Bytes an engine will keep beside the weights of the model directory ``path`` before it
-    is loaded: the GGUF's quantized codes of a one-thread float32 lean decoder
-    (:func:`~semcomm.engine.planned_codes_nbytes`; ``threads`` the process's torch threads,
-    None: torch's count now), and the greedy head (:func:`greedy_head_bytes`) unless greedy
-    steps take the full head from the codes (then it is not made)."""
-    device = _device_type(device)
-    if device != "cpu":
-        return 0
-    from ..engine import planned_codes_nbytes
-
-    layers, head = planned_codes_nbytes(path, _text_config(config), dtype=dtype,
-                                        threads=threads, device=device)
-    return layers + head + (0 if head else greedy_head_bytes(config, dtype))
-
-
-def _device_type(device: Any) -> str:
-    """``"cpu"``, ``"cuda"``, ...: the type of ``device`` (None: the engine's default, cuda
-    where available)."""
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
+        total += storage.nbytes()
+    return total
 
 
 def weight_bytes_from_dir(path: str | Path, dtype: Any = None) -> int:

@@ -84,10 +84,10 @@ class PrefillScheduler:
 
     A prefill whose uncached part (the tokens its forward computes) is longer than
     ``long_tokens`` is long: it runs as pieces of about ``piece_tokens`` (cut at multiples of
-    the engine's KV chunk size, so the cache holds the same positions at each cut as after a
-    prefix hit; logits bit-identical to one forward, tests/test_server_prefill_sched.py; an
-    engine with sliding-window layers passes ``align=0``: one piece, whose float results
-    would change if cut), and each piece holds one of ``slots``. Pieces wait in arrival order;
+    the engine's KV chunk size; the engine computes each chunk in a forward of its own
+    anyway, so the scheduler changes when a chunk is computed, never what: the same logits
+    with and without it, tests/test_server_prefill_sched.py), and each piece holds one of
+    ``slots``. Pieces wait in arrival order;
     a waiting long prefill resumes between another's pieces, so two long prompts take turns.
 
     Short work in flight, by worker thread: short prefills (counted while their forward runs)

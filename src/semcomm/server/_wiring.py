@@ -414,7 +414,6 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         DEFAULT_BASELINE_BYTES,
         ModelFacts,
         build_plan,
-        engine_bytes_from_dir,
         weight_bytes,
         weight_bytes_from_dir,
     )
@@ -432,10 +431,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         else:
             try:
                 hf_config = AutoConfig.from_pretrained(path)
-                # beside the weights: the GGUF's codes at one float32 thread, the greedy head
-                wbytes = weight_bytes_from_dir(path, dtype) + engine_bytes_from_dir(
-                    path, hf_config, dtype, threads=config.server.torch_threads,
-                    device=mcfg.device)
+                wbytes = weight_bytes_from_dir(path, dtype)
                 measured = False
             except (OSError, ValueError, SemcommError) as exc:
                 raise ConfigError(f"models.{name}.path: cannot plan {path!r}: {exc}") from exc
