@@ -76,14 +76,15 @@ def _chat_both_ways(url: str, key: str) -> None:
     chunks = list(client.chat.completions.create(model=models[0], messages=msgs, max_tokens=5,
                                                  stream=True))
     assert chunks and chunks[0].object == "chat.completion.chunk"
-    metrics = httpx.get(f"{url}/metrics").text
+    # with keys configured, /metrics needs the admin key (single-user: open to anyone)
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer adm-key"}).text
     families = [ln for ln in metrics.splitlines() if ln.startswith("# TYPE ")]
     assert families and all(ln.split()[2].startswith("semcomm_") for ln in families)
 
 
 def test_serve_contract_with_and_without_config(env: dict[str, str], tmp_path: Path) -> None:
     cfg = tmp_path / "semcomm.toml"
-    cfg.write_text('[tenants.acme]\napi_key = "k1"\n')
+    cfg.write_text('[server]\nadmin_key = "adm-key"\n[tenants.acme]\napi_key = "k1"\n')
     env2 = dict(env, SEMCOMM_HOME=str(tmp_path / "home2"))
     with serve([], env) as plain, serve(["--config", str(cfg)], env2) as tenanted:
         _chat_both_ways(plain, "any-key")

@@ -42,6 +42,10 @@ def serve(
     if port is not None:
         overrides["server"]["port"] = port
     cfg = load_config(config, overrides=overrides)
+    from ..server import preflight
+
+    # paths, the server secret, the files the config names: one line, before any model loads
+    preflight(cfg, create=not check)
     if check:
         import json
 

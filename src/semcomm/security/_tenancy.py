@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NewType
 
-from ..errors import TenantError
+from ..errors import ConfigError, TenantError
 
 __all__ = [
     "CLIENT_SALT_FIELDS",
@@ -68,22 +68,41 @@ def load_server_secret(secret: bytes | str | None = None) -> bytes:
         return raw
     path = semcomm_home() / "secret"
     try:
-        return bytes.fromhex(path.read_text().strip())
+        return _read_secret(path)
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    except NotADirectoryError:
+        raise _secret_error(path, "SEMCOMM_HOME is a file, not a directory") from None
     new = secrets.token_bytes(32)
     tmp = path.with_name(f"secret.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(new.hex())
     try:
-        os.link(tmp, path)  # atomic: the first process to create the file wins
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
-    return bytes.fromhex(path.read_text().strip())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(new.hex())
+        try:
+            os.link(tmp, path)  # atomic: the first process to create the file wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return _read_secret(path)
+    except OSError as exc:
+        raise _secret_error(path, exc.strerror or str(exc)) from None
+
+
+def _read_secret(path: Path) -> bytes:
+    text = path.read_text()
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise _secret_error(path, "its content is not hex") from None
+
+
+def _secret_error(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"cannot read or create the server secret file {path}: {why}; set "
+                       "SEMCOMM_SECRET (or server.secret), or point SEMCOMM_HOME at a writable "
+                       "directory")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from ._faults import FaultyBackend
 from ._gateway import Gateway
 from ._memplan import KVAccountant, MemoryMonitor, MemoryPlan, ModelPlan
 from ._pipeline import PipelineBackend
+from ._preflight import preflight
 from ._ray import serve_ray
 from ._tiny import build_tiny_model
 from ._wiring import build_gateway, plan_config
@@ -50,5 +51,6 @@ __all__ = [
     "create_app",
     "load_config",
     "plan_config",
+    "preflight",
     "serve_ray",
 ]

@@ -125,8 +125,12 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
             tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes,
                                             eviction=kv.memory_eviction))
         elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
-            path = Path(kv.disk_path) if kv.disk_path else config.state_dir() / "kv"
-            path.mkdir(parents=True, exist_ok=True)
+            path = Path(kv.disk_path).expanduser() if kv.disk_path else config.state_dir() / "kv"
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"kv.disk_path: cannot create {path}: "
+                                  f"{exc.strerror or exc}") from None
             tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer,
                                          durability=kv.disk_durability,
                                          max_pending_bytes=kv.disk_max_pending_bytes))
@@ -190,8 +194,12 @@ def build_semantic(config: ServerConfig, salter: TenantSalter | Any) -> tuple[An
     kw: dict[str, Any] = {}
     sealer = _entry_sealer(config)
     if sc.backend == "sqlite":
-        path = Path(sc.path) if sc.path else config.state_dir() / "semantic.sqlite3"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = Path(sc.path).expanduser() if sc.path else config.state_dir() / "semantic.sqlite3"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"semantic.path: cannot create {path.parent}: "
+                              f"{exc.strerror or exc}") from None
         if sealer is None:
             kw["path"] = str(path)
         else:
@@ -364,6 +372,9 @@ def build_gateway(config: ServerConfig, *,
     ``backends`` supplies models built elsewhere (``serve --ray`` deploys them on Ray Serve);
     every other configured model, the pipelines and the hooks are built here.
     """
+    from ._preflight import preflight
+
+    preflight(config)  # paths, the secret, named files: one clear line before any model loads
     if config.server.torch_threads:
         import torch
 
