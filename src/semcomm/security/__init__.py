@@ -9,7 +9,7 @@
   :class:`TimingGuard`).
 """
 
-from ._chunks import SEAL_ALG, ChunkSealer
+from ._chunks import SEAL_ALG, SEAL_META_KEY, ChunkSealer
 from ._entries import ENTRY_SEAL_ALG, EntrySealer
 from ._guard import Admission, ProbeThrottledError, RequestGuard, TenantContext
 from ._probe import ProbeConfig, ProbeDetector, ProbeVerdict, RateLimiter
@@ -44,6 +44,7 @@ __all__ = [
     "SEAL_ALG",
     "Admission",
     "ChunkSealer",
+    "SEAL_META_KEY",
     "ClientSaltError",
     "EntrySealer",
     "Opened",
