@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # semcomm GPU check: the CUDA tests (tests/test_cuda.py) and a warm-vs-cold TTFT measurement
-# (python -m benchmarks.kv.ttft --quick) on a CUDA machine, in under 6 minutes.
+# (python -m benchmarks.kv.ttft --lengths 512,2048 --layers 2) on a CUDA machine, in under 6 minutes.
 #
 # Usage, from the repository root on the GPU machine:   bash tools/gpu_check.sh
 #
@@ -15,7 +15,7 @@
 #   machine.txt          nvidia-smi, interpreter, torch/CUDA/transformers versions
 #   pytest.log           pytest -v output of tests/test_cuda.py (CI's transformers)
 #   junit.xml            the same run as JUnit XML
-#   bench.log            python -m benchmarks.kv.ttft --quick output (tables)
+#   bench.log            python -m benchmarks.kv.ttft output (tables)
 #   bench_kv_ttft_cuda.json   its results (cold vs warm TTFT per tier and codec, on CUDA)
 #   pytest_image_transformers.log   tests/test_cuda.py again with the image's own transformers
 #                        (only when the wheels pinned another version and time is left)
@@ -153,7 +153,7 @@ grep -q '^TIMEOUT' "$OUT/pytest.log" && note "pytest TIMED OUT"
 
 # -- 5. warm vs cold TTFT on CUDA --------------------------------------------------------------
 if [ "$(left)" -gt 60 ]; then
-    timeout "$(cap 150)" "$PY" -m benchmarks.kv.ttft --quick \
+    timeout "$(cap 150)" "$PY" -m benchmarks.kv.ttft --lengths 512,2048 --layers 2 \
         --json "$OUT/bench_kv_ttft_${SEMCOMM_TEST_DEVICE%%:*}.json" >"$OUT/bench.log" 2>&1
     BENCH_RC=$?
     [ "$BENCH_RC" -eq 124 ] && echo "TIMEOUT: the benchmark was stopped" >>"$OUT/bench.log"

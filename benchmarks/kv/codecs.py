@@ -118,9 +118,8 @@ def hf_quantized_greedy(model: Any, ids: list[int], new: int) -> list[int] | str
 def bf16_agreement(model: Any, tok: Any, prompts: list[list[int]], args: argparse.Namespace
                    ) -> dict[str, float]:
     """bfloat16, lossless codec: warm (restored) vs the model's own greedy without a cache."""
-    import copy
-
-    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    # a second copy loaded afresh: an engine may attach state to a model that does not deepcopy
+    m16 = load(args)[0].to(torch.bfloat16)
     # keep_logits=False: the restored prefix with the last token recomputed (a whole hit with
     # its stored logits is the cold run, bit for bit)
     eng = HFEngine(m16, tok, store=MemoryStore(1 << 34), chunk_size=args.chunk_size, device="cpu",
@@ -142,9 +141,11 @@ def bf16_agreement(model: Any, tok: Any, prompts: list[list[int]], args: argpars
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tok, desc = load(args)
-    n_prompts = 2 if args.quick else 4
+    n_prompts = 1 if args.quick else 4
+    if args.quick:  # a smoke run: one short prompt, a few new tokens
+        args.new = min(args.new, 4)
     max_pos = getattr(model.config, "max_position_embeddings", 4096)
-    n_tok = min(512 if args.quick else 1024, max_pos - args.new - 1)
+    n_tok = min(256 if args.quick else 1024, max_pos - args.new - 1)
     prompts = make_prompts(tok, model, n_prompts, n_tok)
     base = HFEngine(model, tok, store=MemoryStore(1 << 34), chunk_size=args.chunk_size,
                     device="cpu", keep_logits=False)
@@ -220,7 +221,7 @@ def show(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 prompts x 512 tokens")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 prompt x 256 tokens, 4 new")
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--model", help="HF model folder (default: reference receiver or config-built)")
     p.add_argument("--chunk-size", type=int, default=256)

@@ -605,7 +605,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-pending-mib", type=int, default=DEFAULT_MAX_PENDING_BYTES >> 20,
                     help="queue bound of the write-behind DiskStore, MiB (its default)")
     ap.add_argument("--png", default=None, help="with --lmcache-python: ratio chart here")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2 MiB per store and size, one repetition, no Redis")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mib, args.repeat, args.no_redis, args.rounds = 2, 1, True, 1
     console = Console(width=150)
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="semcomm-bench-kv-"))

@@ -47,11 +47,11 @@ CODECS = ["lossless", "fp8", "int8", "int4", "int2"]
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
-def build_model(layers: int, dtype: torch.dtype, max_pos: int) -> Any:
+def build_model(layers: int, dtype: torch.dtype, max_pos: int, vocab: int = 151936) -> Any:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=max_pos,
         rope_theta=1_000_000.0, tie_word_embeddings=True, use_sliding_window=False,
     )
@@ -152,11 +152,14 @@ def hf_side_by_side(model: Any, ids: list[int], reps: int, full: Any) -> dict[st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lengths = [512, 2048] if args.quick else [512, 2048, 8192]
-    layers = args.layers or (2 if args.quick else 4)
-    reps = 5  # warm runs are cheap; best-of-5 filters out preemption on a shared machine
+    # --quick is a smoke run (seconds): one short prompt on one layer, two repetitions
+    lengths = args.lengths or ([256] if args.quick else [512, 2048, 8192])
+    layers = args.layers or (1 if args.quick else 4)
+    # warm runs are cheap; best-of-5 filters out preemption on a shared machine
+    reps = 2 if args.quick else 5
     dtype = getattr(torch, args.dtype)
-    model = build_model(layers, dtype, max_pos=max(lengths) + 64)
+    vocab = 8192 if args.quick else 151936  # quick: a small vocabulary, quick to initialise
+    model = build_model(layers, dtype, max_pos=max(lengths) + 64, vocab=vocab)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tmp = Path(tempfile.mkdtemp(prefix="semcomm-bench-ttft-"))
     rng = np.random.default_rng(0)
@@ -166,11 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": {}, "chunk_sweep": [],
     }
     big = 1 << 34
-    results["memcpy_gbps"] = memcpy_gbps()  # DRAM-sized copy, for reference
+    results["memcpy_gbps"] = memcpy_gbps(32 << 20 if args.quick else 256 << 20)  # DRAM-sized copy
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("benchmarking", total=len(lengths) * (3 + 2 * len(CODECS)))
         for n in lengths:
-            ids = rng.integers(0, 151000, size=n).tolist()
+            ids = rng.integers(0, vocab - 936, size=n).tolist()
             row: dict[str, Any] = {}
             plain = HFEngine(model, store=None, chunk_size=args.chunk_size, device=device)
             plain.generate(ids[:16], max_new_tokens=1)  # warm-up
@@ -215,17 +218,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["hf"] = hf_side_by_side(model, ids, reps, pre.cache)
             prog.advance(task)
             results["lengths"][str(n)] = row
-        # chunk-size sweep at 2k tokens, memory tier, lossless
-        n = 2048
-        ids = rng.integers(0, 151000, size=n).tolist()
+        # chunk-size sweep at 2k tokens (quick: the longest prompt), memory tier, lossless
+        n = max(lengths) if args.quick else 2048
+        ids = rng.integers(0, vocab - 936, size=n).tolist()
         plain = HFEngine(model, store=None, chunk_size=256, device=device)
         with torch.no_grad():
             pre = plain.prefill(ids, store=False)
-        for cs in (32, 64, 128, 256, 512):
+        for cs in (64, 256) if args.quick else (32, 64, 128, 256, 512):
             eng = HFEngine(model, store=MemoryStore(big), chunk_size=cs, device=device,
                            keep_logits=False)
             store_ms = populate(eng, pre.cache, ids)
-            w = warm_runs(eng, ids, 7)
+            w = warm_runs(eng, ids, reps + 2)
             results["chunk_sweep"].append({"chunk_size": cs, "store_ms": store_ms, **w})
     return results
 
@@ -272,9 +275,12 @@ def show(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="512 and 2k tokens, 2 layers")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 256 tokens, 1 layer, 2 repetitions")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="prompt lengths in tokens (default 512,2048,8192)")
     p.add_argument("--json", type=Path, help="write the results as JSON")
-    p.add_argument("--layers", type=int, default=0, help="decoder layers (default 4; quick 2)")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (default 4; quick 1)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")

@@ -37,7 +37,7 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace)[:300] if args.quick else load_trace(args.trace)
     rows: list[dict[str, Any]] = []
     cases = [(s, p, aware) for s in args.scales for p in ("default", "least-loaded")
              for aware in (True, False)]
@@ -89,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="live KV per replica in tokens (the trace's prompts average 15k)")
     p.add_argument("--scales", type=lambda s: [float(x) for x in s.split(",")],
                    default=[1.0, 2.0, 3.0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: the first 300 requests at rate x1 and x2")
     p.add_argument("--json", type=Path, default=RESULTS / "routing_memory.json")
     p.add_argument("--png", type=Path, default=RESULTS / "routing_memory.png")
     args = p.parse_args(argv)
+    if args.quick:
+        args.scales = [1.0, 2.0]
     rep = run(args)
     show(rep)
     args.json.parent.mkdir(parents=True, exist_ok=True)

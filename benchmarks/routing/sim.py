@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,19 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--slo", type=float, default=2.0, help="TTFT p90 SLO (s) for the capacity search")
     ap.add_argument("--scale", action="store_true", help="also run 1000 replicas x 100k requests")
-    ap.add_argument("--quick", action="store_true", help="skip the capacity search on the extra traces")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 300 Mooncake requests, no synthetic traces, short searches")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"replicas": args.replicas, "slo_ttft_p90_s": args.slo}
 
     traces: dict[str, list[TraceRequest]] = {"mooncake": load_trace(args.trace)}
-    for name, path in other_traces(args.out).items():
-        traces[name] = load_trace(path)
+    if args.quick:
+        traces["mooncake"] = traces["mooncake"][:300]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, path in other_traces(Path(tmp)).items():
+                traces[name] = load_trace(path)
 
     # 1. hit rate and TTFT per policy, per trace, at rate x1 and x3
     hit_rows = []
@@ -127,7 +133,7 @@ def main() -> None:
                 plot_ttft_cdf(results, args.out / "routing_sim_cdf_mooncake.png", title="Mooncake trace, rate x3")
 
     # 2. hotspot: default vs least-loaded p99
-    hot = hotspot_trace()
+    hot = hotspot_trace()[:400] if args.quick else hotspot_trace()
     hot_res = [simulate(hot, SimConfig(replicas=args.replicas, policy=p)) for p in POLICIES]
     console.print(sim_table(hot_res, title="hotspot (Zipf 1.2, 32 groups, 60 req/s)"))
     plot_ttft_cdf(hot_res, args.out / "routing_sim_cdf_hotspot.png", title="hotspot workload")
@@ -137,17 +143,18 @@ def main() -> None:
 
     # 3. capacity at the TTFT SLO
     cap: dict[str, dict[str, float]] = {}
-    cap_traces = ["mooncake"] if args.quick else list(traces)
-    for tname in cap_traces:
+    cap_policies = ("round-robin", "default") if args.quick else (
+        "round-robin", "least-loaded", "affinity", "two-choice", "default")
+    for tname in traces:
         cap[tname] = {}
-        for p in ("round-robin", "least-loaded", "affinity", "two-choice", "default"):
+        for p in cap_policies:
             c, _ = capacity_at_slo(traces[tname], SimConfig(replicas=args.replicas, policy=p),
-                                   slo_ttft_s=args.slo, iterations=5)
+                                   slo_ttft_s=args.slo, iterations=2 if args.quick else 5)
             cap[tname][p] = c
     report["capacity_rate_scale"] = cap
 
     # 4. decision latency at 64 replicas
-    lat = decision_latency()
+    lat = decision_latency(requests=300 if args.quick else 3000)
     report["decision_latency_64"] = lat
 
     # 5. scale

@@ -143,11 +143,11 @@ def bench_sqlite_inserts(n: int, vecs: np.ndarray) -> dict:
     return {"sqlite_inserts_per_s_batched": batched, "sqlite_inserts_per_s_single": single}
 
 
-def bench_whole_hit(q: int) -> dict:
+def bench_whole_hit(q: int, entries: int = 1000) -> dict:
     emb = default_embedder()
     cache = SemanticCache(embedder=emb)
-    stored = [f"How do I configure feature number {i} of the product?" for i in range(1000)]
-    cache.store_many(stored, [f"answer {i}" for i in range(1000)])
+    stored = [f"How do I configure feature number {i} of the product?" for i in range(entries)]
+    cache.store_many(stored, [f"answer {i}" for i in range(entries)])
     lat, hits = [], 0
     for i in range(q):
         query = f"How can I configure feature number {i} of the product?"
@@ -156,7 +156,7 @@ def bench_whole_hit(q: int) -> dict:
         lat.append(time.perf_counter() - t)
         hits += h is not None
     p50, p99 = pct(lat)
-    return {"p50_ms": p50, "p99_ms": p99, "hit_rate": hits / q, "entries": 1000}
+    return {"p50_ms": p50, "p99_ms": p99, "hit_rate": hits / q, "entries": entries}
 
 
 def bench_gptcache(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -> dict:
@@ -199,7 +199,8 @@ def bench_gptcache(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10k and 100k entries only")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2,000 entries, 50 queries, small SQLite and GPTCache rows")
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--sizes", type=str, default="", help="comma-separated entry counts")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -218,13 +219,15 @@ def main() -> None:
     args = ap.parse_args()
     global MODEL
     with console.status("fitting the vector model"):
-        MODEL = VectorModel(args.data, dim=DIM)
+        MODEL = VectorModel(args.data, dim=DIM, n_questions=600 if args.quick else 6000)
     args.out.mkdir(parents=True, exist_ok=True)
-    sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
+    sizes = [2_000] if args.quick else [10_000, 100_000, 1_000_000]
+    if args.quick:
+        args.queries, args.gptcache_entries = min(args.queries, 50), min(args.gptcache_entries, 1000)
     if args.sizes:
         sizes = [int(x) for x in args.sizes.split(",")]
     rng = np.random.default_rng(0)
-    vecs = MODEL.sample(rng, max(max(sizes), 20_000))
+    vecs = MODEL.sample(rng, max(max(sizes), 2_000 if args.quick else 20_000))
     res: dict = {"dim": DIM, "data": args.data, "queries": args.queries, "sizes": {}}
     t1 = Table(title="lookup latency without embedding (ms)")
     for col in ("entries", "flat p50/p99", "IVF p50/p99 (recall@1)", "HNSW p50/p99 (recall@1)",
@@ -253,8 +256,9 @@ def main() -> None:
         (args.out / args.json_name).write_text(json.dumps(res, indent=1))
         console.print(f"wrote {args.out / args.json_name}")
         return
-    res["sqlite"] = bench_sqlite_inserts(20_000, vecs)
-    res["whole_hit_minilm"] = bench_whole_hit(min(args.queries, 200))
+    res["sqlite"] = bench_sqlite_inserts(2_000 if args.quick else 20_000, vecs)
+    res["whole_hit_minilm"] = (bench_whole_hit(20, entries=100) if args.quick
+                               else bench_whole_hit(min(args.queries, 200)))
     w = res["whole_hit_minilm"]
     console.print(f"whole hit with MiniLM (embed + lookup), CPU: p50 {w['p50_ms']:.1f} ms, "
                   f"p99 {w['p99_ms']:.1f} ms, hit rate {w['hit_rate']:.2f}")
