@@ -11,6 +11,12 @@ stop strings held back), :class:`DecodeState` (one sequence's decode) and
 quantize=...)`` takes (engine/_options.py), and :func:`resolve_dtype` (what ``"auto"`` means
 on this machine).
 ``BatchDecoder.continue_greedy`` decodes from KV a caller built (fusion's fused cache).
+Documents reused at any position (engine/_documents.py, docs/rag.md): the prompt segments
+:class:`System`, :class:`User`, :class:`Assistant`, :class:`Text`, :class:`Document`
+(:class:`Segment` their base; :func:`build_prompt` their token ids and document spans, a
+:class:`SegmentedPrompt`), :class:`DocumentReuse` (precompute a document's KV once; prefill and
+generate with it re-rotated into place and a share recomputed by a selector in
+:data:`SELECTORS`), :class:`BlendResult` and :class:`BlendStats`.
 
 ``_cache_adapter`` is the only module that touches the transformers Cache API; callers that
 move KV tensors themselves (fusion) use its four exported functions: :func:`cache_layers`,
@@ -20,6 +26,22 @@ move KV tensors themselves (fusion) use its four exported functions: :func:`cach
 from ._batch import BatchDecoder, BatchRequest, BatchResult
 from ._cache_adapter import cache_from_layers, cache_kwargs, cache_layers, output_cache
 from ._decode import DecodeState, FinishReason, Sampler, SamplingParams, StopText, decode_steps
+from ._documents import (
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SELECTOR,
+    SELECTORS,
+    Assistant,
+    BlendResult,
+    BlendStats,
+    Document,
+    DocumentReuse,
+    Segment,
+    SegmentedPrompt,
+    System,
+    Text,
+    User,
+    build_prompt,
+)
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
 from ._options import DTYPE_CHOICES, QUANTIZE_CHOICES, resolve_dtype
 from ._snapshot import KVSnapshot
@@ -27,12 +49,20 @@ from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStrea
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_RECOMPUTE",
+    "DEFAULT_SELECTOR",
     "DTYPE_CHOICES",
     "QUANTIZE_CHOICES",
+    "SELECTORS",
+    "Assistant",
     "BatchDecoder",
     "BatchRequest",
     "BatchResult",
+    "BlendResult",
+    "BlendStats",
     "DecodeState",
+    "Document",
+    "DocumentReuse",
     "FinishReason",
     "GenerationResult",
     "GenerationStats",
@@ -41,8 +71,14 @@ __all__ = [
     "PrefillResult",
     "Sampler",
     "SamplingParams",
+    "Segment",
+    "SegmentedPrompt",
     "StopText",
+    "System",
+    "Text",
     "TokenStream",
+    "User",
+    "build_prompt",
     "cache_from_layers",
     "cache_kwargs",
     "cache_layers",

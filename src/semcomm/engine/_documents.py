@@ -49,6 +49,7 @@ import math
 import re
 import struct
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,8 @@ from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 
 __all__ = [
+    "DEFAULT_RECOMPUTE",
+    "DEFAULT_SELECTOR",
     "SELECTORS",
     "Assistant",
     "BlendResult",
@@ -82,6 +85,7 @@ __all__ = [
     "Text",
     "User",
     "blend_root",
+    "build_prompt",
     "document_root",
     "rope_spec",
     "rotate_keys",
@@ -247,6 +251,10 @@ class RopeSpec:
     head_dim: int
 
 
+_SPECS: weakref.WeakKeyDictionary[Any, RopeSpec | UnsupportedModelError] = (
+    weakref.WeakKeyDictionary())
+
+
 def _decoder_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if callable(get) else config
@@ -256,7 +264,7 @@ def rope_spec(model: Any) -> RopeSpec:
     """The model's rotary parameters, or :class:`UnsupportedModelError` naming why its
     positions cannot be moved. Checked once a model on its own layer-0 keys (a probe at two
     offsets: rotating the first by the difference must give the second)."""
-    known = getattr(model, "_semcomm_rope_spec", None)
+    known = _SPECS.get(model)  # kept beside the model, never written onto it
     if isinstance(known, RopeSpec):
         return known
     if isinstance(known, UnsupportedModelError):
@@ -264,9 +272,9 @@ def rope_spec(model: Any) -> RopeSpec:
     try:
         spec = _rope_spec(model)
     except UnsupportedModelError as exc:
-        model._semcomm_rope_spec = exc
+        _SPECS[model] = exc
         raise
-    model._semcomm_rope_spec = spec
+    _SPECS[model] = spec
     return spec
 
 
@@ -413,6 +421,7 @@ class BlendResult:
     text: str | None
     stats: BlendStats
     prompt_ids: list[int]
+    last_logits: torch.Tensor | None = None  # the prompt's last-position logits (float32)
 
 
 @dataclass
@@ -441,16 +450,19 @@ class DocumentReuse:
         key_mode: ``"rotated"`` (keys stored as computed, at the anchor's positions, moved by
             the difference at use) or ``"unrotated"`` (keys stored at position 0, moved by
             their target position).
+        keep_blended: store each blended prompt whole (so the same prompt repeated restores
+            it and runs no forward); False keeps only documents and exact prefix chunks.
     """
 
     def __init__(self, engine: Any, anchor: Sequence[int] | None = None,
-                 key_mode: str = "rotated"):
+                 key_mode: str = "rotated", keep_blended: bool = True):
         if key_mode not in KEY_MODES:
             raise InvalidInputError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
         self.engine = engine
         self.model = engine.model
         self.spec = rope_spec(engine.model)
         self.key_mode = key_mode
+        self.keep_blended = bool(keep_blended)
         lay = engine.layout
         self.layout = ca.KVLayout(lay.num_layers, lay.kv_heads, lay.k_dim, lay.v_dim, lay.dtype)
         self.windows = tuple(w for w in (lay.windows or ()) if w is not None)
@@ -667,7 +679,8 @@ class DocumentReuse:
         jobs: list[Callable[[], None]] = []
         # 1. the same blended prompt stored whole: restore it and its logits, no forward
         bkeys = self._blend_keys(prompt, selector, r)
-        logits = self._restore_chain(bkeys, n, bk, bv, stats, whole=True)
+        logits = (self._restore_chain(bkeys, n, bk, bv, stats, whole=True)
+                  if self.keep_blended else None)
         if logits is not None:
             stats.blend_hit = True
             stats.reused_tokens = prompt.document_tokens
@@ -708,7 +721,9 @@ class DocumentReuse:
             if head_end > h:
                 cache = ca.buffer_cache(lay, cap, self.device, h, (bk, bv))
                 x = torch.tensor([ids[h:head_end]], dtype=torch.long, device=self.device)
-                eng._runner.forward(x, cache)
+                # cut at chunk boundaries as the engine's own prefill is, so the head's chunks
+                # stored under the ordinary prefix keys are what the engine would compute
+                getattr(eng, "_chunked", eng._runner).forward(x, cache)
             stats.recomputed_tokens = head_end - h
             # candidates: document tokens after the exact head; fixed: everything else there
             pos = torch.arange(n)
@@ -742,7 +757,8 @@ class DocumentReuse:
                 stats.chunks_stored += c
                 stats.bytes_stored += b
             self._store_head(ids, head_end, bk, bv, stats)
-            self._store_blend(bkeys, n, bk, bv, logits, stats)
+            if self.keep_blended:
+                self._store_blend(bkeys, n, bk, bv, logits, stats)
             stats.store_ms += (time.perf_counter() - ts0) * 1e3
 
         jobs.append(store_all)
@@ -1114,4 +1130,4 @@ class DocumentReuse:
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t0
         return BlendResult(token_ids=list(seq.token_ids), text=seq.text, stats=stats,
-                           prompt_ids=ids)
+                           prompt_ids=ids, last_logits=pre.last_logits)
