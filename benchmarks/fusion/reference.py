@@ -98,7 +98,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/fusion_reference.json"))
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/fusion_reference.png"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 held-out questions")
     args = p.parse_args()
+    if args.quick:
+        args.limit = 8
     torch.set_num_threads(args.threads)
     fuser_path = args.fuser or shipped_fuser_path()
     n_items = len(reference_items(build_world(seed=0), heldout=True, limit=args.limit or None))
@@ -109,7 +112,7 @@ def main() -> None:
             limit=args.limit or None,
             progress=lambda i, n: prog.update(task, completed=i),
         )
-    doc["breakdown_ms"] = breakdown(min(n_items, 60), fuser_path)
+    doc["breakdown_ms"] = breakdown(min(n_items, 8 if args.quick else 60), fuser_path)
     setup = doc["setup"]
     t = Table(
         title=f"C2C on {setup['items']} held-out reference questions ({setup['answer_mode']})"

@@ -448,11 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", type=Path, default=RESULTS / "kv_real_models.png")
     p.add_argument("--resume", action="store_true", help="keep cells already in the JSON file")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: SmolLM2, one 256-token prompt, the ttft section, 1 repetition")
+                   help="smoke run: SmolLM2, one 128-token prompt, the ttft section, 1 repetition")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.lengths, args.sections, args.reps = (
-            "smollm2-135m-instruct", "256", "ttft", 1)
+            "smollm2-135m-instruct", "128", "ttft", 1)
+        args.threads = 1  # two OpenMP threads on a busy box spin more than they compute
     torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -432,6 +432,16 @@ def with_unstored_oos(w: FAQWorkload, seed: int) -> tuple[FAQWorkload, list[str]
                         w.expected + [None] * len(oos)), kinds + ["unstored-intent"] * len(oos))
 
 
+def quick_workloads(seed: int) -> list[Traffic]:
+    """``--quick``: a smoke run on two small validation sets (200 Quora pairs, 10 CLINC intents
+    with 3 lookups each and CLINC's out-of-scope queries); no fresh set is built."""
+    dev = clinc_faq("train", DEV_FAQ_INTENTS[:10], queries_per_intent=3, seed=seed)
+    kinds = ["in-scope" if e is not None else "clinc-oos" for e in dev.expected]
+    return [Traffic(QUORA_VAL, "pairs", [pairs_workload(200, name="quora-val")], role="validation"),
+            Traffic("clinc-dev (validation: chose the vote defaults)", "faq", [dev],
+                    query_kinds=kinds, role="validation")]
+
+
 def workloads(block: int, nblocks: int, seed: int, fresh: bool = True) -> list[Traffic]:
     """The validation workloads, then (``fresh``) the fresh ones."""
     dev, dev_kinds = with_unstored_oos(
@@ -466,6 +476,8 @@ def workloads(block: int, nblocks: int, seed: int, fresh: bool = True) -> list[T
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: two small validation sets, 50 resamples, no speed rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--intent-cut", type=float, default=None,
@@ -542,7 +554,11 @@ def main() -> None:
                   if args.previous_verifier is None
                   else f"previous default ({rule_label}, {args.previous_verifier.name} verifier, "
                        f"lone cut {pt:g} / {pp:g})")
-    wl = workloads(args.block, args.blocks, args.seed, fresh=not args.validation_only)
+    if args.quick:
+        args.boot, args.speed_entries = 50, 0
+        wl = quick_workloads(args.seed)
+    else:
+        wl = workloads(args.block, args.blocks, args.seed, fresh=not args.validation_only)
     by_name = {t.name: t for t in wl}
     val_for = {"faq": by_name["clinc-dev (validation: chose the vote defaults)"],
                "pairs": by_name[QUORA_VAL]}

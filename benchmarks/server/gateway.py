@@ -237,7 +237,7 @@ def main() -> None:
     if args.dummy_port:
         run_dummy(args.dummy_port)
         return
-    n, warm, clients, per = (60, 5, 16, 8) if args.quick else (200, 10, 16, 25)
+    n, warm, clients, per = (20, 2, 4, 5) if args.quick else (200, 10, 16, 25)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     tmp = Path(tempfile.mkdtemp(prefix="semcomm-bench-gw-"))
     env["SEMCOMM_HOME"] = str(tmp / "home")

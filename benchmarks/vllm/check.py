@@ -423,7 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_check.json"))
     ap.add_argument("--png", default=None)
     ap.add_argument("--quiet", action="store_true", help="do not echo vLLM's output")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: a 256-token prompt, 4 greedy tokens, one sample each")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.max_tokens, args.repeats = 256, 4, 1
     if args.phase is not None:
         os.environ.update(ENV)
         res = phase(args)

@@ -54,10 +54,17 @@ def summary(label: str, r: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("reports", nargs="+", help="LABEL=PATH of a benchmarks.vllm.check JSON report")
+    ap.add_argument("reports", nargs="*", help="LABEL=PATH of a benchmarks.vllm.check JSON report")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: the committed benchmarks/results/vllm_check.json, twice")
     args = ap.parse_args(argv)
+    if args.quick and not args.reports:
+        committed = Path(__file__).resolve().parents[1] / "results" / "vllm_check.json"
+        args.reports = [f"a={committed}", f"b={committed}"]
+    if not args.reports:
+        ap.error("give at least one LABEL=PATH report")
     rows = []
     for item in args.reports:
         label, sep, path = item.partition("=")
