@@ -217,3 +217,40 @@ def test_bad_requests_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="vocabulary"):
         docs.generate([Document(tokens=(99999,))], 2)
     assert isinstance(build_prompt(None, segs), SegmentedPrompt)
+
+
+def test_engine_precompute_and_segmented_generate() -> None:
+    eng = _engine("qwen2")
+    segs = _segments(docs=3)
+    assert sum(eng.precompute(s) for s in segs if isinstance(s, Document)) > 0
+    ids = list(build_prompt(None, segs).ids)
+    r = eng.generate(segs, 6, selector="cacheblend", recompute=1.0)
+    assert r.token_ids == reference_greedy(eng.model, ids, 6)
+    assert r.prompt_ids == ids
+    doc = r.stats.documents
+    assert doc is not None and doc["documents_hit"] == 3 and doc["selector"] == "cacheblend"
+    assert r.stats.to_dict()["documents"]["recompute_share"] == 1.0
+    pieces = list(stream := eng.generate(segs, 6, recompute=0.2, stream=True))
+    assert stream.result is not None and pieces == stream.result.token_ids  # no tokenizer: ids
+    with pytest.raises(InvalidInputError, match="documents"):
+        eng.generate(ids, 2, selector="epic")
+
+
+@pytest.mark.slow
+def test_real_model_chat_segments_full_recompute_matches_the_engine() -> None:
+    from semcomm.engine import System, User
+
+    eng = HFEngine("smollm2-135m-instruct", store=MemoryStore(), dtype="float32")
+    d1 = Document("(Title: Paris) Paris is the capital and most populous city of France.")
+    d2 = Document("(Title: Berlin) Berlin is the capital and largest city of Germany.")
+    segs = [System("Answer briefly."), User("Documents:\n"), d1, Text("\n"), d2,
+            User("\nQuestion: What is the capital of Germany?\nAnswer:")]
+    prompt = build_prompt(eng.tokenizer, segs)
+    assert prompt.ids[slice(*prompt.spans[1])] == tuple(eng.documents().document_tokens(d2))
+    want = eng.generate(list(prompt.ids), 8).token_ids
+    eng.precompute(d1)
+    got = eng.generate(segs, 8, selector="prophet", recompute=1.0)
+    assert got.token_ids == want
+    assert got.stats.documents["documents_hit"] == 1  # d2 computed alone by the request
+    again = eng.generate(segs[:2] + [d2, Text("\n"), d1] + segs[-1:], 8, recompute=0.15)
+    assert again.stats.documents["documents_hit"] == 2  # reordered: both stored now

@@ -50,7 +50,7 @@ import re
 import struct
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,8 @@ __all__ = [
     "blend_root",
     "build_prompt",
     "document_root",
+    "generation_result",
+    "is_segmented",
     "rope_spec",
     "rotate_keys",
 ]
@@ -1096,21 +1098,50 @@ class DocumentReuse:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> BlendResult:
         """Generate after a segmented prompt (documents reused, a share ``recompute`` of their
         tokens recomputed by ``selector``); greedy unless ``temperature > 0``."""
-        t0 = time.perf_counter()
+        gen = self.generate_iter(segments, max_new_tokens, selector=selector,
+                                 recompute=recompute, stop=stop, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, seed=seed)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                result: BlendResult = done.value
+                return result
+
+    def generate_iter(self, segments: Sequence[Segment] | SegmentedPrompt,
+                      max_new_tokens: int = 32, *, selector: str = DEFAULT_SELECTOR,
+                      recompute: float = DEFAULT_RECOMPUTE,
+                      stop: Sequence[str | int] | str | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                      t_start: float | None = None) -> Generator[Any, None, BlendResult]:
+        """:meth:`generate` as a generator of released text pieces (token ids without a
+        tokenizer) whose return value is the :class:`BlendResult`; the prompt's KV is stored
+        after the first token is chosen, before its text is released."""
+        t0 = time.perf_counter() if t_start is None else t_start
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         eng = self.engine
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+        stop_strs = [s for s in stops if isinstance(s, str) and s]
+        if stop_strs and eng.tokenizer is None:
+            raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
         prompt = self.prepare(segments)
         self._validate(list(prompt.ids), max_new_tokens)
+        return self._generate_iter(prompt, max_new_tokens, params, stop_strs,
+                                   {int(s) for s in stops if isinstance(s, int)}, selector,
+                                   recompute, t0)
+
+    def _generate_iter(self, prompt: SegmentedPrompt, max_new_tokens: int,
+                       params: SamplingParams, stop_strs: list[str], stop_ids: set[int],
+                       selector: str, recompute: float,
+                       t0: float) -> Generator[Any, None, BlendResult]:
+        eng = self.engine
         pre = self.prefill(prompt, selector=selector, recompute=recompute,
                            capacity=len(prompt.ids) + max_new_tokens, store=False)
         ids = list(pre.prompt.ids)
         seq = DecodeState(eng.tokenizer, params, self.device, max_new_tokens=max_new_tokens,
-                          stop=[s for s in stops if isinstance(s, str) and s],
-                          stop_ids={int(s) for s in stops if isinstance(s, int)},
-                          eos_ids=eng.eos_token_ids)
+                          stop=stop_strs, stop_ids=stop_ids, eos_ids=eng.eos_token_ids)
         cache = pre.cache
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         stats = pre.stats
@@ -1120,14 +1151,47 @@ class DocumentReuse:
             with torch.inference_mode():
                 return eng._runner.forward(step, cache)[None]
 
-        for i, _ in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
+        for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
             if i == 0:
                 stats.ttft_s = time.perf_counter() - t0
                 for job in pre.store_jobs:
                     job()
-        seq.finish()
+            if isinstance(piece, int) or piece:
+                yield piece
+        tail = seq.finish()
+        if tail:
+            yield tail
         stats.new_tokens = len(seq.token_ids)
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t0
         return BlendResult(token_ids=list(seq.token_ids), text=seq.text, stats=stats,
                            prompt_ids=ids, last_logits=pre.last_logits)
+
+
+def is_segmented(prompt: Any) -> bool:
+    """Whether a prompt is a list of :class:`Segment` (or a :class:`SegmentedPrompt`)."""
+    if isinstance(prompt, SegmentedPrompt):
+        return True
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and all(isinstance(s, Segment) for s in prompt))
+
+
+def generation_result(res: BlendResult, codec: str) -> Any:
+    """A :class:`BlendResult` as the engine's ``GenerationResult`` (``stats.documents`` holds
+    what was reused and recomputed)."""
+    from ._types import GenerationResult, GenerationStats
+
+    st = res.stats
+    gs = GenerationStats(
+        prompt_tokens=st.prompt_tokens,
+        hit_tokens=st.prompt_tokens - st.recomputed_tokens,
+        recomputed_tokens=st.recomputed_tokens, logits_restored=st.blend_hit,
+        bytes_loaded=st.bytes_loaded, bytes_stored=st.bytes_stored,
+        chunks_stored=st.chunks_stored, load_ms=st.load_ms, prefill_ms=st.prefill_ms,
+        store_ms=st.store_ms, ttft_s=st.ttft_s, new_tokens=st.new_tokens, total_s=st.total_s,
+        codec=codec, finish_reason=st.finish_reason)
+    gs.hit_tiers = ("documents",) if gs.hit_tokens else ()
+    if hasattr(gs, "documents"):
+        gs.documents = st.to_dict()
+    return GenerationResult(token_ids=res.token_ids, text=res.text, stats=gs,
+                            prompt_ids=res.prompt_ids)

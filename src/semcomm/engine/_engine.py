@@ -49,6 +49,14 @@ from ..kv import (
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
+from ._documents import (
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SELECTOR,
+    Document,
+    DocumentReuse,
+    generation_result,
+    is_segmented,
+)
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._options import apply_quantize, check_quantize, resolve_dtype
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
@@ -72,6 +80,14 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
 
+
+
+def _as_generation(gen: Generator[Any, None, Any], codec: str
+                   ) -> Generator[Any, None, GenerationResult]:
+    """A document prompt's pieces, returning the engine's :class:`GenerationResult`."""
+    blended = yield from gen
+    result: GenerationResult = generation_result(blended, codec)
+    return result
 
 
 class HFEngine:
@@ -183,6 +199,7 @@ class HFEngine:
         # e.g. the server's scheduler bounding concurrent long prefills (server._engine_runner);
         # whatever it does, every piece it runs is cut at chunk boundaries (_ChunkedRunner)
         self.prefill_scheduler: Any = None
+        self._documents: Any = None  # DocumentReuse, made on first use (engine/_documents.py)
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
             raise InvalidInputError(f"unsupported KV dtype {self.dtype}")
@@ -675,6 +692,7 @@ class HFEngine:
         stop: Sequence[str | int] | str | None = ..., stream: Literal[False] = ...,
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
+        selector: str | None = ..., recompute: float | None = ...,
     ) -> GenerationResult: ...
 
     @overload
@@ -684,6 +702,7 @@ class HFEngine:
         stop: Sequence[str | int] | str | None = ..., stream: Literal[True],
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
+        selector: str | None = ..., recompute: float | None = ...,
     ) -> TokenStream: ...
 
     def generate(
@@ -699,6 +718,8 @@ class HFEngine:
         stream: bool = False,
         snapshot: KVSnapshot | None = None,
         on_prefill: Callable[[GenerationStats], None] | None = None,
+        selector: str | None = None,
+        recompute: float | None = None,
     ) -> GenerationResult | TokenStream:
         """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
 
@@ -710,11 +731,36 @@ class HFEngine:
         ``snapshot``: continue from a :class:`KVSnapshot` (its tokens must prefix the prompt).
         ``on_prefill``: called with the stats once the prompt is in cache (hit and recomputed
         tokens, tiers), before the first token is chosen.
+        A prompt of segments with documents (``[System(...), Document(d1), User(q)]``,
+        engine/_documents.py) reuses each document's stored KV at its position and recomputes
+        a share ``recompute`` of their tokens picked by ``selector`` (docs/rag.md);
+        ``stats.documents`` reports what was reused and recomputed.
         """
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if is_segmented(prompt):
+            if snapshot is not None:
+                raise InvalidInputError("a prompt with documents takes no snapshot")
+            docs = self.documents()
+            dgen = docs.generate_iter(
+                prompt, max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                top_k=top_k, seed=seed, t_start=t_start,
+                selector=selector or DEFAULT_SELECTOR,
+                recompute=DEFAULT_RECOMPUTE if recompute is None else recompute)
+            gen = _as_generation(dgen, self.codec.spec)
+        elif selector is not None or recompute is not None:
+            raise InvalidInputError("selector and recompute apply to a prompt with documents")
+        if is_segmented(prompt):
+            if stream:
+                return TokenStream(gen)
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as done:
+                    blended: GenerationResult = done.value
+                    return blended
         if prompt is None:
             if snapshot is None:
                 raise InvalidInputError("the prompt is empty (None) and no snapshot was given")
@@ -782,6 +828,21 @@ class HFEngine:
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t_start
         return GenerationResult(token_ids=out, text=seq.text, stats=stats, prompt_ids=ids)
+
+    # -------------------------------------------------------------- documents
+    def documents(self) -> DocumentReuse:
+        """This engine's documents reused at any position (engine/_documents.py), made on
+        first use; raises :class:`UnsupportedModelError` for a model whose positions cannot
+        move (ALiBi, learned absolute positions, ...)."""
+        if self._documents is None:
+            self._documents = DocumentReuse(self)
+        docs: DocumentReuse = self._documents
+        return docs
+
+    def precompute(self, document: Document | str | Sequence[int]) -> int:
+        """Store a document's KV once (computed alone), for any prompt and position that
+        later includes it; returns the chunks written (0: already stored)."""
+        return self.documents().precompute(document)
 
     # -------------------------------------------------------------- snapshots
     def snapshot(self, prompt: Prompt) -> KVSnapshot:

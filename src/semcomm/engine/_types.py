@@ -34,6 +34,8 @@ class GenerationStats:
     total_s: float = 0.0  # call start -> end
     codec: str = "lossless"  # codec spec of the namespace
     finish_reason: str = ""  # "length", "eos", "stop" (or "" for prefill only)
+    # a prompt with documents (engine/_documents.py): what was reused and recomputed (BlendStats)
+    documents: dict[str, Any] | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -72,6 +74,7 @@ class GenerationStats:
             "total_s": self.total_s,
             "codec": self.codec,
             "finish_reason": self.finish_reason,
+            **({"documents": self.documents} if self.documents is not None else {}),
         }
 
 
