@@ -144,7 +144,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smollm2 only, 3 NQ questions of 5 "
                     "passages, budget 0.15")
     ap.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--sets", default="nq,kv,boolq")
+    ap.add_argument("--sets", default="nq,kv,boolq", help="names, each optionally with its "
+                    "own question count: nq:10,kv:4")
     ap.add_argument("--n", type=int, default=10, help="questions per set")
     ap.add_argument("--docs", type=int, default=10)
     ap.add_argument("--budgets", default="0.15,0.3")
@@ -168,8 +169,9 @@ def main() -> None:
         for model in [m for m in a.models.split(",") if m]:
             runner = Runner(model)
             results[model] = {}
-            for name in [s for s in a.sets.split(",") if s]:
-                path = rag_data.write(name, a.n, a.docs, tmp / f"{name}.jsonl")
+            for spec in [s for s in a.sets.split(",") if s]:
+                name, _, count = spec.partition(":")  # "nq:10": 10 questions of that set
+                path = rag_data.write(name, int(count or a.n), a.docs, tmp / f"{name}.jsonl")
                 items = [json.loads(x) for x in path.read_text().splitlines()]
                 task = progress.add_task(f"{model} {name}", total=len(items))
 

@@ -197,14 +197,18 @@ class Runner:
         return self.docs.prepare(rag_segments(item, k))
 
     def store_passages(self, item: dict[str, Any], k: int | None) -> None:
-        """What a RAG system does when it indexes its corpus: each passage's KV alone, and
-        (for the prefix cache) each passage as the first passage of a prompt."""
+        """What a RAG system does when it indexes its corpus: each passage's KV alone; and,
+        for the prefix cache, the question's first passage as the first passage of an earlier
+        prompt (its best case: passages seen before in another order hit only there; the
+        others, stored the same way, could never be a prefix of this prompt)."""
+        first_done = False
         for seg in rag_segments(item, k):
             if isinstance(seg, Document):
                 self.docs.precompute(seg)
-                first = [User(INSTRUCTION), Text("Document [1] "), seg]
-                ids = list(build_prompt(self.full.tokenizer, first).ids)
-                self.prefix.prefill(ids)
+                if not first_done:
+                    first = [User(INSTRUCTION), Text("Document [1] "), seg]
+                    self.prefix.prefill(list(build_prompt(self.full.tokenizer, first).ids))
+                    first_done = True
 
     def answer(self, mode: Mode, prompt: SegmentedPrompt, max_new: int) -> Answer:
         ids = list(prompt.ids)
