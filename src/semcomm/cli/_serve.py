@@ -22,6 +22,11 @@ def serve(
                              "behind semcomm's replica router, with Redis-backed stores."),
     log_level: str = typer.Option("info", "--log-level", help="Log level (debug, info, "
                                   "warning, error)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Weight dtype of every in-process "
+                                     "model: float32, bfloat16, float16 or auto (bfloat16 on a "
+                                     "CPU with native bfloat16, else float32); docs/engine.md."),
+    quantize: str | None = typer.Option(None, "--quantize", help="Weight quantization of every "
+                                        "in-process model: none or int8 (torchao)."),
     check: bool = typer.Option(False, "--check", help="Validate the config, print it as JSON "
                                "(with its memory plan under 'memory_plan'), print the plan as "
                                "a table on stderr and exit; a plan that does not fit "
@@ -33,6 +38,7 @@ def serve(
     cache, memory + disk KV stores). Clients authenticate with 'Authorization: Bearer <key>'
     using the api_key of a tenant from the config's tenants table.
     """
+    from ..engine import DTYPE_CHOICES, QUANTIZE_CHOICES
     from ..errors import require
     from ..server import load_config
 
@@ -42,6 +48,16 @@ def serve(
     if port is not None:
         overrides["server"]["port"] = port
     cfg = load_config(config, overrides=overrides)
+    for flag, field, value, choices in (("--dtype", "dtype", dtype, DTYPE_CHOICES),
+                                        ("--quantize", "quantize", quantize, QUANTIZE_CHOICES)):
+        if value is None:
+            continue
+        if value not in choices:
+            raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}",
+                                     param_hint=flag)
+        for mcfg in cfg.models.values():  # the engine options of every in-process model
+            if mcfg.kind == "hf":
+                setattr(mcfg, field, value)
     from ..server import preflight
 
     # paths, the server secret, the files the config names: one line, before any model loads

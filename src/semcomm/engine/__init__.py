@@ -9,7 +9,8 @@ stop strings held back), :class:`DecodeState` (one sequence's decode) and
 :func:`decode_steps`, the decode loop every one of these runs (with a caller's forward);
 :data:`DTYPE_CHOICES` and :data:`QUANTIZE_CHOICES`, the names ``HFEngine(dtype=...,
 quantize=...)`` takes (engine/_options.py), and :func:`resolve_dtype` (what ``"auto"`` means
-on this machine).
+on this machine); :func:`load_model`, a model loaded with those options (what
+``HFEngine("catalog-name", ...)`` and the server use).
 ``BatchDecoder.continue_greedy`` decodes from KV a caller built (fusion's fused cache).
 Documents reused at any position (engine/_documents.py, docs/rag.md): the prompt segments
 :class:`System`, :class:`User`, :class:`Assistant`, :class:`Text`, :class:`Document`
@@ -43,7 +44,7 @@ from ._documents import (
     build_prompt,
 )
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
-from ._options import DTYPE_CHOICES, QUANTIZE_CHOICES, resolve_dtype
+from ._options import DTYPE_CHOICES, QUANTIZE_CHOICES, load_model, resolve_dtype
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -83,6 +84,7 @@ __all__ = [
     "cache_kwargs",
     "cache_layers",
     "decode_steps",
+    "load_model",
     "output_cache",
     "resolve_dtype",
 ]

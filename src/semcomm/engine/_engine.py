@@ -58,7 +58,13 @@ from ._documents import (
     is_segmented,
 )
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
-from ._options import apply_quantize, check_quantize, resolve_dtype
+from ._options import (
+    apply_quantize,
+    check_quantize,
+    load_model,
+    resolve_dtype,
+    use_fast_attention,
+)
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
@@ -155,13 +161,13 @@ class HFEngine:
                 warnings.warn(f"HFEngine({flag}=...) has no effect any more; see dtype= and "
                               "quantize=", DeprecationWarning, stacklevel=2)
         if isinstance(model, str):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoTokenizer
 
             from ..models import resolve_model
 
             path = resolve_model(model)  # a catalog name becomes its converted directory
-            kw: dict[str, Any] = {"dtype": tdtype} if tdtype is not None else {}
-            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            model = load_model(path, dtype=tdtype, device=self.device)
+            tdtype = None  # loaded at it
             if tokenizer is None:
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -175,6 +181,7 @@ class HFEngine:
             tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer))
         if tdtype is not None:
             model = model.to(tdtype)
+            use_fast_attention(model, self.device)
         windows = ca.check_supported(model)
         self.model = model.to(self.device).eval()
         # fingerprinted before quantization: the namespace names the quantization apart

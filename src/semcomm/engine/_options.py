@@ -22,7 +22,8 @@ import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["DTYPE_CHOICES", "QUANTIZE_CHOICES", "apply_quantize", "cpu_flags", "resolve_dtype"]
+__all__ = ["DTYPE_CHOICES", "QUANTIZE_CHOICES", "apply_quantize", "check_quantize", "cpu_flags",
+           "load_model", "resolve_dtype", "use_fast_attention"]
 
 logger = logging.getLogger("semcomm.engine")
 
@@ -63,6 +64,19 @@ def resolve_dtype(dtype: Any, device: torch.device | None = None) -> torch.dtype
     raise InvalidInputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
 
 
+def use_fast_attention(model: Any, device: torch.device) -> None:
+    """Half-precision models on the CPU use transformers' eager attention: torch's SDPA kernel
+    for one bfloat16 query over a 2k-token cache took 10.2 ms a layer here against 1.3 ms for
+    eager's matmuls and float32 softmax (float32: 2.2 ms SDPA, 2.6 ms eager, so float32 keeps
+    SDPA). Prefills run one KV chunk at a time, so eager's score matrix stays chunk-sized."""
+    if device.type != "cpu" or next(model.parameters()).dtype not in (torch.bfloat16,
+                                                                      torch.float16):
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter("eager")
+
+
 def check_quantize(quantize: Any) -> str:
     """The quantization name (``"none"`` for None); a clear error for anything else."""
     name = "none" if quantize is None else quantize
@@ -84,5 +98,26 @@ def apply_quantize(model: Any, quantize: str) -> None:
     except ImportError:
         raise InvalidInputError(
             "quantize='int8' needs torchao: pip install 'semcomm[quant]'") from None
-    quantize_(model, Int8WeightOnlyConfig())
+    def plain_linear(module: Any, _fqn: str) -> bool:  # not one quantized already
+        return (isinstance(module, torch.nn.Linear)
+                and not callable(getattr(module.weight, "__tensor_flatten__", None)))
+
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=plain_linear)
     logger.info("weights quantized: %s (torchao int8 weight-only)", quantize)
+
+
+def load_model(path: str | Path, *, dtype: Any = None, quantize: str | None = None,
+               device: str | torch.device = "cpu") -> Any:
+    """A causal LM from a transformers directory or hub id, with the engine's options applied:
+    ``dtype`` (:func:`resolve_dtype`; None: the checkpoint's own), the attention that is fast
+    at that dtype (:func:`use_fast_attention`) and ``quantize`` (:func:`apply_quantize`)."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(device)
+    tdtype = resolve_dtype(dtype, dev)
+    name = check_quantize(quantize)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype if tdtype else "auto")
+    model = model.to(dev).eval()
+    use_fast_attention(model, dev)
+    apply_quantize(model, name)
+    return model

@@ -83,18 +83,16 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     if path is None:
         model, tok = build_tiny_model()
         return model, tok, TINY_MODEL_ID
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    dtype: Any = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    from ..engine import load_model
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = load_model(path, dtype=cfg.dtype, quantize=cfg.quantize,
+                           device=cfg.device or "cpu")
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"models.{name}.path: cannot load {path!r}: {exc}") from exc
-    if cfg.device:
-        model.to(cfg.device)  # type: ignore[arg-type]
-    model.eval()
     return model, tok, model_id or path
 
 
@@ -257,7 +255,8 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
                                     scheduler=scheduler_for(config.server),
-                                    keep_logits=config.kv.keep_logits)
+                                    keep_logits=config.kv.keep_logits,
+                                    quantize=cfg.quantize)
         kv_reuse = runner is not None
         notes[f"model:{name}"] = why
     if runner is None:
@@ -421,6 +420,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
     a documented default; raises :class:`ConfigError` naming the numbers when it cannot fit."""
     from transformers import AutoConfig
 
+    from ..engine import resolve_dtype
     from ._memplan import (
         DEFAULT_BASELINE_BYTES,
         ModelFacts,
@@ -435,7 +435,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         if mcfg.kind != "hf":
             continue
         path, _ = _model_source(mcfg, name)
-        dtype = "float32" if mcfg.dtype == "auto" else mcfg.dtype
+        dtype = str(resolve_dtype(mcfg.dtype)).removeprefix("torch.")
         if path is None:
             model, _tok = build_tiny_model()
             hf_config, wbytes, measured = model.config, weight_bytes(model), True
