@@ -5,13 +5,14 @@ verify and decode those chunks straight into one preallocated ``[L, H, prompt + 
 buffer (a sliding-window layer gets only the last ``window - 1`` positions it needs) -> the
 engine's cache over that buffer (via the cache adapter) -> prefill the rest (a fully cached
 prompt whose last-position logits are stored beside its final chunk runs no forward at all;
-otherwise at least its last token is fed) -> choose the first token (TTFT) -> store the
+otherwise at least its last chunk is computed, one chunk a forward) -> choose the first token (TTFT) -> store the
 prompt's new chunks (full chunks and the partial tail; chunks already stored are skipped) and
 its last-position logits -> decode in place (no per-step copy of the cache), detokenizing
 incrementally.
 
-The namespace (model fingerprint, tokenizer fingerprint, dtype, codec spec, tenant salt digest)
-roots every chunk key, so two engines share chunks only when every one of those matches.
+Every prefill forward ends at a chunk boundary, so the cache never changes what is computed
+(docs/architecture.md, invariant 2). The namespace (model fingerprint, tokenizer fingerprint,
+dtype, quantization, codec spec, tenant salt digest) roots every chunk key, so two engines share chunks only when every one of those matches.
 An engine is not thread-safe: serialize calls (the server runs one engine per worker).
 """
 
@@ -563,8 +564,8 @@ class HFEngine:
         else:
             chunks, tiers, raw = self._gather_from_store(ids, keys, stats)
         # invariant 3: a whole cached prompt is restored only together with the logits its
-        # prefill computed (stored beside its final chunk); otherwise the last token is
-        # recomputed (restore at most len - 1)
+        # prefill computed (stored beside its final chunk); otherwise its last chunk is
+        # recomputed
         logits: torch.Tensor | None = None
         if (self.keep_logits and snapshot is None and chunks
                 and sum(c.header.num_tokens for c in chunks) == len(ids)):
