@@ -254,3 +254,11 @@ def test_real_model_chat_segments_full_recompute_matches_the_engine() -> None:
     assert got.stats.documents["documents_hit"] == 1  # d2 computed alone by the request
     again = eng.generate(segs[:2] + [d2, Text("\n"), d1] + segs[-1:], 8, recompute=0.15)
     assert again.stats.documents["documents_hit"] == 2  # reordered: both stored now
+
+
+def test_bfloat16_model_passes_the_rotation_check_and_full_recompute_matches() -> None:
+    eng = HFEngine(tiny_model("qwen2"), store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                   dtype="bfloat16")
+    segs = _segments(docs=2)
+    got = eng.generate(segs, 6, selector="prophet", recompute=1.0)
+    assert got.token_ids == eng.generate(list(build_prompt(None, segs).ids), 6).token_ids
