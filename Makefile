@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test system-deps models lint bench docs clean
+.PHONY: run test portable system-deps models lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && $(PY) -m venv $(VENV); }
@@ -30,8 +30,19 @@ models: $(STAMP)
 	$(BIN)/semcomm models pull qwen2.5-coder-0.5b-instruct
 	$(BIN)/semcomm models pull gemma-3-270m
 
-test: $(STAMP) system-deps models
+test: $(STAMP) system-deps models portable
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the engine's invariant on a CPU without AVX2/AVX-512 kernels (ATen's portable code path) and
+# with no C compiler on PATH: nothing in semcomm may depend on one CPU's float rounding or
+# build anything at run time
+PORTABLE_TESTS := tests/test_engine_exactness.py
+portable: $(STAMP)
+	env -u CC -u CXX PATH=$(abspath $(BIN)) ATEN_CPU_CAPABILITY=default $(abspath $(BIN))/python -c \
+		"import shutil, torch; c = torch.backends.cpu.get_cpu_capability(); \
+		assert c == 'DEFAULT', c; assert not any(map(shutil.which, ('cc', 'gcc', 'c++')))"
+	env -u CC -u CXX PATH=$(abspath $(BIN)) ATEN_CPU_CAPABILITY=default $(abspath $(BIN))/python \
+		-m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
 
 # the documentation site in site/ (MkDocs Material + mkdocstrings; broken links fail the build).
 # make test builds it too (tests/test_docs.py), so CI rejects what --strict rejects.
