@@ -11,8 +11,8 @@ How a batch is run:
 
 * Requests with an ``engine`` are prefilled by it (longest cached prefix restored from its
   store, the rest computed, new chunks stored: per-request prefix hits under each request's
-  own KV namespace). A batch of one is exactly :meth:`HFEngine.generate` (token for token the
-  model's own ``generate``, invariant 2); several are decoded together over a left-padded
+  own KV namespace). A batch of one is exactly :meth:`HFEngine.generate` (the cache never
+  changes its answer, invariant 2); several are decoded together over a left-padded
   batch cache assembled from the per-request caches. Padding changes the shapes of the matrix
   products, so a batched greedy token can in rare near-ties differ from the single-sequence
   one; callers that need bit-exact output batch one request at a time. A model with sliding

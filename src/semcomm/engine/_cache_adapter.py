@@ -62,7 +62,6 @@ __all__ = [
     "output_cache",
     "probe_layout",
     "stack_range",
-    "stacks_of",
 ]
 
 Window = int | None
@@ -509,7 +508,6 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_logits = "logits_to_keep" in params
         self._ones = torch.ones((1, 0), dtype=torch.long)
-        self._base_cache_kw: str | None = None  # the base model's cache keyword (inspected once)
 
     def _mask(self, n: int, device: torch.device) -> torch.Tensor:
         """An all-ones ``[1, n]`` attention mask (a view of one buffer, grown as needed)."""
@@ -545,20 +543,6 @@ class ModelRunner:
         base = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
         return base if isinstance(base, torch.nn.Module) and base is not self.model else None
 
-    def hidden(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """Run ``input_ids`` ``[1, n]`` on top of ``cache`` through the base model only: the
-        last position's final hidden state ``[1, 1, hidden]``, the LM head's input (the same
-        call the causal LM makes before its head)."""
-        base = self.base_model()
-        assert base is not None, "hidden() needs a model with a base model"
-        if self._base_cache_kw is None:
-            params = inspect.signature(base.forward).parameters
-            self._base_cache_kw = "cache" if "cache" in params else "past_key_values"
-        n = input_ids.shape[1]
-        out = base(input_ids=input_ids,
-                   attention_mask=self._mask(cache_length(cache) + n, input_ids.device),
-                   use_cache=True, **{self._base_cache_kw: cache})
-        return out.last_hidden_state[:, -1:]
 
 
 class ChunkedRunner:
@@ -626,8 +610,3 @@ def copy_cache(cache: DynamicCache) -> DynamicCache:
         out.layers.extend(layer.clone() for layer in layers)
         return out
     return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layer_tensors(cache)])
-
-
-def stacks_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[L, H, T, D]`` stacks from per-layer ``[1, H, T, D]`` tensors."""
-    return torch.stack([k[0] for k, _ in layers]), torch.stack([v[0] for _, v in layers])
