@@ -153,7 +153,7 @@ def bench_ttft(name: str, model: Any, tok: Any, lengths: list[int], tmp: Path, r
         assert all(s.logits_restored for s in mem), "expected whole hits with their logits"
         recompute = HFEngine(model, tok, store=eng.store, chunk_size=chunk, keep_logits=False)
         rec = [recompute.generate(ids, max_new_tokens=1).stats for _ in range(reps)]
-        assert all(s.recomputed_tokens == 1 for s in rec)
+        assert all(s.recomputed_tokens >= 1 for s in rec)  # the prompt's last chunk
         fwd_ms = one_token_forward_ms(model, ids)
         bw = memcpy_gbps(bytes_loaded)
         copy_ms = bytes_loaded / (bw * 1e9) * 1e3

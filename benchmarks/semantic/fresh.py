@@ -434,8 +434,8 @@ def with_unstored_oos(w: FAQWorkload, seed: int) -> tuple[FAQWorkload, list[str]
 
 def quick_workloads(seed: int) -> list[Traffic]:
     """``--quick``: a smoke run on two small validation sets (200 Quora pairs, 10 CLINC intents
-    with 3 lookups each and CLINC's out-of-scope queries); no fresh set is built."""
-    dev = clinc_faq("train", DEV_FAQ_INTENTS[:10], queries_per_intent=3, seed=seed)
+    with 4 lookups each and CLINC's out-of-scope queries; the calibrations need 30 hits)."""
+    dev = clinc_faq("train", DEV_FAQ_INTENTS[:10], queries_per_intent=4, seed=seed)
     kinds = ["in-scope" if e is not None else "clinc-oos" for e in dev.expected]
     return [Traffic(QUORA_VAL, "pairs", [pairs_workload(200, name="quora-val")], role="validation"),
             Traffic("clinc-dev (validation: chose the vote defaults)", "faq", [dev],

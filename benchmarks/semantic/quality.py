@@ -225,7 +225,7 @@ def gptcache_run(p: Protocol, sv: np.ndarray, qv: np.ndarray, cos_cut: float) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 200 pairs per split")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 100 pairs per split")
     ap.add_argument("--limit", type=int, default=None, help="pairs per split")
     ap.add_argument("--test-limit", type=int, default=None, help="pairs of the test split")
     ap.add_argument("--seed", type=int, default=0)
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--emb-cache", type=Path, default=Path(tempfile.gettempdir()) / "semcomm-emb")
     ap.add_argument("--no-gptcache", action="store_true")
     args = ap.parse_args()
-    limit = args.limit or (200 if args.quick else None)
+    limit = args.limit or (100 if args.quick else None)
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict = {"protocol": "store first questions, look up second; right = same duplicate "
                  "component", "limit": limit, "seed": args.seed,

@@ -200,7 +200,7 @@ def bench_gptcache(n: int, vecs: np.ndarray, rng: np.random.Generator, q: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 2,000 entries, 50 queries, small SQLite and GPTCache rows")
+                    help="smoke run: 1,000 entries, 50 queries, small SQLite and GPTCache rows")
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--sizes", type=str, default="", help="comma-separated entry counts")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -219,15 +219,15 @@ def main() -> None:
     args = ap.parse_args()
     global MODEL
     with console.status("fitting the vector model"):
-        MODEL = VectorModel(args.data, dim=DIM, n_questions=600 if args.quick else 6000)
+        MODEL = VectorModel(args.data, dim=DIM, n_questions=300 if args.quick else 6000)
     args.out.mkdir(parents=True, exist_ok=True)
-    sizes = [2_000] if args.quick else [10_000, 100_000, 1_000_000]
+    sizes = [1_000] if args.quick else [10_000, 100_000, 1_000_000]
     if args.quick:
         args.queries, args.gptcache_entries = min(args.queries, 50), min(args.gptcache_entries, 1000)
     if args.sizes:
         sizes = [int(x) for x in args.sizes.split(",")]
     rng = np.random.default_rng(0)
-    vecs = MODEL.sample(rng, max(max(sizes), 2_000 if args.quick else 20_000))
+    vecs = MODEL.sample(rng, max(max(sizes), 1_000 if args.quick else 20_000))
     res: dict = {"dim": DIM, "data": args.data, "queries": args.queries, "sizes": {}}
     t1 = Table(title="lookup latency without embedding (ms)")
     for col in ("entries", "flat p50/p99", "IVF p50/p99 (recall@1)", "HNSW p50/p99 (recall@1)",
@@ -256,7 +256,7 @@ def main() -> None:
         (args.out / args.json_name).write_text(json.dumps(res, indent=1))
         console.print(f"wrote {args.out / args.json_name}")
         return
-    res["sqlite"] = bench_sqlite_inserts(2_000 if args.quick else 20_000, vecs)
+    res["sqlite"] = bench_sqlite_inserts(1_000 if args.quick else 20_000, vecs)
     res["whole_hit_minilm"] = (bench_whole_hit(20, entries=100) if args.quick
                                else bench_whole_hit(min(args.queries, 200)))
     w = res["whole_hit_minilm"]

@@ -463,8 +463,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 8 intents per CLINC set, 200 Quora pairs, 200 distractors, "
-                         "no judge, 2,000 entries for the speed rows")
+                    help="smoke run: 5 intents per CLINC set, 100 Quora pairs, 50 distractors, "
+                         "no judge, 1,000 entries for the speed rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--speed-entries", type=int, default=100_000)
@@ -497,17 +497,17 @@ def main() -> None:
               args.out / "semantic_traffic.png")
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    n_int = 8 if args.quick else None  # --quick: the first intents of each CLINC set
+    n_int = 5 if args.quick else None  # --quick: the first intents of each CLINC set
     if args.quick:
-        args.pairs, args.judge_samples = 200, 0
-        args.speed_entries, args.speed_queries = 2000, 50
+        args.pairs, args.judge_samples = 100, 0
+        args.speed_entries, args.speed_queries = 1000, 20
     wl = {
         "clinc-dev (development)": clinc_faq("train", DEV_FAQ_INTENTS[:n_int],
                                              queries_per_intent=3 if args.quick else 20),
         "clinc-banking (held out)": clinc_faq("val", BANKING_INTENTS[:n_int]),
         "clinc-dev-val (held out)": clinc_faq("val", DEV_FAQ_INTENTS[:n_int]),
         "quora-faq (held out)": quora_faq(DEFAULT_DATA / "meancache_test.csv",
-                                          distractors=200 if args.quick else 3000),
+                                          distractors=50 if args.quick else 3000),
         "quora-pairs (held out)": pairs_workload(args.pairs),
     }
     vecs = {k: (embed(w.stored), embed(w.queries)) for k, w in wl.items()}

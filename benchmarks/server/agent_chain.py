@@ -123,9 +123,9 @@ def main() -> None:
 
     from semcomm.server._tiny import build_tiny_model
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    torch.set_num_threads(1 if args.quick else max(1, (os.cpu_count() or 2)))
     hidden, layers = (128, 2) if args.quick else (args.hidden, args.layers)
-    questions = QUESTIONS[:3] if args.quick else QUESTIONS
+    questions = QUESTIONS[:2] if args.quick else QUESTIONS
     model, tok = build_tiny_model(hidden_size=hidden, layers=layers, heads=max(2, hidden // 64),
                                   kv_heads=max(1, hidden // 128))
     tmp = Path(tempfile.mkdtemp(prefix="semcomm-bench-chain-"))
