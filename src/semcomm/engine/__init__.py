@@ -18,12 +18,29 @@ Documents reused at any position (engine/_documents.py, docs/rag.md): the prompt
 :class:`SegmentedPrompt`), :class:`DocumentReuse` (precompute a document's KV once; prefill and
 generate with it re-rotated into place and a share recomputed by a selector in
 :data:`SELECTORS`), :class:`BlendResult` and :class:`BlendStats`.
+Agents sharing text (engine/_agents.py, docs/agents.md): :class:`AgentPipeline` (solver agents
+and a judge of one model; shared segments reused across agents with a confidence fallback to
+full prefill), :class:`Agent`, :class:`AgentTurn`, :class:`PipelineRun`, :class:`SharedSegments`
+and :class:`AnchorPool` (in-context KV of shared segments, bounded in bytes),
+:func:`default_agents`, :func:`extract_number`, :func:`extract_choice`, :data:`GATES`.
 
 ``_cache_adapter`` is the only module that touches the transformers Cache API; callers that
 move KV tensors themselves (fusion) use its four exported functions: :func:`cache_layers`,
 :func:`cache_from_layers`, :func:`output_cache` and :func:`cache_kwargs`.
 """
 
+from ._agents import (
+    GATES,
+    Agent,
+    AgentPipeline,
+    AgentTurn,
+    AnchorPool,
+    PipelineRun,
+    SharedSegments,
+    default_agents,
+    extract_choice,
+    extract_number,
+)
 from ._batch import BatchDecoder, BatchRequest, BatchResult
 from ._cache_adapter import cache_from_layers, cache_kwargs, cache_layers, output_cache
 from ._decode import DecodeState, FinishReason, Sampler, SamplingParams, StopText, decode_steps
@@ -53,8 +70,13 @@ __all__ = [
     "DEFAULT_RECOMPUTE",
     "DEFAULT_SELECTOR",
     "DTYPE_CHOICES",
+    "GATES",
     "QUANTIZE_CHOICES",
     "SELECTORS",
+    "Agent",
+    "AgentPipeline",
+    "AgentTurn",
+    "AnchorPool",
     "Assistant",
     "BatchDecoder",
     "BatchRequest",
@@ -69,11 +91,13 @@ __all__ = [
     "GenerationStats",
     "HFEngine",
     "KVSnapshot",
+    "PipelineRun",
     "PrefillResult",
     "Sampler",
     "SamplingParams",
     "Segment",
     "SegmentedPrompt",
+    "SharedSegments",
     "StopText",
     "System",
     "Text",
@@ -84,6 +108,9 @@ __all__ = [
     "cache_kwargs",
     "cache_layers",
     "decode_steps",
+    "default_agents",
+    "extract_choice",
+    "extract_number",
     "load_model",
     "output_cache",
     "resolve_dtype",
