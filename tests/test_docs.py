@@ -58,6 +58,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "a synopsis: NAME and [options] are placeholders (README.md runs the concrete commands)",
     ("docs/models.md", "from transformers import AutoModelForCausalLM, AutoTokenizer"):
         "the path is a shell substitution inside a string",
+    ("docs/rag.md", "from semcomm import HFEngine"):
+        "a sketch: corpus, d1, d3 and q stand for the caller's documents and question "
+        "(tests/test_engine_documents.py runs the same calls)",
     ("docs/routing.md", "from semcomm.routing import ReplicaRouter"):
         "a sketch: engine, stores, token_ids and send_to stand for the caller's",
     ("docs/routing.md", "semcomm route simulate --trace mooncake_trace.jsonl --replicas 8 "
@@ -181,3 +184,11 @@ def test_shell_examples_run(block: Block, tmp_path: Path, env: dict[str, str]) -
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{block.page}:{block.line} failed\n{r.stdout}\n{r.stderr[-4000:]}"
+
+
+def test_every_page_is_in_the_nav() -> None:
+    """A new page under docs/ appears in the site's navigation (mkdocs.yml), not only by URL."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")]
+    missing = [p for p in pages if f" {p}" not in nav and f"- {p}" not in nav]
+    assert not missing, f"pages missing from mkdocs.yml's nav: {missing}"
