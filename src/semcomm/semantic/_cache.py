@@ -395,7 +395,8 @@ class SemanticCache:
         self._answer_cluster: dict[tuple[str, str], str] = {}
         self._answer_refs: dict[tuple[str, str], int] = {}
         self._members: dict[str, set[str]] = {}
-        self._waived: dict[str, frozenset[str]] = {}
+        # cluster -> answer text digest -> guard checks waived (see _waived_checks)
+        self._waived: dict[str, dict[str, frozenset[str]]] = {}
         # partition -> centroids of its multi-member answer clusters (the centroid rule's view)
         self._centroids: dict[str, ClusterCentroids] = {}
         # cluster pairs whose answers were compared and differ (not compared again)
@@ -710,22 +711,32 @@ class SemanticCache:
                 if c.cluster_key in score:
                     c.intent = score[c.cluster_key]
 
-    def _waived_checks(self, cluster: str) -> frozenset[str]:
-        """Guard checks a cluster waives: those its own members already disagree on."""
-        w = self._waived.get(cluster)
-        if w is None:
+    def _waived_checks(self, cluster: str, answer_key: str) -> frozenset[str]:
+        """Guard checks waived for a candidate of ``cluster`` whose answer text is
+        ``answer_key``: those the cluster's members with that same answer text already disagree
+        on (the answer evidently does not depend on them). Members whose answers only resemble
+        it (``answer_match``) do not count: a generated answer that names its own number ("The
+        number 96033 is ...") resembles the one about 96034 without being it."""
+        per = self._waived.get(cluster)
+        if per is None:
             from ._guard import text_features
 
-            members = self._members.get(cluster, ())
-            feats = [text_features(self._slots[m].query) for m in members if m in self._slots]
-            kinds = set()
-            if len(feats) > 1:
-                for kind, attr in (("number", "numbers"), ("entity", "entities"),
-                                   ("date", "dates"), ("question", "qwords")):
-                    if len({getattr(f, attr) for f in feats}) > 1:
-                        kinds.add(kind)
-            w = self._waived[cluster] = frozenset(kinds & _WAIVABLE)
-        return w
+            by_answer: dict[str, list[Any]] = {}
+            for m in self._members.get(cluster, ()):
+                slot = self._slots.get(m)
+                if slot is not None:
+                    by_answer.setdefault(slot.answer_key, []).append(text_features(slot.query))
+            per = {}
+            for key, feats in by_answer.items():
+                kinds = set()
+                if len(feats) > 1:
+                    for kind, attr in (("number", "numbers"), ("entity", "entities"),
+                                       ("date", "dates"), ("question", "qwords")):
+                        if len({getattr(f, attr) for f in feats}) > 1:
+                            kinds.add(kind)
+                per[key] = frozenset(kinds & _WAIVABLE)
+            self._waived[cluster] = per
+        return per.get(answer_key, frozenset())
 
     def _guard_ok(self, query: str, s: _Slot) -> bool:
         g = self.guard
@@ -738,7 +749,7 @@ class SemanticCache:
         if r.ok:
             return True
         return len(self._members.get(s.cluster, ())) > 1 and r.reason in self._waived_checks(
-            s.cluster)
+            s.cluster, s.answer_key)
 
     def _unindex(self, ids: Iterable[str]) -> list[str]:
         gone = []
