@@ -50,7 +50,6 @@ from ..errors import InvalidInputError
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._documents import (
-    DEFAULT_SELECTOR,
     SELECTORS,
     BlendStats,
     Document,
@@ -335,9 +334,9 @@ class AgentPipeline:
     """
 
     def __init__(self, engine: Any, solvers: Sequence[Agent], judge: Agent | None = None, *,
-                 reuse: bool = True, selector: str = DEFAULT_SELECTOR, recompute: float = 0.15,
-                 gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.1,
-                 dual_selector: str = "epic", pool: AnchorPool | None = None,
+                 reuse: bool = True, selector: str = "epic", recompute: float = 0.15,
+                 gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.02,
+                 dual_selector: str = "concat", pool: AnchorPool | None = None,
                  anchors: bool = True, kind: str = "math"):
         for g in (gate, judge_gate):
             if g not in GATES:

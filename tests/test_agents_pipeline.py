@@ -1,0 +1,200 @@
+"""Agents sharing text (engine/_agents.py) on a config-built Qwen2-shaped model with a byte
+tokenizer and a chat template (random weights: the tests compare tokens and counts, never
+float bits).
+
+What could break and is checked: reuse at recompute 1.0 gives full prefill's tokens; a forced
+fallback is full prefill; reused tokens are counted per agent and in the share; anchors are
+used, placed at the new position as the model would compute them (layer 0) and evicted under
+their budget; another tenant never sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from semcomm.cli._quickstart import _config_built_model
+from semcomm.engine import (
+    Agent,
+    AgentPipeline,
+    AnchorPool,
+    BlendStats,
+    Document,
+    HFEngine,
+    SharedSegments,
+    build_prompt,
+    extract_choice,
+    extract_number,
+)
+from semcomm.engine import _cache_adapter as ca
+from semcomm.errors import InvalidInputError
+from semcomm.kv import MemoryStore
+
+QUESTION = "Tom has 3 apples and buys 4 more. How many apples?"
+SOLVERS = [Agent("a", "You solve.", "Answer:", 6), Agent("b", "You check.", "Check:", 6),
+           Agent("c", "You teach.", "Teach:", 6)]
+JUDGE = Agent("judge", "You judge.", "Best (1-3):", 3, judge=True)
+
+
+@pytest.fixture(scope="module")
+def parts() -> tuple[Any, Any]:
+    model, tokenizer, _ = _config_built_model()
+    return model, tokenizer
+
+
+def _engine(parts: tuple[Any, Any], store: Any = "new", tenant: str | None = None,
+            chunk: int = 512) -> HFEngine:
+    model, tok = parts
+    return HFEngine(model, tok, store=MemoryStore() if store == "new" else store,
+                    chunk_size=chunk, device="cpu", tenant=tenant)
+
+
+def _run(parts: tuple[Any, Any], reuse: bool, **kw: Any) -> Any:
+    eng = _engine(parts) if reuse else _engine(parts, store=None)
+    pipe = AgentPipeline(eng, SOLVERS, JUDGE, reuse=reuse, **kw)
+    return pipe, pipe.run(QUESTION)
+
+
+def test_recompute_one_gives_full_prefill_tokens(parts: tuple[Any, Any]) -> None:
+    _, full = _run(parts, reuse=False)
+    _, reuse = _run(parts, reuse=True, selector="full", recompute=1.0, gate="off",
+                    judge_gate="off")
+    assert [t.mode for t in reuse.turns] == ["full", "reuse", "reuse", "reuse"]
+    assert [t.tokens for t in reuse.turns] == [t.tokens for t in full.turns]
+    assert all(t.reused_tokens == 0 for t in reuse.turns)  # r = 1 keeps nothing reused
+
+
+def test_forced_fallback_is_full_prefill(parts: tuple[Any, Any]) -> None:
+    _, full = _run(parts, reuse=False)
+    _, forced = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="always",
+                     judge_gate="always")
+    assert [t.mode for t in forced.turns] == ["full", "fallback", "fallback", "fallback"]
+    assert all(t.gate_detail == {"forced": True} for t in forced.turns[1:])
+    assert [t.tokens for t in forced.turns] == [t.tokens for t in full.turns]
+    assert forced.reused_share == 0.0
+
+
+def test_reused_tokens_are_counted(parts: tuple[Any, Any]) -> None:
+    pipe, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
+                     judge_gate="off")
+    tok = parts[1]
+    q = Document(QUESTION)
+    answers: list[Document] = []
+    for i, turn in enumerate(run.turns):
+        agent = (SOLVERS + [JUDGE])[i]
+        prompt = build_prompt(tok, AgentPipeline.segments(agent, q, answers))
+        assert turn.prompt_tokens == len(prompt.ids)
+        # agent 1 has nothing to reuse; later ones reuse every shared token at r = 0
+        assert turn.reused_tokens == (0 if i == 0 else prompt.document_tokens)
+        assert turn.anchor_segments == (0 if i == 0 else len(prompt.spans))
+        if not agent.judge:
+            answers.append(Document(tokens=tuple(turn.tokens)))
+    saved = sum(t.reused_tokens + t.prefix_hit_tokens for t in run.turns)
+    assert run.reused_share == pytest.approx(saved / sum(t.prompt_tokens for t in run.turns))
+    assert 0 < run.reused_share < 1
+    assert pipe.pool.stats()["hits"] >= 1 + 2 + 3
+
+
+def test_anchor_is_placed_as_the_model_computes_it(parts: tuple[Any, Any]) -> None:
+    """Layer 0's KV depends only on token and position: an anchor captured at one position and
+    placed at another equals the model's own KV there."""
+    eng = _engine(parts)
+    shared = SharedSegments(eng)
+    seg = eng.tokenizer("a shared answer of some length", add_special_tokens=False)["input_ids"]
+    pre_a = eng.tokenizer("<|im_start|>user\nfirst context ", add_special_tokens=False)["input_ids"]
+    pre_b = eng.tokenizer("<|im_start|>system\nanother, longer context\n",
+                          add_special_tokens=False)["input_ids"]
+
+    def kv(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = ca.new_cache()
+        with torch.no_grad():
+            eng._runner.forward(torch.tensor([prefix + seg]), cache)
+        return ca.stack_range(cache, len(prefix), len(prefix) + len(seg))
+
+    k_a, v_a = kv(pre_a)
+    assert shared.capture(seg, k_a, v_a, len(pre_a), "a")
+    lay = shared.layout
+    at = len(pre_b)
+    bk = torch.zeros((lay.num_layers, lay.kv_heads, at + len(seg), lay.k_dim))
+    bv = torch.zeros((lay.num_layers, lay.kv_heads, at + len(seg), lay.v_dim))
+    keys = shared.document_keys(seg)
+    assert shared._fetch_document(keys, len(seg), bk, bv, at, BlendStats())
+    # the caller (DocumentReuse._prefill) moves keys "after the anchor" by at - len(anchor)
+    from semcomm.engine._documents import rotate_keys
+
+    placed = rotate_keys(bk[:, :, at:], at - len(shared.anchor), shared.spec)
+    k_b, v_b = kv(pre_b)
+    assert torch.allclose(placed[0], k_b[0], atol=1e-4)
+    assert torch.allclose(bv[0, :, at:], v_b[0], atol=1e-5)
+    assert not torch.allclose(k_a[0], k_b[0], atol=1e-3)  # the move was needed
+
+
+def test_anchors_are_evicted_under_their_budget() -> None:
+    t = torch.zeros((2, 2, 5, 3))
+    one = 2 * t.numel() * t.element_size()  # keys + values
+    pool = AnchorPool(budget_bytes=2 * one, per_segment=2)
+    assert pool.put(b"x", t, t, 0, "a") and pool.put(b"y", t, t, 0, "b")
+    assert pool.get(b"x") is not None  # x used: y is now the least recently used
+    assert pool.put(b"z", t, t, 0, "c")
+    assert pool.has(b"x") and pool.has(b"z") and not pool.has(b"y")
+    assert pool.nbytes == 2 * one and pool.evictions == 1
+    big = torch.zeros((2, 2, 50, 3))
+    assert not pool.put(b"w", big, big, 0, "d")  # alone over the budget: nothing kept
+    wide = AnchorPool(budget_bytes=10 * one, per_segment=2)
+    for i in range(3):
+        wide.put(b"s", t + i, t, i, str(i))
+    got = wide.get(b"s")
+    assert len(wide) == 2 and got is not None and got.source == "2"
+    with pytest.raises(InvalidInputError):
+        AnchorPool(budget_bytes=-1)
+
+
+def test_pipeline_anchor_memory_stays_bounded(parts: tuple[Any, Any]) -> None:
+    eng = _engine(parts)
+    budget = 40_000
+    pipe = AgentPipeline(eng, SOLVERS, JUDGE, pool=AnchorPool(budget), gate="off",
+                         judge_gate="off")
+    pipe.run(QUESTION)
+    pipe.run("A train leaves at 3 and arrives at 5. How long is the trip?")
+    st = pipe.pool.stats()
+    assert st["bytes"] <= budget and st["evictions"] > 0 and st["anchors"] >= 1
+
+
+def test_another_tenant_never_sees_the_anchors(parts: tuple[Any, Any]) -> None:
+    store = MemoryStore()
+    pool = AnchorPool()
+    a = AgentPipeline(_engine(parts, store=store, tenant="alice"), SOLVERS, JUDGE, pool=pool,
+                      gate="off", judge_gate="off")
+    ra = a.run(QUESTION)
+    assert sum(t.anchor_segments for t in ra.turns) > 0
+    held = len(pool)
+    b = AgentPipeline(_engine(parts, store=store, tenant="bob"), SOLVERS, JUDGE, pool=pool,
+                      gate="off", judge_gate="off")
+    tok = QUESTION  # the same text: the same tokens, another namespace
+    qkey_a = a.shared.segment_key(a.engine.tokenizer(tok, add_special_tokens=False)["input_ids"])
+    qkey_b = b.shared.segment_key(b.engine.tokenizer(tok, add_special_tokens=False)["input_ids"])
+    assert qkey_a != qkey_b and pool.has(qkey_a) and not pool.has(qkey_b)
+    first = b.run_agent(SOLVERS[0], Document(QUESTION), [])[0]
+    assert first.mode == "full" and first.anchor_segments == 0  # nothing of alice's to reuse
+    assert len(pool) >= held
+
+
+def test_answer_extraction() -> None:
+    assert extract_number("so 3 + 4 = 7. The answer is 7.") == "7"
+    assert extract_number("The answer is $1,250.00") == "1250"
+    assert extract_number("no digits") is None
+    assert extract_choice("The answer is C.", 4) == 2
+    assert extract_choice("B. breathing mask", 4) == 1
+    assert extract_choice("nothing", 4) is None
+
+
+def test_bad_settings_are_refused(parts: tuple[Any, Any]) -> None:
+    eng = _engine(parts)
+    with pytest.raises(InvalidInputError):
+        AgentPipeline(eng, SOLVERS, gate="sometimes")
+    with pytest.raises(InvalidInputError):
+        AgentPipeline(eng, SOLVERS, selector="magic")
+    with pytest.raises(InvalidInputError):
+        AgentPipeline(eng, [])
