@@ -26,7 +26,7 @@ app = typer.Typer(
 
 _GROUPS = (
     "_quickstart", "_models", "_reference", "_kv", "_cache", "_fusion", "_route", "_serve", "_security",
-    "_rag",
+    "_rag", "_agents",
 )
 
 for _name in _GROUPS:
