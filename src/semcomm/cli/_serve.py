@@ -25,8 +25,6 @@ def serve(
     dtype: str | None = typer.Option(None, "--dtype", help="Weight dtype of every in-process "
                                      "model: float32, bfloat16, float16 or auto (bfloat16 on a "
                                      "CPU with native bfloat16, else float32); docs/engine.md."),
-    quantize: str | None = typer.Option(None, "--quantize", help="Weight quantization of every "
-                                        "in-process model: none or int8 (torchao)."),
     check: bool = typer.Option(False, "--check", help="Validate the config, print it as JSON "
                                "(with its memory plan under 'memory_plan'), print the plan as "
                                "a table on stderr and exit; a plan that does not fit "
@@ -38,7 +36,7 @@ def serve(
     cache, memory + disk KV stores). Clients authenticate with 'Authorization: Bearer <key>'
     using the api_key of a tenant from the config's tenants table.
     """
-    from ..engine import DTYPE_CHOICES, QUANTIZE_CHOICES
+    from ..engine import DTYPE_CHOICES
     from ..errors import require
     from ..server import load_config
 
@@ -48,16 +46,13 @@ def serve(
     if port is not None:
         overrides["server"]["port"] = port
     cfg = load_config(config, overrides=overrides)
-    for flag, field, value, choices in (("--dtype", "dtype", dtype, DTYPE_CHOICES),
-                                        ("--quantize", "quantize", quantize, QUANTIZE_CHOICES)):
-        if value is None:
-            continue
-        if value not in choices:
-            raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}",
-                                     param_hint=flag)
-        for mcfg in cfg.models.values():  # the engine options of every in-process model
+    if dtype is not None:
+        if dtype not in DTYPE_CHOICES:
+            raise typer.BadParameter(f"must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}",
+                                     param_hint="--dtype")
+        for mcfg in cfg.models.values():  # the dtype of every in-process model
             if mcfg.kind == "hf":
-                setattr(mcfg, field, value)
+                mcfg.dtype = dtype  # type: ignore[assignment]
     from ..server import preflight
 
     # paths, the server secret, the files the config names: one line, before any model loads

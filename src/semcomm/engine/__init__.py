@@ -7,8 +7,8 @@ decoded together, with or without KV reuse); and the decode loop's parts:
 :class:`SamplingParams`, :class:`Sampler`, :class:`StopText` (incremental detokenization with
 stop strings held back), :class:`DecodeState` (one sequence's decode) and
 :func:`decode_steps`, the decode loop every one of these runs (with a caller's forward);
-:data:`DTYPE_CHOICES` and :data:`QUANTIZE_CHOICES`, the names ``HFEngine(dtype=...,
-quantize=...)`` takes (engine/_options.py), and :func:`resolve_dtype` (what ``"auto"`` means
+:data:`DTYPE_CHOICES`, the names ``HFEngine(dtype=...)`` takes (engine/_options.py), and
+:func:`resolve_dtype` (what ``"auto"`` means
 on this machine); :func:`load_model`, a model loaded with those options (what
 ``HFEngine("catalog-name", ...)`` and the server use).
 ``BatchDecoder.continue_greedy`` decodes from KV a caller built (fusion's fused cache).
@@ -61,7 +61,7 @@ from ._documents import (
     build_prompt,
 )
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
-from ._options import DTYPE_CHOICES, QUANTIZE_CHOICES, load_model, resolve_dtype
+from ._options import DTYPE_CHOICES, load_model, resolve_dtype
 from ._snapshot import KVSnapshot
 from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
 
@@ -71,7 +71,6 @@ __all__ = [
     "DEFAULT_SELECTOR",
     "DTYPE_CHOICES",
     "GATES",
-    "QUANTIZE_CHOICES",
     "SELECTORS",
     "Agent",
     "AgentPipeline",

@@ -12,7 +12,7 @@ incrementally.
 
 Every prefill forward ends at a chunk boundary, so the cache never changes what is computed
 (docs/architecture.md, invariant 2). The namespace (model fingerprint, tokenizer fingerprint,
-dtype, quantization, codec spec, tenant salt digest) roots every chunk key, so two engines share chunks only when every one of those matches.
+dtype, codec spec, tenant salt digest) roots every chunk key, so two engines share chunks only when every one of those matches.
 An engine is not thread-safe: serialize calls (the server runs one engine per worker).
 """
 
@@ -60,8 +60,6 @@ from ._documents import (
 )
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 from ._options import (
-    apply_quantize,
-    check_quantize,
     load_model,
     resolve_dtype,
     use_fast_attention,
@@ -117,8 +115,6 @@ class HFEngine:
         dtype: weight and KV dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, a
             ``torch.dtype``, ``"auto"`` (bfloat16 on a CPU with native bfloat16 arithmetic,
             else float32: engine/_options.py) or None (the model's own; the default).
-        quantize: ``"int8"``: torchao's int8 weight-only linear layers (``semcomm[quant]``);
-            ``"none"``/None: the weights as loaded. Part of the KV namespace.
         adapter: fingerprint of a LoRA/adapter applied to the model ("" for none).
         keep_logits: store each prompt's last-position logits beside its final chunk (one
             ``[vocab]`` entry: 2 bytes a token id for a bfloat16 model, 4 otherwise), so a
@@ -128,7 +124,7 @@ class HFEngine:
             restore writes into memory that is already mapped (engine/_pool.py); 0: none.
             ``engine.kv_pool`` may be set to a pool shared by several engines.
         greedy_head, lean_decode: accepted for compatibility and ignored (the decode-step
-            shortcuts they named were replaced by ``dtype`` and ``quantize``).
+            shortcuts they named were replaced by ``dtype``).
     """
 
     def __init__(
@@ -147,7 +143,6 @@ class HFEngine:
         kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
         greedy_head: bool | None = None,
         lean_decode: bool | None = None,
-        quantize: str | None = None,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -156,11 +151,10 @@ class HFEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         tdtype = resolve_dtype(dtype, self.device)
-        self.quantize = check_quantize(quantize)
         for flag, value in (("greedy_head", greedy_head), ("lean_decode", lean_decode)):
             if value is not None:
-                warnings.warn(f"HFEngine({flag}=...) has no effect any more; see dtype= and "
-                              "quantize=", DeprecationWarning, stacklevel=2)
+                warnings.warn(f"HFEngine({flag}=...) has no effect any more; see dtype= "
+                              "(docs/engine.md)", DeprecationWarning, stacklevel=2)
         if isinstance(model, str):
             from transformers import AutoTokenizer
 
@@ -185,9 +179,6 @@ class HFEngine:
             use_fast_attention(model, self.device)
         windows = ca.check_supported(model)
         self.model = model.to(self.device).eval()
-        # fingerprinted before quantization: the namespace names the quantization apart
-        fingerprint = model_fingerprint(self.model)
-        apply_quantize(self.model, self.quantize)
         self.tokenizer = tokenizer
         self.store = store
         self.chunk_size = chunk_size
@@ -216,13 +207,12 @@ class HFEngine:
         else:
             tenant_digest = (salter or TenantSalter()).digest(tenant)
         self.namespace = Namespace(
-            model=fingerprint,
+            model=model_fingerprint(self.model),
             tokenizer=tokenizer_fingerprint(tokenizer),
             dtype=_DTYPE_NAMES[self.dtype],
             codec=self.codec.spec,
             tenant=tenant_digest,
             adapter=adapter,
-            quantize="" if self.quantize == "none" else self.quantize,
         )
         self.namespace_digest: NamespaceDigest = self.namespace.digest
         emb = self.model.get_input_embeddings()

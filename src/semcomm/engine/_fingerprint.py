@@ -49,13 +49,7 @@ def model_fingerprint(model: Any) -> str:
             list(model.named_parameters(remove_duplicate=False))
             + list(model.named_buffers(remove_duplicate=False))
         )
-        while tensors:
-            name, t = tensors.pop(0)
-            flatten = getattr(t, "__tensor_flatten__", None)
-            if callable(flatten):  # a quantized weight (torchao): the tensors it holds
-                inner, _ = flatten()
-                tensors[:0] = [(f"{name}.{n}", getattr(t, n)) for n in inner]
-                continue
+        for name, t in tensors:
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype!s}".encode())
             flat = t.detach().reshape(-1)
             if flat.numel() == 0:

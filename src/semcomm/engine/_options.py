@@ -1,10 +1,8 @@
-"""The engine's speed options: weight dtype and weight-only quantization, from maintained kernels.
+"""The engine's speed option: the weight dtype, through maintained kernels.
 
-Every option here changes only how the model computes, through public APIs that are correct on
-any CPU: ``dtype`` casts the weights (bfloat16 runs on oneDNN, with AVX-512 BF16 or AMX where
-the CPU has them), ``quantize="int8"`` swaps each linear weight for torchao's int8 weight-only
-tensor. An option that changes the model's numbers is part of the KV namespace (the dtype as
-the cache's dtype, the quantization as its own field), so chunks never cross options.
+``dtype`` casts the weights through public APIs that are correct on any CPU (bfloat16 runs on
+oneDNN, with AVX-512 BF16 or AMX where the CPU has them). It changes the model's numbers, so
+it is part of the KV namespace (the cache's dtype): chunks never cross dtypes.
 
 ``dtype="auto"`` is the measured best default (docs/engine.md, benchmarks/engine/decode.py):
 bfloat16 on a CPU with native bfloat16 arithmetic (the ``avx512_bf16`` or ``amx_bf16`` flags),
@@ -14,7 +12,6 @@ float32 elsewhere and on accelerators' own default.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +19,11 @@ import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["DTYPE_CHOICES", "QUANTIZE_CHOICES", "apply_quantize", "check_quantize", "cpu_flags",
-           "load_model", "resolve_dtype", "use_fast_attention"]
-
-logger = logging.getLogger("semcomm.engine")
+__all__ = ["DTYPE_CHOICES", "cpu_flags", "load_model", "resolve_dtype", "use_fast_attention"]
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """Names ``HFEngine(dtype=...)``, the server config's ``dtype`` and ``--dtype`` take."""
 
-QUANTIZE_CHOICES = ("none", "int8")
-"""``none``: the weights as loaded; ``int8``: torchao's int8 weight-only linear layers."""
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -77,47 +69,16 @@ def use_fast_attention(model: Any, device: torch.device) -> None:
         setter("eager")
 
 
-def check_quantize(quantize: Any) -> str:
-    """The quantization name (``"none"`` for None); a clear error for anything else."""
-    name = "none" if quantize is None else quantize
-    if name not in QUANTIZE_CHOICES:
-        raise InvalidInputError(
-            f"unknown quantize {quantize!r}; use one of {', '.join(QUANTIZE_CHOICES)}")
-    return str(name)
-
-
-def apply_quantize(model: Any, quantize: str) -> None:
-    """Quantize ``model``'s linear weights in place (``quantize`` from :func:`check_quantize`).
-
-    The input embedding stays as it is (a lookup, not a product); a tied output head is
-    quantized as a linear layer like the others."""
-    if quantize == "none":
-        return
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError:
-        raise InvalidInputError(
-            "quantize='int8' needs torchao: pip install 'semcomm[quant]'") from None
-    def plain_linear(module: Any, _fqn: str) -> bool:  # not one quantized already
-        return (isinstance(module, torch.nn.Linear)
-                and not callable(getattr(module.weight, "__tensor_flatten__", None)))
-
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=plain_linear)
-    logger.info("weights quantized: %s (torchao int8 weight-only)", quantize)
-
-
-def load_model(path: str | Path, *, dtype: Any = None, quantize: str | None = None,
+def load_model(path: str | Path, *, dtype: Any = None,
                device: str | torch.device = "cpu") -> Any:
     """A causal LM from a transformers directory or hub id, with the engine's options applied:
-    ``dtype`` (:func:`resolve_dtype`; None: the checkpoint's own), the attention that is fast
-    at that dtype (:func:`use_fast_attention`) and ``quantize`` (:func:`apply_quantize`)."""
+    ``dtype`` (:func:`resolve_dtype`; None: the checkpoint's own) and the attention that is
+    fast at that dtype (:func:`use_fast_attention`)."""
     from transformers import AutoModelForCausalLM
 
     dev = torch.device(device)
     tdtype = resolve_dtype(dtype, dev)
-    name = check_quantize(quantize)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype if tdtype else "auto")
     model = model.to(dev).eval()
     use_fast_attention(model, dev)
-    apply_quantize(model, name)
     return model

@@ -54,13 +54,9 @@ class Namespace:
     tenant: str  # tenant salt digest (security.NO_TENANT_DIGEST for public data)
     adapter: str = ""  # LoRA/adapter fingerprint, "" for none
     layout: int = LAYOUT_VERSION
-    quantize: str = ""  # weight quantization ("int8"), "" for the weights as loaded
 
     def canonical_json(self) -> bytes:
-        d = asdict(self)
-        if not d["quantize"]:  # left out when unset: digests of unquantized models unchanged
-            del d["quantize"]
-        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @property
     def digest(self) -> NamespaceDigest:

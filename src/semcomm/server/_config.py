@@ -162,10 +162,9 @@ class ModelConfig(_Section):
     # hf: a semcomm.models catalog name ("smollm2-135m-instruct"), "auto" (the reference
     # receiver), "tiny", "reference:sharer", "reference:receiver", an HF id or a local path
     path: str | None = None
-    # the engine's options (docs/engine.md): "auto" is bfloat16 on a CPU with native bfloat16
-    # arithmetic, float32 elsewhere; quantize "int8": torchao's int8 weight-only linears
+    # the engine's dtype (docs/engine.md): "auto" is bfloat16 on a CPU with native bfloat16
+    # arithmetic, float32 elsewhere
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    quantize: Literal["none", "int8"] = "none"
     device: str | None = None
     kv_cache: bool = True  # reuse KV prefixes through semcomm.engine when available
     max_batch: int | None = Field(None, ge=1)  # overrides server.max_batch for this model

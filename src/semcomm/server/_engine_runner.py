@@ -31,11 +31,8 @@ log = logging.getLogger(__name__)
 def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salter: Any,
                   chunk_size: int | None, codec: str | None,
                   scheduler: PrefillScheduler | None = None,
-                  keep_logits: bool = True, quantize: str = "none") -> tuple[Any, str]:
-    """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model.
-
-    ``quantize``: how the loaded model's weights were quantized (its engines name it in their
-    KV namespace)."""
+                  keep_logits: bool = True) -> tuple[Any, str]:
+    """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model."""
     try:
         from ..engine import DEFAULT_CHUNK_SIZE, HFEngine
     except ImportError as exc:
@@ -44,7 +41,7 @@ def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salt
         runner = EngineRunner(HFEngine, model, tokenizer, model_id=model_id, store=store,
                               salter=salter, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
                               codec=codec or "lossless", scheduler=scheduler,
-                              keep_logits=keep_logits, quantize=quantize)
+                              keep_logits=keep_logits)
     except Exception as exc:  # unsupported model family etc.: serve it plainly, say why
         log.warning("model %s served without KV reuse: %s", model_id, exc)
         return None, f"HFEngine refused the model ({exc}); plain batched decoding"
@@ -104,8 +101,7 @@ class EngineRunner:
 
     def __init__(self, engine_cls: Any, model: Any, tokenizer: Any, *, model_id: str, store: Any,
                  salter: Any, chunk_size: int, codec: str,
-                 scheduler: PrefillScheduler | None = None, keep_logits: bool = True,
-                 quantize: str = "none") -> None:
+                 scheduler: PrefillScheduler | None = None, keep_logits: bool = True) -> None:
         self.engine_cls = engine_cls
         self.scheduler = scheduler
         self.model = model
@@ -116,7 +112,6 @@ class EngineRunner:
         self.chunk_size = chunk_size
         self.codec = codec
         self.keep_logits = keep_logits
-        self.quantize = quantize
         self._engines: dict[tuple[str | None, bool], Any] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
@@ -140,7 +135,7 @@ class EngineRunner:
                                       store=None if isolate else self.store,
                                       chunk_size=self.chunk_size, codec=self.codec,
                                       tenant=tenant, salter=self.salter, kv_pool_bytes=0,
-                                      keep_logits=self.keep_logits, quantize=self.quantize)
+                                      keep_logits=self.keep_logits)
                 eng.prefill_scheduler = self.scheduler
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:

@@ -5,8 +5,8 @@ once loaded; the KV cache grows with tokens, batch and concurrency; the process 
 sum of the weights, the peak KV of the running requests and the prefix cache it keeps in
 memory. The plan holds, per configured model:
 
-* ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once,
-  a quantized weight as the tensors it holds), or before load from the safetensors headers of
+* ``weight_bytes``: measured after load (parameters and buffers, tied tensors counted once),
+  or before load from the safetensors headers of
   the model directory (``serve --check``); the engine keeps nothing beside the weights;
 * ``kv_bytes_per_token``: layers x KV heads x (key dim + value dim) x dtype bytes, from the
   model config; a sliding-window layer holds at most ``window - 1`` positions, so
@@ -138,18 +138,10 @@ def kv_shape_from_config(config: Any, dtype: Any = "float32") -> KVShape:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of a loaded model's parameters and buffers, tied tensors counted once; a tensor
-    subclass (torchao's quantized weights) counts the plain tensors it is made of."""
+    """Bytes of a loaded model's parameters and buffers, tied tensors counted once."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    todo = list(model.parameters()) + list(model.buffers())
-    while todo:
-        t = todo.pop()
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if callable(flatten):  # a wrapper subclass: its inner tensors hold the bytes
-            names, _ = flatten()
-            todo.extend(getattr(t, n) for n in names)
-            continue
+    for t in list(model.parameters()) + list(model.buffers()):
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key in seen:

@@ -88,8 +88,7 @@ def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     from ..engine import load_model
 
     try:
-        model = load_model(path, dtype=cfg.dtype, quantize=cfg.quantize,
-                           device=cfg.device or "cpu")
+        model = load_model(path, dtype=cfg.dtype, device=cfg.device or "cpu")
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"models.{name}.path: cannot load {path!r}: {exc}") from exc
@@ -255,8 +254,7 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
                                     scheduler=scheduler_for(config.server),
-                                    keep_logits=config.kv.keep_logits,
-                                    quantize=cfg.quantize)
+                                    keep_logits=config.kv.keep_logits)
         kv_reuse = runner is not None
         notes[f"model:{name}"] = why
     if runner is None:
