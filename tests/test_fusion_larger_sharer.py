@@ -247,3 +247,25 @@ def test_gateway_picks_the_shipped_fuser_of_the_configured_pair(tmp_path: Path, 
         assert handoff == ("handoff", tmp_path / folder), why
     handoff, why = c2c.find_fuser(backend(SMOL), backend(CODER15), None)
     assert handoff is None and "none of the shipped ones" in why
+
+
+def test_the_documented_larger_sharer_pipeline_config_loads(tmp_path: Path) -> None:
+    """The docs/fusion.md snippet is a valid server config naming the 1.5B -> SmolLM2 pair;
+    the embedded default keeps the default pair."""
+    import re
+
+    from semcomm.server import load_config
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fusion.md").read_text()
+    section = doc.split("### In the gateway", 1)[1]
+    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    cfg = load_config(_write_text(tmp_path / "c.toml", toml))
+    stages = cfg.pipelines["semcomm-c2c"].stages
+    assert [s.model for s in stages] == [CODER15, SMOL] and cfg.pipelines["semcomm-c2c"].handoff == "c2c"
+    default = load_config().pipelines["semcomm-c2c"].stages
+    assert [s.model for s in default] == [CODER05, SMOL]
+
+
+def _write_text(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
