@@ -64,6 +64,7 @@ def test_recompute_one_gives_full_prefill_tokens(parts: tuple[Any, Any]) -> None
     assert [t.mode for t in reuse.turns] == ["full", "reuse", "reuse", "reuse"]
     assert [t.tokens for t in reuse.turns] == [t.tokens for t in full.turns]
     assert all(t.reused_tokens == 0 for t in reuse.turns)  # r = 1 keeps nothing reused
+    assert full.pick is not None and reuse.pick == full.pick  # the judge's candidate number
 
 
 def test_forced_fallback_is_full_prefill(parts: tuple[Any, Any]) -> None:

@@ -284,6 +284,7 @@ class AgentTurn:
     gate_detail: dict[str, Any] = field(default_factory=dict)
     selector: str = ""
     recompute: float = 0.0
+    pick: int | None = None  # a judge's pick (0-based) by its candidate numbers' logits
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -377,9 +378,12 @@ class AgentPipeline:
         pre = eng.prefill(ids, store=eng.store is not None)
         return pre.cache, pre.last_logits, int(pre.stats.hit_tokens)
 
-    def _gate(self, gate: str, logits: torch.Tensor, prompt: Any, max_new: int
-              ) -> tuple[bool, dict[str, Any]]:
-        """(keep the reused prefill?, what was measured)."""
+    def _gate(self, gate: str, logits: torch.Tensor, prompt: Any,
+              restrict: list[int] | None = None) -> tuple[bool, dict[str, Any]]:
+        """(keep the reused prefill?, what was measured); ``restrict``: the token ids the
+        decision is among (a judge's candidate numbers)."""
+        if restrict:
+            logits = logits[restrict]
         if gate == "off":
             return True, {}
         if gate == "always":
@@ -395,15 +399,29 @@ class AgentPipeline:
         if "dual" in gate and keep:
             assert self.shared is not None
             other = self.shared.prefill(prompt, selector=self.dual_selector,
-                                        recompute=self.recompute, store=False)
-            a, b = int(logits.argmax()), int(other.last_logits.argmax())
+                                        recompute=self.recompute, store=False).last_logits
+            if restrict:
+                other = other[restrict]
+            a, b = int(logits.argmax()), int(other.argmax())
             detail["dual_agree"] = a == b
             keep = keep and a == b
         return keep, detail
 
+    def choice_tokens(self, k: int) -> list[int] | None:
+        """Token ids of the candidate numbers "1".."k" (None unless each is one token)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return None
+        ids = [tok(str(i), add_special_tokens=False)["input_ids"] for i in range(1, k + 1)]
+        return [x[0] for x in ids] if all(len(x) == 1 for x in ids) else None
+
     def run_agent(self, agent: Agent, question: Document, answers: Sequence[Document],
                   gate: str | None = None) -> tuple[AgentTurn, Any, int]:
-        """Run one agent; returns its turn, its cache (prompt + answer) and its prompt length."""
+        """Run one agent; returns its turn, its cache (prompt + answer) and its prompt length.
+
+        A judge with single-token candidate numbers picks by its first next-token logits over
+        those numbers only (``turn.pick``; no decoding), so the gate tests the decision itself.
+        """
         eng = self.engine
         segs = self.segments(agent, question, answers)
         t0 = time.perf_counter()
@@ -421,6 +439,7 @@ class AgentPipeline:
             reusable = False
         n = len(ids)
         turn.prompt_tokens = n
+        restrict = self.choice_tokens(len(answers)) if agent.judge and answers else None
         cap = n + agent.max_new_tokens + 1
         full = True
         if reusable and shared is not None:
@@ -430,7 +449,7 @@ class AgentPipeline:
             st = pre.stats
             anchor_hits = shared.anchor_hits
             g = gate or (self.judge_gate if agent.judge else self.gate)
-            keep, detail = self._gate(g, pre.last_logits, prompt, agent.max_new_tokens)
+            keep, detail = self._gate(g, pre.last_logits, prompt, restrict)
             turn.gate, turn.gate_detail = g, detail
             turn.selector, turn.recompute = st.selector, self.recompute
             if keep:
@@ -451,6 +470,12 @@ class AgentPipeline:
             cache, logits, hit = self._full_prefill(ids, cap)
             turn.prefix_hit_tokens = hit
             turn.recomputed_tokens = n - hit
+        if restrict:  # the judge's decision: the most likely candidate number
+            turn.pick = int(logits[restrict].argmax())
+            turn.ttft_s = turn.total_s = time.perf_counter() - t0
+            turn.tokens = [restrict[turn.pick]]
+            turn.text = str(turn.pick + 1)
+            return turn, cache, n
         seq = DecodeState(eng.tokenizer, SamplingParams(), eng.device,
                           max_new_tokens=agent.max_new_tokens, eos_ids=eng.eos_token_ids)
         step = torch.zeros((1, 1), dtype=torch.long, device=eng.device)
@@ -514,7 +539,9 @@ class AgentPipeline:
             turn, _, _ = self.run_agent(self.judge, qdoc, answers)
             turns.append(turn)
             m = re.search(r"\d+", turn.text)
-            if m and 1 <= int(m.group()) <= len(self.solvers):
+            if turn.pick is not None:
+                pick = turn.pick
+            elif m and 1 <= int(m.group()) <= len(self.solvers):
                 pick = int(m.group()) - 1
         solver_texts = [t.text for t in turns[: len(self.solvers)]]
         if pick is not None:
