@@ -95,7 +95,7 @@ def _device_model(family: str, **kw: Any) -> Any:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cold_warm_partial_exact_on_device(family: str) -> None:
     model = _device_model(family)
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device=DEVICE)
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
     assert engine.device.type == DEV.type
     ids = prompt_ids(45)
     ref = reference_greedy(model, ids, NEW)
@@ -107,9 +107,9 @@ def test_cold_warm_partial_exact_on_device(family: str) -> None:
 
     warm = engine.generate(ids, max_new_tokens=NEW)
     assert warm.token_ids == ref
-    assert warm.stats.hit_chunks == 3
-    assert warm.stats.hit_tokens == 44  # the last token is always recomputed
-    assert warm.stats.recomputed_tokens == 1
+    assert warm.stats.hit_chunks == 2  # the tail chunk is recomputed, not restored
+    assert warm.stats.hit_tokens == 32  # without stored logits the last chunk is recomputed
+    assert warm.stats.recomputed_tokens == 13
     assert warm.stats.chunks_stored == 0
 
     ids2 = ids[:37] + prompt_ids(11, seed=7)  # shares two full chunks
@@ -132,15 +132,15 @@ def test_each_lossless_store_exact_on_device(kind: str, tmp_path: Path) -> None:
     model = _device_model("llama")
     ids = prompt_ids(40, seed=3)
     ref = reference_greedy(model, ids, NEW)
-    engine = HFEngine(model, store=_store(kind, tmp_path), chunk_size=CHUNK, device=DEVICE)
+    engine = HFEngine(model, store=_store(kind, tmp_path), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
     assert engine.generate(ids, max_new_tokens=NEW).token_ids == ref
     warm = engine.generate(ids, max_new_tokens=NEW)
-    assert warm.token_ids == ref and warm.stats.hit_tokens == 39
+    assert warm.token_ids == ref and warm.stats.hit_tokens == 32
     assert warm.stats.bytes_loaded > 0
     if kind != "memory":  # a fresh store object over the same directory (restart)
-        engine2 = HFEngine(model, store=_store(kind, tmp_path), chunk_size=CHUNK, device=DEVICE)
+        engine2 = HFEngine(model, store=_store(kind, tmp_path), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
         again = engine2.generate(ids, max_new_tokens=NEW)
-        assert again.token_ids == ref and again.stats.hit_tokens == 39
+        assert again.token_ids == ref and again.stats.hit_tokens == 32
         assert set(again.stats.hit_tiers) == {"disk"}
         if kind == "tiered":  # promoted to memory on that hit
             assert set(engine2.generate(ids, max_new_tokens=NEW).stats.hit_tiers) == {"memory"}
@@ -148,24 +148,24 @@ def test_each_lossless_store_exact_on_device(kind: str, tmp_path: Path) -> None:
 
 def test_prefill_restores_the_stored_bits_on_device() -> None:
     model = _device_model("qwen2")
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device=DEVICE)
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
     ids = prompt_ids(30, seed=4)
     cold = engine.prefill(ids)
     warm = engine.prefill(ids)
     assert _cache_on_device(cold.cache) and _cache_on_device(warm.cache)
     assert _on_device(warm.last_logits)
     assert cold.cache.get_seq_length() == warm.cache.get_seq_length() == 30
-    assert warm.stats.hit_tokens == 29 and cold.stats.chunks_stored == 2
+    assert warm.stats.hit_tokens == 16 and cold.stats.chunks_stored == 2
     assert int(warm.last_logits.argmax()) == reference_greedy(model, ids, 1)[0]
     assert torch.allclose(warm.last_logits, cold.last_logits, rtol=1e-4, atol=1e-5)
     for lc, lw in zip(cold.cache.layers, warm.cache.layers):
-        assert lc.keys[:, :, :29].equal(lw.keys[:, :, :29])  # restored bits are the stored bits
-        assert lc.values[:, :, :29].equal(lw.values[:, :, :29])
+        assert lc.keys[:, :, :16].equal(lw.keys[:, :, :16])  # restored bits are the stored bits
+        assert lc.values[:, :, :16].equal(lw.values[:, :, :16])
 
 
 def test_stream_and_seeded_sampling_on_device() -> None:
     model = _device_model("qwen2")
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device=DEVICE)
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
     ids = prompt_ids(33, seed=5)
     ref = reference_greedy(model, ids, NEW)
     stream = engine.generate(ids, max_new_tokens=NEW, stream=True)
@@ -182,23 +182,23 @@ def test_stream_and_seeded_sampling_on_device() -> None:
 
 def test_bfloat16_restore_is_bit_exact_on_device() -> None:
     model = tiny_model("llama")
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, device=DEVICE,
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device=DEVICE,
                       dtype="bfloat16")
     assert engine.dtype == torch.bfloat16 and engine.namespace.dtype == "bfloat16"
     ids = prompt_ids(45)
     cold = engine.prefill(ids)
     warm = engine.prefill(ids)
-    assert warm.stats.hit_tokens == 44 and warm.stats.recomputed_tokens == 1
+    assert warm.stats.hit_tokens == 32 and warm.stats.recomputed_tokens == 13
     for lc, lw in zip(cold.cache.layers, warm.cache.layers):
         assert lw.keys.dtype == torch.bfloat16 and _on_device(lw.keys)
-        assert lc.keys[:, :, :44].equal(lw.keys[:, :, :44])
-        assert lc.values[:, :, :44].equal(lw.values[:, :, :44])
+        assert lc.keys[:, :, :32].equal(lw.keys[:, :, :32])
+        assert lc.values[:, :, :32].equal(lw.values[:, :, :32])
     # the last token, fed alone on the restored cache, sees what the full prefill saw
     scale = float(cold.last_logits.abs().max())
     assert float((warm.last_logits - cold.last_logits).abs().max()) <= 0.05 * scale + 1e-3
     g1 = engine.generate(ids, max_new_tokens=NEW)
     g2 = engine.generate(ids, max_new_tokens=NEW)
-    assert g1.stats.hit_tokens == g2.stats.hit_tokens == 44
+    assert g1.stats.hit_tokens == g2.stats.hit_tokens == 32
     assert g1.token_ids == g2.token_ids and g1.token_ids  # (may stop early at EOS)
 
 
@@ -210,8 +210,8 @@ def test_chunks_written_on_cpu_restore_on_device(family: str, tmp_path: Path) ->
     cpu_model = tiny_model(family)
     dev_model = tiny_model(family)  # same seed: the same weights, a second copy
     ids = prompt_ids(45)
-    writer = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, device="cpu")
-    reader = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK,
+    writer = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False, device="cpu")
+    reader = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False,
                       device=DEVICE)
     # the namespace names the model, not the device it sits on
     assert reader.namespace_digest == writer.namespace_digest
@@ -223,7 +223,7 @@ def test_chunks_written_on_cpu_restore_on_device(family: str, tmp_path: Path) ->
     wrote = writer.generate(ids, max_new_tokens=NEW)
     assert wrote.token_ids == ref_cpu and wrote.stats.chunks_stored == 3
     got = reader.generate(ids, max_new_tokens=NEW)
-    assert got.stats.hit_tokens == 44 and got.stats.chunks_stored == 0
+    assert got.stats.hit_tokens == 32 and got.stats.chunks_stored == 0
     assert set(got.stats.hit_tiers) == {"disk"}
     assert got.token_ids == ref_dev
 
@@ -232,34 +232,34 @@ def test_chunks_written_on_cpu_restore_on_device(family: str, tmp_path: Path) ->
     dev_pre = reader.prefill(ids, store=False)
     assert _cache_on_device(dev_pre.cache)
     for (kc, vc), (kd, vd) in zip(ca.layer_tensors(cpu_pre.cache), ca.layer_tensors(dev_pre.cache)):
-        assert kc[:, :, :44].equal(kd[:, :, :44].cpu()) and vc[:, :, :44].equal(vd[:, :, :44].cpu())
+        assert kc[:, :, :32].equal(kd[:, :, :32].cpu()) and vc[:, :, :32].equal(vd[:, :, :32].cpu())
 
 
 def test_chunks_written_on_device_restore_on_cpu_and_snapshots_travel(tmp_path: Path) -> None:
     dev_model = _device_model("qwen2")
     cpu_model = tiny_model("qwen2")
     ids = prompt_ids(45)
-    writer = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK,
+    writer = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False,
                       device=DEVICE)
-    reader = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, device="cpu")
+    reader = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False, device="cpu")
     ref = reference_greedy(cpu_model, ids, NEW)
     assert reference_greedy(dev_model, ids, NEW) == ref  # precondition: devices agree
 
     assert writer.generate(ids, max_new_tokens=NEW).stats.chunks_stored == 3
     got = reader.generate(ids, max_new_tokens=NEW)
-    assert got.stats.hit_tokens == 44 and got.token_ids == ref
+    assert got.stats.hit_tokens == 32 and got.token_ids == ref
 
     # a snapshot exported on the device continues on the CPU (and back)
     snap = writer.snapshot(ids[:35])
-    cpu_only = HFEngine(cpu_model, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
+    cpu_only = HFEngine(cpu_model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device="cpu")
     r = cpu_only.generate(ids, max_new_tokens=NEW, snapshot=snap)
-    assert r.stats.hit_tokens == 35 and set(r.stats.hit_tiers) == {"snapshot"}
+    assert r.stats.hit_tokens == 32 and set(r.stats.hit_tiers) == {"snapshot"}
     assert r.token_ids == ref
     snap_cpu = cpu_only.snapshot(ids[:35])
-    dev_only = HFEngine(dev_model, store=MemoryStore(), chunk_size=CHUNK, device=DEVICE)
+    dev_only = HFEngine(dev_model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, device=DEVICE)
     assert dev_only.import_snapshot(snap_cpu.to_bytes()) == 3
     r2 = dev_only.generate(ids[:35], max_new_tokens=NEW)
-    assert r2.stats.hit_tokens == 34
+    assert r2.stats.hit_tokens == 32
     assert r2.token_ids == reference_greedy(dev_model, ids[:35], NEW)
 
 
@@ -274,22 +274,22 @@ def test_lossy_codecs_on_device(spec: str, tmp_path: Path) -> None:
     model = _device_model("llama")
     ids = prompt_ids(45)
     ref = reference_greedy(model, ids, NEW)
-    lossless = HFEngine(model, chunk_size=CHUNK, device=DEVICE).prefill(ids, store=False)
+    lossless = HFEngine(model, chunk_size=CHUNK, keep_logits=False, device=DEVICE).prefill(ids, store=False)
 
-    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, codec=spec, device=DEVICE)
+    engine = HFEngine(model, store=MemoryStore(), chunk_size=CHUNK, keep_logits=False, codec=spec, device=DEVICE)
     cold = engine.generate(ids, max_new_tokens=NEW)
     assert cold.token_ids == ref and cold.stats.chunks_stored == 3  # cold: no codec in the loop
     assert cold.stats.codec.startswith(spec)
     warm = engine.generate(ids, max_new_tokens=NEW)
-    assert warm.stats.hit_tokens == 44 and warm.token_ids
+    assert warm.stats.hit_tokens == 32 and warm.token_ids
     if spec == "int8":
         assert warm.token_ids == ref  # int8 keeps a short prompt's greedy answer
 
     pre = engine.prefill(ids, store=False)
     assert _cache_on_device(pre.cache)
-    k_err = max(relative_error(a[:, :, :44].cpu(), b[:, :, :44].cpu()) for (a, _), (b, _)
+    k_err = max(relative_error(a[:, :, :32].cpu(), b[:, :, :32].cpu()) for (a, _), (b, _)
                 in zip(ca.layer_tensors(lossless.cache), ca.layer_tensors(pre.cache)))
-    v_err = max(relative_error(a[:, :, :44].cpu(), b[:, :, :44].cpu()) for (_, a), (_, b)
+    v_err = max(relative_error(a[:, :, :32].cpu(), b[:, :, :32].cpu()) for (_, a), (_, b)
                 in zip(ca.layer_tensors(lossless.cache), ca.layer_tensors(pre.cache)))
     assert 0.0 < k_err <= _CODEC_BOUNDS[spec] and 0.0 < v_err <= _CODEC_BOUNDS[spec]
 
@@ -297,15 +297,15 @@ def test_lossy_codecs_on_device(spec: str, tmp_path: Path) -> None:
 def test_int8_chunks_from_cpu_give_the_cpu_answer_on_device(tmp_path: Path) -> None:
     cpu_model, dev_model = tiny_model("qwen2"), tiny_model("qwen2")
     ids = prompt_ids(45)
-    cpu = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, codec="int8",
+    cpu = HFEngine(cpu_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False, codec="int8",
                    device="cpu")
-    dev = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, codec="int8",
+    dev = HFEngine(dev_model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, keep_logits=False, codec="int8",
                    device=DEVICE)
     assert cpu.namespace_digest == dev.namespace_digest
     cpu.generate(ids, max_new_tokens=NEW)
     cpu_warm = cpu.generate(ids, max_new_tokens=NEW)
     dev_warm = dev.generate(ids, max_new_tokens=NEW)
-    assert cpu_warm.stats.hit_tokens == dev_warm.stats.hit_tokens == 44
+    assert cpu_warm.stats.hit_tokens == dev_warm.stats.hit_tokens == 32
     assert dev_warm.token_ids == cpu_warm.token_ids == reference_greedy(cpu_model, ids, NEW)
 
 
