@@ -53,6 +53,7 @@ SMOKE: dict[str, tuple[list[str], str, str | None]] = {
     "benchmarks.server.batching": (["--json", "{out}/r.json"], "r.json", None),
     "benchmarks.server.agent_chain": (["--json", "{out}/r.json"], "r.json", None),
     "benchmarks.server.security": (["--json", "{out}/r.json"], "r.json", None),
+    "benchmarks.server.hardening": (["--json", "{out}/r.json"], "r.json", None),
     "benchmarks.vllm.compare": (["--json", "{out}/r.json", "--png", "{out}/r.png"], "r.json",
                                 None),
     "benchmarks.vllm.check": (["--vllm-python", str(VLLM_PY), "--out", "{out}/r.json",
