@@ -199,3 +199,14 @@ def test_bad_settings_are_refused(parts: tuple[Any, Any]) -> None:
         AgentPipeline(eng, SOLVERS, selector="magic")
     with pytest.raises(InvalidInputError):
         AgentPipeline(eng, [])
+
+
+def test_without_anchors_segments_come_from_stored_documents(parts: tuple[Any, Any]) -> None:
+    pipe, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
+                     judge_gate="off", anchors=False)
+    assert len(pipe.pool) == 0 and all(t.anchor_segments == 0 for t in run.turns)
+    # agent 1 ran in full and stored the question and its answer computed alone; every later
+    # agent finds all its shared segments stored
+    for i, t in enumerate(run.turns[1:], 1):
+        assert t.mode == "reuse" and t.stored_segments == min(i, 3) + 1
+        assert t.computed_segments == 0

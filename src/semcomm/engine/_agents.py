@@ -508,6 +508,11 @@ class AgentPipeline:
                                                          device=eng.device), cache)
                 k, v = ca.stack_range(cache, n, n + len(toks))
                 shared.capture(toks, k, v, n, agent.name)
+        elif shared is not None and eng.store is not None:
+            # documents only: each shared segment and the answer computed alone and stored
+            # (after the agent's answer, so later agents find them)
+            for seg in [ids[s:e] for s, e in prompt.spans] + ([toks] if toks else []):
+                shared.precompute(Document(tokens=tuple(seg)))
         return turn, cache, n
 
     def _available(self, tokens: list[int]) -> bool:
