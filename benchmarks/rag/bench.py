@@ -14,7 +14,8 @@ target position), per codec: the error of the restored layer-0 keys against keys
 the target position, and the restore time.
 
 Usage: ``python -m benchmarks.rag.bench [--quick] [--models a,b] [--sets nq,kv,boolq]
-[--n 10] [--docs 10] [--budgets 0.15,0.3] [--threads 1] [--keys] [--json FILE] [--png FILE]``.
+[--n 10] [--docs 10] [--budgets 0.15,0.3] [--threads 1] [--keys] [--json FILE] [--png FILE]``;
+``--plot-from FILE`` redraws the tables and the PNG of an earlier run.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (m, s) in zip(axes[0], panels):
         summ = results[m][s]["summary"]
-        for name, marker in (("full", "s"), ("prefix", "D"), ("concat", "x")):
-            ax.scatter(summ[name]["ttft_s"], summ[name]["f1"], marker=marker, s=60, label=name)
-        for sel in SELECTORS:
+        for name, marker, color in (("full", "s", "black"), ("prefix", "D", "grey"),
+                                    ("concat", "x", "red")):
+            ax.scatter(summ[name]["ttft_s"], summ[name]["f1"], marker=marker, s=60, label=name,
+                       color=color)
+        for sel, color in zip(SELECTORS, ("tab:blue", "tab:orange", "tab:green")):
             pts = sorted((v["ttft_s"], v["f1"]) for k, v in summ.items() if k.startswith(sel + "@"))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=sel)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=sel, color=color)
         ax.set_xscale("log")
         ax.set_xlabel("TTFT median (s, log)")
         ax.set_ylabel("answer F1")
@@ -155,7 +158,18 @@ def main() -> None:
     ap.add_argument("--keys", action="store_true", help="also measure the key storage modes")
     ap.add_argument("--json", type=Path, default=RESULTS / "rag.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "rag.png")
+    ap.add_argument("--plot-from", type=Path, default=None,
+                    help="only draw the PNG (and print the tables) of an earlier JSON")
     a = ap.parse_args()
+    if a.plot_from is not None:
+        saved = json.loads(a.plot_from.read_text())["results"]
+        for model, sets in saved.items():
+            for name, res in sets.items():
+                console.print(table(f"{model} / {name}: {res['n']} questions, "
+                                    f"{res.get('prompt_tokens_mean', 0):.0f} prompt tokens (mean)",
+                                    res["summary"]))
+        plot(saved, a.png)
+        return
     if a.quick:
         a.models, a.sets, a.n, a.docs, a.budgets = "smollm2-135m-instruct", "nq", 3, 5, "0.15"
     torch.set_num_threads(a.threads)
