@@ -523,7 +523,7 @@ class Gateway:
         stored request's count is reported, and ``semcomm.semantic.prompt_tokens`` says so)."""
         answer = hit.answer
         counted = prompt_tokens is not None
-        prompt_tokens = prompt_tokens if counted else hit.prompt_tokens
+        prompt_tokens = int(prompt_tokens if prompt_tokens is not None else hit.prompt_tokens)
         tokens = prompt_tokens + hit.completion_tokens
         saved_ms = self.stats._ms_per_request
         self.metrics.hits.labels("semantic").inc()
