@@ -269,3 +269,36 @@ def test_the_documented_larger_sharer_pipeline_config_loads(tmp_path: Path) -> N
 def _write_text(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def _smol_ready() -> bool:
+    try:
+        from semcomm.models import is_pulled
+
+        return is_pulled(CODER15) and is_pulled(SMOL)
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _smol_ready(), reason=f"{CODER15} (or {SMOL}) is not pulled")
+def test_real_larger_sharer_trains_resumes_and_evaluates(tmp_path: Path) -> None:
+    """The bfloat16 1.5B sharer with a float32 receiver: two choice-objective steps, a resume
+    to three, and C2C of the trained fuser on the pair (the training tool's code path)."""
+    from semcomm.fusion import FusionTrainer, TrainConfig, load_fuser, load_side
+
+    s = load_side(CODER15, template="{shared}Answer:")
+    r = load_side(SMOL, template="{shared}Answer:")
+    assert s.model.dtype == torch.bfloat16 and r.model.dtype == torch.float32
+    qs = read_mcqa(_write(tmp_path / "q.jsonl", QUESTIONS[:2]))
+    cfg = TrainConfig(steps=2, batch_size=2, bf16=True, objective="choice", gate_lr=0.05,
+                      answer_weight=0.1, checkpoint_every=1, threads=1,
+                      fuser={"hidden_dim": 16, "num_blocks": 1, "intermediate_mult": 1.0})
+    out = tmp_path / "run"
+    first = FusionTrainer(s, r, qs, cfg, out=out).train()
+    assert first.steps == 2 and all(x == x for x in first.losses)  # finite, not NaN
+    cfg.steps = 3
+    again = FusionTrainer(s, r, qs, cfg, out=out, resume=True)
+    assert again.step == 2 and again.train().steps == 3
+    fz = load_fuser(out, sharer=s.spec, receiver=r.spec)
+    res = evaluate_mcqa(s, r, fz, qs[:1], McqaSettings(methods=("receiver", "c2c")))
+    assert res["c2c"]["n"] == 1 and res["c2c"]["median_fuse_s"] >= 0
