@@ -197,3 +197,60 @@ def test_prefills_run_one_chunk_at_a_time_from_any_restored_prefix() -> None:
     finally:
         hook.remove()
 
+
+
+def test_a_tampered_chunk_on_disk_is_a_miss_on_the_engine_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A chunk file whose payload changed after it was written is refused when the engine
+    reads it (the disk tier verifies every read): the prompt is recomputed from there and the
+    answer is the one the cache-off engine gives."""
+    from semcomm.kv import DiskStore
+
+    model = tiny_model("llama")
+    ids = prompt_ids(40, seed=13)
+    ref = cache_off(model, ids)
+    writer = HFEngine(model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, device="cpu")
+    assert writer.generate(ids, max_new_tokens=NEW).token_ids == ref
+    writer.store.close()
+    files = sorted((tmp_path / "kv").rglob("*.sckv"))
+    assert len(files) == 4  # three chunks and the prompt's logits
+    for f in files:  # one payload byte flipped in each, the length kept
+        data = bytearray(f.read_bytes())
+        data[len(data) - 20] ^= 0x40
+        f.write_bytes(bytes(data))
+    reader = HFEngine(model, store=DiskStore(tmp_path / "kv"), chunk_size=CHUNK, device="cpu")
+    out = reader.generate(ids, max_new_tokens=NEW)
+    assert out.stats.hit_tokens == 0 and not out.stats.logits_restored
+    assert out.token_ids == ref
+
+
+def test_a_prefix_is_fetched_with_one_batched_call_per_request() -> None:
+    """The engine restores a prefix with one ``fetch_many`` (one round trip to Redis, one pass
+    per tier), checks presence with one ``contains_many`` and writes with one ``put_many``."""
+    calls: list[str] = []
+
+    class Counting(MemoryStore):
+        def fetch(self, key):  # type: ignore[no-untyped-def]
+            calls.append("fetch")
+            return super().fetch(key)
+
+        def fetch_many(self, keys):  # type: ignore[no-untyped-def]
+            calls.append("fetch_many")
+            return [MemoryStore.fetch(self, k) for k in keys]
+
+        def contains(self, key):  # type: ignore[no-untyped-def]
+            calls.append("contains")
+            return super().contains(key)
+
+        def contains_many(self, keys):  # type: ignore[no-untyped-def]
+            calls.append("contains_many")
+            return [MemoryStore.contains(self, k) for k in keys]
+
+    engine = HFEngine(tiny_model("qwen2"), store=Counting(), chunk_size=CHUNK, device="cpu",
+                      keep_logits=False)
+    ids = prompt_ids(70, seed=14)
+    engine.generate(ids, max_new_tokens=1)
+    calls.clear()
+    out = engine.generate(ids[:64] + prompt_ids(20, seed=15), max_new_tokens=1)
+    assert out.stats.hit_chunks == 4
+    assert calls.count("fetch_many") == 1 and "fetch" not in calls
+    assert "contains" not in calls

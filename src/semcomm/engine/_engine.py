@@ -342,12 +342,12 @@ class HFEngine:
         chunks: list[Chunk] = []
         tiers: list[str] = []
         raw: list[bytes] = []
-        for i in range(match.num_chunks):
-            try:
-                fetched = self.store.fetch(keys[i])
-            except (StoreError, BackendUnavailableError) as exc:
-                logger.warning("KV store fetch failed (%s); the hit ends at chunk %d", exc, i)
-                break
+        try:  # one batched call (one round trip to Redis, one pass per tier)
+            got = self.store.fetch_many(keys[:match.num_chunks]) if match.num_chunks else []
+        except (StoreError, BackendUnavailableError) as exc:
+            logger.warning("KV store fetch failed (%s); serving without reuse", exc)
+            got = []
+        for i, fetched in enumerate(got):
             if fetched is None:  # evicted between lookup and fetch
                 break
             try:
@@ -610,7 +610,8 @@ class HFEngine:
         first = stats.hit_chunks if not stats.hit_tiers or stats.hit_tiers[0] != "snapshot" else 0
         complete = True  # every chunk is in the store (then its logits go beside it)
         try:
-            todo = [i for i in range(first, len(keys)) if not self.store.contains(keys[i])]
+            present = self.store.contains_many(keys[first:])
+            todo = [first + j for j, there in enumerate(present) if not there]
         except (StoreError, BackendUnavailableError) as exc:
             logger.warning("KV store unavailable (%s); the prompt's chunks are not stored", exc)
             todo, complete = [], False
@@ -630,13 +631,8 @@ class HFEngine:
                 batch.append((keys[i], have[i] or self._encode(
                     keys, i, s, e, k_all[:, :, s - lo : e - lo], v_all[:, :, s - lo : e - lo])))
             # one batch: a DiskStore writes its chunks concurrently (docs/kv.md, put_many)
-            put_many = getattr(self.store, "put_many", None)
             try:
-                if put_many is not None:
-                    put_many(batch)
-                else:
-                    for key, data in batch:
-                        self.store.put(key, data)
+                self.store.put_many(batch)
             except (StoreError, BackendUnavailableError) as exc:
                 logger.warning("KV store put failed (%s); the prompt's chunks are not all stored",
                                exc)
