@@ -12,7 +12,13 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from .test_server_support import LiveServer, free_port, live_server, server_config
+from .test_server_support import (
+    ADMIN_KEY,
+    LiveServer,
+    free_port,
+    live_server,
+    server_config,
+)
 
 UP_KEY = "k-upstream"
 
@@ -144,8 +150,10 @@ def test_unreachable_upstream_is_reported(gateway: LiveServer) -> None:
         r = c.post("/v1/chat/completions", json={
             "model": "up-dead", "messages": [{"role": "user", "content": "anyone?"}]})
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
-        health = c.get("/health").json()
-        metrics = c.get("/metrics").text
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}  # details are the admin's
+        assert c.get("/health").json() == {"status": "degraded"}
+        health = c.get("/health", headers=admin).json()
+        metrics = c.get("/metrics", headers=admin).text
     assert health["models"]["up-dead"]["up"] is False and health["status"] == "degraded"
     assert 'semcomm_backend_up{model="up-dead"} 0.0' in metrics
 
