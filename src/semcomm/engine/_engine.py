@@ -12,7 +12,8 @@ incrementally.
 
 Every prefill forward ends at a chunk boundary, so the cache never changes what is computed
 (docs/architecture.md, invariant 2). The namespace (model fingerprint, tokenizer fingerprint,
-dtype, codec spec, tenant salt digest) roots every chunk key, so two engines share chunks only when every one of those matches.
+dtype, codec spec, tenant salt digest) roots every chunk key, so two engines share chunks only
+when every one of those matches.
 An engine is not thread-safe: serialize calls (the server runs one engine per worker).
 """
 
@@ -73,7 +74,7 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "HFEngine"]
 logger = logging.getLogger("semcomm.engine")
 
 DEFAULT_CHUNK_SIZE = 256
-"""Tokens per chunk. Measured in benchmarks/bench_kv_ttft.py (see docs/engine.md): at 2k
+"""Tokens per chunk. Measured in benchmarks/kv/ttft.py (see docs/engine.md): at 2k
 prompt tokens the per-chunk overhead (header, checksum, one store call) is a few percent of
 the hit path at 256 and grows quickly below 64; larger chunks lose reuse granularity."""
 
