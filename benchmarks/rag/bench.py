@@ -6,7 +6,8 @@ plain concatenation (r = 0) and each selector (cacheblend, epic, prophet) at eac
 from the same token ids (``semcomm.cli._tools.rag_eval``, what ``semcomm rag eval`` runs).
 Reported per mode: F1, EM, agreement with full prefill's greedy answer, KL(full || mode) of
 the first next-token distribution, TTFT median / p90 and the ratios to full and to prefix.
-A table, JSON and one PNG (F1 against TTFT per selector; one panel per model and set).
+A table, JSON and one PNG (F1, and KL to full prefill, against TTFT per selector; one column
+per model and set).
 
 ``--keys`` also measures the storage choice: document keys stored as computed (rotated at
 the anchor's positions, moved by the difference) or un-rotated (at position 0, moved by the
@@ -78,22 +79,29 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(m, s) for m, sets in results.items() for s in sets]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (m, s) in zip(axes[0], panels):
+    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7.5), squeeze=False)
+    for col, (m, s) in enumerate(panels):
         summ = results[m][s]["summary"]
-        for name, marker, color in (("full", "s", "black"), ("prefix", "D", "grey"),
-                                    ("concat", "x", "red")):
-            ax.scatter(summ[name]["ttft_s"], summ[name]["f1"], marker=marker, s=60, label=name,
-                       color=color)
-        for sel, color in zip(SELECTORS, ("tab:blue", "tab:orange", "tab:green")):
-            pts = sorted((v["ttft_s"], v["f1"]) for k, v in summ.items() if k.startswith(sel + "@"))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=sel, color=color)
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT median (s, log)")
-        ax.set_ylabel("answer F1")
-        ax.set_title(f"{m} / {s} (n={summ['full']['n']})", fontsize=9)
-        ax.legend(fontsize=7)
+        for row, (key, label) in enumerate((("f1", "answer F1"),
+                                            ("kl", "KL(full || mode), first token"))):
+            ax = axes[row][col]
+            for name, marker, color in (("full", "s", "black"), ("prefix", "D", "grey"),
+                                        ("concat", "x", "red")):
+                y = summ[name][key]
+                if y is not None:
+                    ax.scatter(summ[name]["ttft_s"], y, marker=marker, s=60, label=name,
+                               color=color)
+            for sel, color in zip(SELECTORS, ("tab:blue", "tab:orange", "tab:green")):
+                pts = sorted((v["ttft_s"], v[key]) for k, v in summ.items()
+                             if k.startswith(sel + "@") and v[key] is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=sel,
+                            color=color)
+            ax.set_xscale("log")
+            ax.set_xlabel("TTFT median (s, log)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{m} / {s} (n={summ['full']['n']})", fontsize=9)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
