@@ -850,8 +850,8 @@ class DocumentReuse:
                          fixed: torch.Tensor, head_end: int, bk: torch.Tensor, bv: torch.Tensor,
                          cap: int) -> torch.Tensor:
         """Per candidate: the attention the question (every token after the last document)
-        gives it over a quarter of the layers, from a first pass of the non-document tokens
-        over the reused KV."""
+        gives it over a quarter of the layers, from a first pass of the question's tokens
+        alone over the reused KV (the other non-document tokens hidden: not computed yet)."""
         n = len(ids)
         last_doc = max((e for _, e in prompt.spans), default=0)
         mods = self._attention_modules()
@@ -865,33 +865,31 @@ class DocumentReuse:
             captured[mod.layer_idx] = (hs, kwargs.get("position_embeddings"))
 
         hooks = [mods[i].register_forward_pre_hook(pre_hook, with_kwargs=True) for i in chosen]
+        question = fixed[fixed >= last_doc]  # never empty: the last position is fixed
         try:
-            self._masked_forward(ids, fixed, head_end, n, bk, bv, cap, scatter=False)
+            self._masked_forward(ids, question, head_end, n, bk, bv, cap, scatter=False,
+                                 hide=fixed)
         finally:
             for hk in hooks:
                 hk.remove()
-        qpos = fixed >= last_doc  # the question: fixed tokens after the last document
-        m = fixed.numel()
+        m = question.numel()
         score = torch.zeros(n, dtype=torch.float32)
         for li in chosen:
             hs, pe = captured[li]
             mod = mods[li]
             q = self._queries(mod, hs, pe)  # [Hq, m, D]
-            q = q[:, qpos.to(q.device)]
-            if q.shape[1] == 0:
-                continue
             hq, hkv = q.shape[0], self.layout.kv_heads
             k_ctx = bk[li, :, :n].float()  # reused/exact context (stale at fixed positions)
-            k_new = bk[li, :, n : n + m].float()  # the fixed tokens, fresh
+            k_new = bk[li, :, n : n + m].float()  # the question's tokens, fresh
             k_ctx = k_ctx.repeat_interleave(hq // hkv, 0)
             k_new = k_new.repeat_interleave(hq // hkv, 0)
             scale = float(getattr(mod, "scaling", 1 / math.sqrt(q.shape[-1])))
             s_ctx = torch.einsum("hqd,hkd->hqk", q.float(), k_ctx) * scale
             s_new = torch.einsum("hqd,hkd->hqk", q.float(), k_new) * scale
-            qp = fixed[qpos]
+            qp = question
             vis_ctx = (torch.arange(n)[None, :] < qp[:, None])
             vis_ctx[:, fixed] = False
-            vis_new = fixed[None, :] <= qp[:, None]
+            vis_new = question[None, :] <= qp[:, None]
             s_ctx = s_ctx.masked_fill(~vis_ctx.to(s_ctx.device)[None], float("-inf"))
             s_new = s_new.masked_fill(~vis_new.to(s_new.device)[None], float("-inf"))
             p = torch.softmax(torch.cat([s_ctx, s_new], -1), -1)[..., :n]
@@ -928,14 +926,15 @@ class DocumentReuse:
     # -------------------------------------------------------------- the forward
     def _masked_forward(self, ids: list[int], run: torch.Tensor, head_end: int, n: int,
                         bk: torch.Tensor, bv: torch.Tensor, cap: int,
-                        scatter: bool = True) -> torch.Tensor:
+                        scatter: bool = True, hide: torch.Tensor | None = None) -> torch.Tensor:
         """Run the tokens at positions ``run`` (sorted) over the prompt's KV in the buffers.
 
         The cache holds ``n`` positions (reused documents, the exact head, stale entries at
         ``run``); the run's fresh KV is appended at ``[n, n + m)``; a position ``p`` of the run
         sees the context positions ``< p`` outside the run and the run's positions ``<= p``.
         Returns the last run position's logits; with ``scatter`` the fresh KV is moved to its
-        positions (the buffers then hold the prompt's final KV).
+        positions (the buffers then hold the prompt's final KV). ``hide``: context positions
+        no run token sees (stale ones not in the run).
         """
         m = run.numel()
         cache = ca.buffer_cache(self.layout, cap, self.device, n, (bk, bv))
@@ -944,6 +943,8 @@ class DocumentReuse:
             dtype = torch.float32
         allowed_ctx = torch.arange(n)[None, :] < run[:, None]
         allowed_ctx[:, run] = False
+        if hide is not None:
+            allowed_ctx[:, hide] = False
         allowed_new = run[None, :] <= run[:, None]
         allowed = torch.cat([allowed_ctx, allowed_new], 1)
         mask = torch.zeros((1, 1, m, n + m), dtype=dtype)
