@@ -84,11 +84,15 @@ def demo_workload(n_conversations: int = 3, n_chains: int = 3, *,
                 "specialist_system": _SPECIALIST_SYSTEM}
 
 
+_ADMIN_KEY = "demo-admin-key"
+
+
 def _demo_config(state_dir: Path, work: dict[str, Any], max_tokens: int) -> ServerConfig:
     base = load_config(None, environ={})
     router, specialist = (list(base.models) * 2)[:2][::-1]  # the larger model routes
     return load_config(None, environ={}, overrides={
-        "server": {"state_dir": str(state_dir), "default_max_tokens": max_tokens},
+        "server": {"state_dir": str(state_dir), "default_max_tokens": max_tokens,
+                   "admin_key": _ADMIN_KEY},  # the whole dashboard is the admin's
         "kv": {"chunk_size": 32},
         "tenants": {"demo": {"api_key": "demo-key"}},
         "pipelines": {"semcomm-chain": {
@@ -177,7 +181,8 @@ async def _run(config: ServerConfig, work: dict[str, Any], max_tokens: int,
                     r.update(round=rnd, kind="agent-chain", item=f"chain{ci}")
                     rows.append(r)
                 rounds[rnd] = rows
-            dash = (await client.get("/dashboard/data")).json()  # what the dashboard shows
+            dash = (await client.get("/dashboard/data", headers={
+                "Authorization": f"Bearer {_ADMIN_KEY}"})).json()  # what the dashboard shows
         notes = dict(gw.notes)
     finally:
         await gw.shutdown()
