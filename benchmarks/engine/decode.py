@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def peer_run(python: Path, driver: str, job: dict[str, Any], timeout: int) -> di
     return json.loads(cp.stdout.strip().splitlines()[-1])
 
 
-def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_model(name: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from semcomm.models import model_path
@@ -134,7 +135,6 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     ids = prompt_ids(tok, args.prompt_tokens)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engines = {opt: engine_for(name, opt) for opt in args.options}
-    rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         row: dict[str, Any] = {"model": name, "threads": threads, "prompt_tokens": len(ids)}
@@ -166,9 +166,8 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             row["auto_over_vllm"] = auto["decode_tps"] / row["vllm"]["decode_tps"]
         if "decode_tps" in row["llama.cpp"]:
             row["auto_over_llamacpp"] = auto["decode_tps"] / row["llama.cpp"]["decode_tps"]
-        rows.append(row)
         show(row, list(engines))
-    return rows
+        yield row
 
 
 def show(row: dict[str, Any], options: list[str]) -> None:
@@ -221,10 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     args.options = [o for o in args.options.split(",") if o]
     info = cpu_info()
     console.print(f"CPU: {info['model']} flags {info['flags']}; auto = {info['auto_dtype']}")
-    rows = [r for m in args.models.split(",") for r in bench_model(m, args)]
-    write_json(args.json, {"cpu": info, "command": " ".join(["python -m benchmarks.engine.decode",
-                                                               *(argv or sys.argv[1:])]),
-                           "rows": rows}, console)
+    command = " ".join(["python -m benchmarks.engine.decode", *(argv or sys.argv[1:])])
+    rows: list[dict[str, Any]] = []
+    for m in args.models.split(","):
+        for row in bench_model(m, args):
+            rows.append(row)  # written after every row: an interrupted run keeps what it measured
+            write_json(args.json, {"cpu": info, "command": command, "rows": rows}, console)
     plot(rows, args.options, args.png)
 
 
