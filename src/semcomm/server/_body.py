@@ -219,8 +219,9 @@ def default_body_limit(backends: Iterable[Any]) -> int:
     limit = _MIN_BODY
     for b in backends:
         positions = getattr(b, "max_positions", None)
-        if positions is None:
-            for r in getattr(b, "replicas", None) or ():
+        replicas = getattr(b, "replicas", None)  # in-process workers; Ray's is a count
+        if positions is None and isinstance(replicas, (list, tuple)):
+            for r in replicas:
                 positions = max(positions or 0, int(getattr(r, "max_positions", 0) or 0)) or None
         if positions:
             limit = max(limit, int(positions) * _BYTES_PER_TOKEN + _SLACK)

@@ -174,8 +174,8 @@ def _local_first(backend: Any) -> Any:
     """The in-process worker a model's requests render on (itself, its first replica, or a
     FaultyBackend's model); an upstream or a pipeline comes back as it is."""
     inner = getattr(backend, "inner", backend)
-    replicas = getattr(inner, "replicas", None)
-    return replicas[0] if replicas else inner
+    replicas = getattr(inner, "replicas", None)  # in-process workers; Ray's is a count
+    return replicas[0] if isinstance(replicas, (list, tuple)) and replicas else inner
 
 
 def _check_prompt_chars(backend: Any, req: GenRequest) -> None:
