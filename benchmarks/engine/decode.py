@@ -148,8 +148,7 @@ def bench_model(name: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]
             row[key] = {"decode_tps": statistics.median(r["tps"] for r in rs),
                         "cold_ttft_s": statistics.median(r["ttft_s"] for r in rs),
                         "agree": agreement(rs[-1]["tokens"], ref)}
-        gguf = next(iter(Path(path).parent.glob("*.gguf")), None) or next(
-            iter(Path(path).glob("*.gguf")), None)
+        gguf = next(iter(sorted(Path(path).parent.rglob("*.gguf"))), None)  # the catalog's
         job = {"ids": ids, "threads": threads, "new_tokens": args.new_tokens}
         row["llama.cpp"] = (peer_run(args.llamacpp_python, "_llamacpp_driver.py",
                                      {**job, "gguf": str(gguf)}, 900)
