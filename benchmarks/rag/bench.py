@@ -34,12 +34,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from benchmarks.common import write_json
+from benchmarks.rag import data as rag_data
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.common import write_json
-from benchmarks.rag import data as rag_data
 from semcomm.cli._tools.rag_eval import Mode, Runner, run_eval
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
