@@ -122,7 +122,14 @@ def peer_run(python: Path, driver: str, job: dict[str, Any], timeout: int) -> di
         return {"skipped": f"timed out after {timeout} s"}
     if cp.returncode != 0:
         return {"skipped": cp.stderr.strip().splitlines()[-1][:200] if cp.stderr else "failed"}
-    return json.loads(cp.stdout.strip().splitlines()[-1])
+    for line in reversed(cp.stdout.strip().splitlines()):  # the driver's result: its last JSON
+        if line.startswith("{"):
+            try:
+                out: dict[str, Any] = json.loads(line)
+                return out
+            except json.JSONDecodeError:
+                continue
+    return {"skipped": "no result line from the driver"}
 
 
 def bench_model(name: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
