@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
+from ..kv import ChunkKey
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._documents import (
@@ -186,7 +187,7 @@ class SharedSegments(DocumentReuse):
             raise InvalidInputError("an anchor's KV must cover its segment's tokens")
         return self.pool.put(self.segment_key(tokens), k, v, start, source)
 
-    def _fetch_document(self, keys: list[bytes], n: int, out_k: torch.Tensor,
+    def _fetch_document(self, keys: list[ChunkKey], n: int, out_k: torch.Tensor,
                         out_v: torch.Tensor, at: int, stats: BlendStats) -> bool:
         a = self.pool.get(keys[-1]) if keys else None
         if a is not None and a.k.shape[2] == n:

@@ -65,7 +65,7 @@ from ..errors import (
     StoreError,
     UnsupportedModelError,
 )
-from ..kv import chunk_keys, chunk_spans, decode_chunk, encode_chunk, logits_key
+from ..kv import ChunkKey, chunk_keys, chunk_spans, decode_chunk, encode_chunk, logits_key
 from . import _cache_adapter as ca
 from ._decode import DecodeState, SamplingParams, decode_steps
 
@@ -513,7 +513,7 @@ class DocumentReuse:
                 f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"maximum of {limit} positions")
 
-    def document_keys(self, tokens: Sequence[int]) -> list[bytes]:
+    def document_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(self.root, tokens, self.engine.chunk_size)
 
     def is_stored(self, doc: Document | str | Sequence[int]) -> bool:
@@ -549,7 +549,7 @@ class DocumentReuse:
             k, v = ca.stack_range(cache, len(self.anchor), len(ids))
         return k, v
 
-    def _store_document(self, toks: list[int], keys: list[bytes], k: torch.Tensor,
+    def _store_document(self, toks: list[int], keys: list[ChunkKey], k: torch.Tensor,
                         v: torch.Tensor) -> tuple[int, int]:
         eng = self.engine
         a = len(self.anchor)
@@ -579,7 +579,7 @@ class DocumentReuse:
             return 0, 0
         return len(batch), sum(len(d) for _, d in batch)
 
-    def _fetch_document(self, keys: list[bytes], n: int, out_k: torch.Tensor,
+    def _fetch_document(self, keys: list[ChunkKey], n: int, out_k: torch.Tensor,
                         out_v: torch.Tensor, at: int, stats: BlendStats) -> bool:
         """Decode a stored document into ``out[:, :, at:at+n]`` (keys as stored); False when
         any chunk is missing or unusable (the caller computes the document instead)."""
@@ -659,7 +659,7 @@ class DocumentReuse:
             pre.store_jobs = []
         return pre
 
-    def _blend_keys(self, prompt: SegmentedPrompt, selector: str, r: float) -> list[bytes]:
+    def _blend_keys(self, prompt: SegmentedPrompt, selector: str, r: float) -> list[ChunkKey]:
         root = blend_root(self.engine.namespace_digest, self.anchor, self.key_mode, selector, r,
                           prompt.spans)
         return chunk_keys(root, prompt.ids, self.engine.chunk_size)
@@ -969,7 +969,7 @@ class DocumentReuse:
         return params
 
     # ------------------------------------------------------------- prefix chains
-    def _restore_chain(self, keys: list[bytes], n: int, bk: torch.Tensor, bv: torch.Tensor,
+    def _restore_chain(self, keys: list[ChunkKey], n: int, bk: torch.Tensor, bv: torch.Tensor,
                        stats: BlendStats, whole: bool) -> torch.Tensor | None:
         """A blended prompt stored whole: its chunks into the buffers and its logits."""
         eng = self.engine
@@ -1055,7 +1055,7 @@ class DocumentReuse:
             batch.append((keys[i], self._encode(keys, i, s, e, bk, bv, "prefix")))
         self._put(batch, stats)
 
-    def _store_blend(self, keys: list[bytes], n: int, bk: torch.Tensor, bv: torch.Tensor,
+    def _store_blend(self, keys: list[ChunkKey], n: int, bk: torch.Tensor, bv: torch.Tensor,
                      logits: torch.Tensor, stats: BlendStats) -> None:
         eng = self.engine
         batch = []
@@ -1074,7 +1074,7 @@ class DocumentReuse:
             arrays={"logits": x}, meta={"kind": "logits"})))
         self._put(batch, stats)
 
-    def _encode(self, keys: list[bytes], i: int, s: int, e: int, bk: torch.Tensor,
+    def _encode(self, keys: list[ChunkKey], i: int, s: int, e: int, bk: torch.Tensor,
                 bv: torch.Tensor, kind: str) -> bytes:
         eng = self.engine
         enc = eng.codec.encode(bk[:, :, s:e].cpu(), bv[:, :, s:e].cpu())
@@ -1084,7 +1084,7 @@ class DocumentReuse:
             codec_params={**eng.codec.params, "spec": eng.codec.spec}, arrays=enc.arrays,
             bf16_names=enc.bf16_names, meta={"layers": self.layout.num_layers, "kind": kind})
 
-    def _put(self, batch: list[tuple[bytes, bytes]], stats: BlendStats) -> None:
+    def _put(self, batch: list[tuple[ChunkKey, bytes]], stats: BlendStats) -> None:
         if not batch:
             return
         try:

@@ -740,7 +740,7 @@ class HFEngine:
                 raise InvalidInputError("a prompt with documents takes no snapshot")
             docs = self.documents()
             dgen = docs.generate_iter(
-                prompt, max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                prompt, max_new_tokens,  # type: ignore[arg-type]  # is_segmented checked it stop=stop, temperature=temperature, top_p=top_p,
                 top_k=top_k, seed=seed, t_start=t_start,
                 selector=selector or DEFAULT_SELECTOR,
                 recompute=DEFAULT_RECOMPUTE if recompute is None else recompute)

@@ -79,6 +79,6 @@ def load_model(path: str | Path, *, dtype: Any = None,
     dev = torch.device(device)
     tdtype = resolve_dtype(dtype, dev)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype if tdtype else "auto")
-    model = model.to(dev).eval()
+    model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers types .to narrowly
     use_fast_attention(model, dev)
     return model

@@ -208,7 +208,7 @@ def ttft_plot(summary: dict[str, Any], path: str | Path, title: str = "") -> Non
         if not ys:
             continue
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
-    names = next((s["agents"] for s in summary.values() if s.get("agents")), [])
+    names: list[str] = next((s["agents"] for s in summary.values() if s.get("agents")), [])
     ax.set_xticks(range(1, len(names) + 1), [f"{i + 1}\n{n}" for i, n in enumerate(names)])
     ax.set_xlabel("agent position")
     ax.set_ylabel("TTFT median (s)")
