@@ -18,12 +18,8 @@ import httpx
 import pytest
 
 from semcomm.security import NO_TENANT_DIGEST, TenantContext, TenantSalter
-from semcomm.server._backends import (
-    VLLM_TENANT_PARAM,
-    GenRequest,
-    UpstreamBackend,
-    upstream_tenant_fields,
-)
+from semcomm.server._backends import GenRequest
+from semcomm.server._upstream import VLLM_TENANT_PARAM, UpstreamBackend, upstream_tenant_fields
 
 from .test_server_support import TENANTS, LiveServer, live_server, server_config
 

@@ -14,7 +14,6 @@ from ._backends import (
     GenRequest,
     LocalBackend,
     ModelBackend,
-    UpstreamBackend,
 )
 from ._batching import BatchingWorker, EngineRunner, Job
 from ._config import DEFAULT_TOML, ServerConfig, load_config
@@ -25,6 +24,7 @@ from ._pipeline import PipelineBackend
 from ._preflight import preflight
 from ._ray import serve_ray
 from ._tiny import build_tiny_model
+from ._upstream import UpstreamBackend
 from ._wiring import build_gateway, plan_config
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError, SemcommError
 from ..security import TenantSalter
-from ._backends import LocalBackend, ModelBackend, UpstreamBackend
+from ._backends import LocalBackend, ModelBackend
 from ._batching import BatchingWorker
 from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
@@ -27,6 +27,7 @@ from ._faults import FaultyBackend
 from ._gateway import Admitter, Gateway, ModelChooser
 from ._memplan import MemoryMonitor, MemoryPlan
 from ._pipeline import PipelineBackend
+from ._upstream import UpstreamBackend
 
 __all__ = ["AutoModel", "build_gateway", "build_kv_store", "build_semantic", "load_hf"]
 
