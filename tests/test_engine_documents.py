@@ -234,6 +234,13 @@ def test_engine_precompute_and_segmented_generate() -> None:
     assert stream.result is not None and pieces == stream.result.token_ids  # no tokenizer: ids
     with pytest.raises(InvalidInputError, match="documents"):
         eng.generate(ids, 2, selector="epic")
+    # HFEngine.generate passes every decoding option on to a prompt with documents
+    stop_id = r.token_ids[2]
+    cut = eng.generate(segs, 6, recompute=1.0, stop=[stop_id])
+    assert cut.token_ids == r.token_ids[:3] and cut.stats.finish_reason == "stop"
+    hot = [eng.generate(segs, 6, recompute=1.0, temperature=5.0, seed=s).token_ids
+           for s in range(4)]
+    assert any(t != r.token_ids for t in hot)  # temperature reaches the sampler
 
 
 @pytest.mark.slow

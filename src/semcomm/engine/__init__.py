@@ -63,7 +63,13 @@ from ._documents import (
 from ._engine import DEFAULT_CHUNK_SIZE, HFEngine
 from ._options import DTYPE_CHOICES, load_model, resolve_dtype
 from ._snapshot import KVSnapshot
-from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
+from ._types import (
+    GenerationResult,
+    GenerationStats,
+    PrefillResult,
+    PrefillRunner,
+    TokenStream,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -92,6 +98,7 @@ __all__ = [
     "KVSnapshot",
     "PipelineRun",
     "PrefillResult",
+    "PrefillRunner",
     "Sampler",
     "SamplingParams",
     "Segment",

@@ -41,6 +41,7 @@ from ._snapshot import KVSnapshot
 from ._types import GenerationStats
 
 if TYPE_CHECKING:
+    from ..kv import ChunkKey
     from ._engine import HFEngine
 
 __all__ = ["BatchDecoder", "BatchRequest", "BatchResult"]
@@ -63,6 +64,7 @@ class BatchRequest:
     on_start: Callable[[GenerationStats], None] | None = None  # after its prefill, before text
     on_text: Callable[[str], None] | None = None  # each released piece, on the decoding thread
     cancelled: Callable[[], bool] | None = None  # polled every step; True ends the request
+    keys: Sequence[ChunkKey] | None = None  # the engine's chunk keys of the prompt, if known
 
 
 @dataclass(slots=True)
@@ -171,7 +173,7 @@ class BatchDecoder:
                               temperature=req.params.temperature, top_p=req.params.top_p,
                               top_k=req.params.top_k, seed=req.params.seed,
                               stop=list(req.stop) or None, stream=True, snapshot=req.snapshot,
-                              on_prefill=req.on_start)
+                              on_prefill=req.on_start, keys=req.keys)
         for piece in stream:
             if req.cancelled is not None and req.cancelled():
                 stream.close()
@@ -225,7 +227,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         pres = []
         for r, eng in zip(requests, engines):
-            pre = eng.prefill(list(r.prompt_ids), snapshot=r.snapshot)
+            pre = eng.prefill(list(r.prompt_ids), snapshot=r.snapshot, keys=r.keys)
             pres.append(pre)
             if r.on_start is not None:
                 r.on_start(pre.stats)

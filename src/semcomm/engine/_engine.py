@@ -67,7 +67,13 @@ from ._options import (
 )
 from ._pool import DEFAULT_KV_POOL_BYTES, KVBufferPool
 from ._snapshot import KVSnapshot
-from ._types import GenerationResult, GenerationStats, PrefillResult, TokenStream
+from ._types import (
+    GenerationResult,
+    GenerationStats,
+    PrefillResult,
+    PrefillRunner,
+    TokenStream,
+)
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HFEngine"]
 
@@ -126,6 +132,8 @@ class HFEngine:
             ``engine.kv_pool`` may be set to a pool shared by several engines.
         greedy_head, lean_decode: accepted for compatibility and ignored (the decode-step
             shortcuts they named were replaced by ``dtype``).
+        prefill_scheduler: runs the prefill forwards (:class:`PrefillRunner`); None: the
+            engine runs them itself.
     """
 
     def __init__(
@@ -144,6 +152,7 @@ class HFEngine:
         kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
         greedy_head: bool | None = None,
         lean_decode: bool | None = None,
+        prefill_scheduler: PrefillRunner | None = None,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -196,9 +205,9 @@ class HFEngine:
         self._runner = ca.ModelRunner(self.model)
         self._chunked = ca.ChunkedRunner(self._runner, chunk_size)
         # optional: runs the prefill's forward (``run(runner, ids, cache, align=chunk_size)``),
-        # e.g. the server's scheduler bounding concurrent long prefills (server._engine_runner);
-        # whatever it does, every piece it runs is cut at chunk boundaries (_ChunkedRunner)
-        self.prefill_scheduler: Any = None
+        # e.g. semcomm.runtime's scheduler bounding concurrent long prefills; whatever it does,
+        # every piece it runs is cut at chunk boundaries (ChunkedRunner)
+        self.prefill_scheduler = prefill_scheduler
         self._documents: Any = None  # DocumentReuse, made on first use (engine/_documents.py)
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
@@ -545,10 +554,16 @@ class HFEngine:
 
     # ---------------------------------------------------------------- prefill
     def _prefill(
-        self, ids: list[int], snapshot: KVSnapshot | None, t_start: float, capacity: int = 0
+        self, ids: list[int], snapshot: KVSnapshot | None, t_start: float, capacity: int = 0,
+        keys: Sequence[ChunkKey] | None = None,
     ) -> tuple[PrefillResult, list[ChunkKey]]:
         stats = GenerationStats(prompt_tokens=len(ids), codec=self.codec.spec)
-        keys = self.chunk_keys(ids)
+        if keys is None:
+            keys = self.chunk_keys(ids)
+        elif len(keys) != len(chunk_spans(len(ids), self.chunk_size)):
+            raise InvalidInputError(f"{len(keys)} chunk keys for a prompt of {len(ids)} tokens "
+                                    f"in chunks of {self.chunk_size}")
+        keys = list(keys)
         t0 = time.perf_counter()
         if snapshot is not None:
             chunks, tiers, raw = self._gather_from_snapshot(ids, snapshot)
@@ -664,16 +679,18 @@ class HFEngine:
         )
 
     def prefill(self, prompt: Prompt, *, snapshot: KVSnapshot | None = None,
-                store: bool = True) -> PrefillResult:
+                store: bool = True, keys: Sequence[ChunkKey] | None = None) -> PrefillResult:
         """Restore the longest cached prefix, prefill the rest and (by default) store new chunks.
 
         Returns the prompt's cache (every prompt token; a restored sliding-window layer only
         its window), the last position's logits, the token ids and stats. The caller owns the
-        cache.
+        cache. ``keys``: the prompt's chunk keys when the caller already has them
+        (``self.chunk_keys(ids)``, e.g. computed once for the replica router); they must be
+        this engine's keys of exactly these tokens.
         """
         t_start = time.perf_counter()
         ids = self.tokenize(prompt)
-        pre, keys = self._prefill(ids, snapshot, t_start)
+        pre, keys = self._prefill(ids, snapshot, t_start, keys=keys)
         if store:
             self._store_chunks(pre, keys)
         pre.stats.total_s = time.perf_counter() - t_start
@@ -688,6 +705,7 @@ class HFEngine:
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
+        keys: Sequence[ChunkKey] | None = ...,
     ) -> GenerationResult: ...
 
     @overload
@@ -698,6 +716,7 @@ class HFEngine:
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
+        keys: Sequence[ChunkKey] | None = ...,
     ) -> TokenStream: ...
 
     def generate(
@@ -715,6 +734,7 @@ class HFEngine:
         on_prefill: Callable[[GenerationStats], None] | None = None,
         selector: str | None = None,
         recompute: float | None = None,
+        keys: Sequence[ChunkKey] | None = None,
     ) -> GenerationResult | TokenStream:
         """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
 
@@ -730,6 +750,7 @@ class HFEngine:
         engine/_documents.py) reuses each document's stored KV at its position and recomputes
         a share ``recompute`` of their tokens picked by ``selector`` (docs/rag.md);
         ``stats.documents`` reports what was reused and recomputed.
+        ``keys``: the prompt's chunk keys if already computed (see :meth:`prefill`).
         """
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -740,7 +761,8 @@ class HFEngine:
                 raise InvalidInputError("a prompt with documents takes no snapshot")
             docs = self.documents()
             dgen = docs.generate_iter(
-                prompt, max_new_tokens,  # type: ignore[arg-type]  # is_segmented checked it stop=stop, temperature=temperature, top_p=top_p,
+                prompt,  # type: ignore[arg-type]  # is_segmented checked it
+                max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
                 top_k=top_k, seed=seed, t_start=t_start,
                 selector=selector or DEFAULT_SELECTOR,
                 recompute=DEFAULT_RECOMPUTE if recompute is None else recompute)
@@ -768,7 +790,7 @@ class HFEngine:
         if stop_strs and self.tokenizer is None:
             raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
         gen = self._generate_iter(ids, max_new_tokens, params, stop_strs, stop_ids, snapshot,
-                                  t_start, on_prefill)
+                                  t_start, on_prefill, keys)
         if stream:
             return TokenStream(gen)
         while True:
@@ -782,9 +804,10 @@ class HFEngine:
         self, ids: list[int], max_new: int, params: SamplingParams, stop_strs: list[str],
         stop_ids: set[int], snapshot: KVSnapshot | None, t_start: float,
         on_prefill: Callable[[GenerationStats], None] | None = None,
+        keys: Sequence[ChunkKey] | None = None,
     ) -> Generator[Any, None, GenerationResult]:
         """The decode loop: one forward per token on the cache, written in place."""
-        pre, keys = self._prefill(ids, snapshot, t_start, capacity=len(ids) + max_new)
+        pre, keys = self._prefill(ids, snapshot, t_start, capacity=len(ids) + max_new, keys=keys)
         stats = pre.stats
         if on_prefill is not None:
             on_prefill(stats)

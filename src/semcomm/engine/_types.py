@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["GenerationResult", "GenerationStats", "PrefillResult", "TokenStream"]
+__all__ = ["GenerationResult", "GenerationStats", "PrefillResult", "PrefillRunner", "TokenStream"]
 
 
 @dataclass(slots=True)
@@ -132,3 +132,16 @@ class TokenStream:
         close = getattr(self._gen, "close", None)
         if close is not None:
             close()
+
+
+class PrefillRunner(Protocol):
+    """Runs an engine's prefill forwards (``HFEngine(prefill_scheduler=...)``), e.g. to bound
+    how many long prefills compute at once (``semcomm.runtime.PrefillScheduler``).
+
+    ``run`` must return ``runner.forward(ids, cache)``'s result for ``ids`` of shape ``[1, n]``;
+    it may call ``runner.forward`` on consecutive pieces of ``ids`` instead, each ending at a
+    multiple of ``align`` (the engine's chunk size), and wait between them: the engine computes
+    every chunk in a forward of its own, so that changes when a chunk is computed, never what.
+    """
+
+    def run(self, runner: Any, ids: torch.Tensor, cache: Any, *, align: int) -> torch.Tensor: ...
