@@ -75,7 +75,7 @@ def test_workers_route_a_long_request_to_the_one_with_kv_headroom(tmp_path: Path
 def test_auto_prefers_a_smaller_model_when_the_chosen_one_is_out_of_headroom(
     tmp_path: Path,
 ) -> None:
-    from semcomm.server._tiny import build_tiny_model  # noqa: F401 - both models are "tiny"
+    from semcomm.reference import build_tiny_model  # noqa: F401 - both models are "tiny"
 
     cfg = _config(tmp_path, {"big": {"path": "tiny", "kv_bytes": 400_000},
                              "small": {"path": "tiny", "kv_bytes": 400_000}},

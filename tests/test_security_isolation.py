@@ -28,7 +28,7 @@ PROMPT = ("You are the billing assistant of Acme Corp. Internal note: the custom
 
 @pytest.fixture(scope="module")
 def tiny() -> tuple[Any, Any]:
-    from semcomm.server._tiny import build_tiny_model
+    from semcomm.reference import build_tiny_model
 
     return build_tiny_model()
 

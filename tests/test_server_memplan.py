@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from semcomm.engine._cache_adapter import cache_kwargs
 from semcomm.errors import ConfigError, InvalidInputError, OverloadedError
 from semcomm.models import is_pulled, model_path
-from semcomm.server._memplan import (
+from semcomm.runtime._memplan import (
     KVAccountant,
     MemoryPlan,
     ModelPlan,
@@ -148,7 +148,7 @@ def test_kv_admission_waits_then_refuses_and_frees_on_release() -> None:
 
 
 def test_build_plan_shares_what_the_limit_leaves_and_keeps_set_budgets() -> None:
-    from semcomm.server._memplan import ModelFacts, build_plan
+    from semcomm.runtime._memplan import ModelFacts, build_plan
 
     a, b = tiny_model("llama"), tiny_model("qwen2")
     facts = {
@@ -261,7 +261,7 @@ def test_serve_check_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path:
 _VERIFIER_PROBE = r"""
 import json, sys
 from semcomm.server import create_app, load_config
-from semcomm.server._memplan import current_rss_bytes
+from semcomm.runtime._memplan import current_rss_bytes
 
 cfg = load_config(None, overrides={
     "server": {"state_dir": sys.argv[1], "torch_threads": 1},

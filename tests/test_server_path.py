@@ -17,8 +17,8 @@ import pytest
 from semcomm.errors import ConfigError, InvalidInputError, OverloadedError, TenantError
 from semcomm.security import TenantContext
 from semcomm.server import load_config
-from semcomm.server._backends import Completion, GenRequest
-from semcomm.server._batching import Delta, Started
+from semcomm.runtime import Completion, Delta, Started
+from semcomm.server._backends import GenRequest
 from semcomm.server._gateway import Gateway
 from semcomm.server._wiring import build_gateway
 

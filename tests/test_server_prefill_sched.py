@@ -13,7 +13,7 @@ import torch
 
 from semcomm.engine import HFEngine
 from semcomm.kv import MemoryStore
-from semcomm.server._engine_runner import PrefillScheduler, prefill_scheduler
+from semcomm.runtime import PrefillScheduler, prefill_scheduler
 
 from ._engine_models import FAMILIES, SLIDING, prompt_ids, tiny_model
 from .test_server_support import live_server
@@ -77,9 +77,10 @@ class _Overlap:
 
 
 def _engine(model: Any, sched: PrefillScheduler | None) -> HFEngine:
-    eng = HFEngine(model, None, store=MemoryStore(), chunk_size=CHUNK, device="cpu")
-    eng.prefill_scheduler = sched
-    return eng
+    if sched is not None:
+        sched.attach(model)  # what the runtime's EngineRunner does for the model it serves
+    return HFEngine(model, None, store=MemoryStore(), chunk_size=CHUNK, device="cpu",
+                    prefill_scheduler=sched)
 
 
 def test_pieces_end_at_kv_chunk_boundaries() -> None:
@@ -253,7 +254,7 @@ class _LayerCalls:
     and an optional action run once after a given layer's first call there."""
 
     def __init__(self, model: Any) -> None:
-        from semcomm.server._prefill import _decoder_layers
+        from semcomm.runtime._prefill import _decoder_layers
 
         self.thread: int | None = None  # the long prefill's thread (set before it starts)
         self.done = [0] * len(_decoder_layers(model))
@@ -425,7 +426,7 @@ def test_bad_yield_settings_are_refused(tmp_path: Path) -> None:
         PrefillScheduler(slots=1, long_tokens=4, piece_tokens=4, yield_run_s=0)
     sv = _config(tmp_path, long_prefill_yield=False, long_prefill_yield_max_ms=250,
                  long_prefill_yield_run_ms=20).server
-    from semcomm.server._prefill import scheduler_for
+    from semcomm.server._wiring import scheduler_for
 
     sched = scheduler_for(sv)
     assert sched is not None

@@ -10,7 +10,7 @@ import torch
 import transformers as T
 
 from semcomm.server import create_app, load_config
-from semcomm.server._tiny import build_byte_tokenizer
+from semcomm.reference import build_byte_tokenizer
 
 
 def _mistral_dir(tmp: Path) -> Path:

@@ -67,7 +67,7 @@ def build(kind: str, model: Any, tok: Any, tmp: Path) -> Any:
     from semcomm.kv import MemoryStore
     from semcomm.security import TenantSalter
     from semcomm.server import BatchingWorker, LocalBackend, load_config
-    from semcomm.server._engine_runner import DirectRunner, engine_runner
+    from semcomm.runtime import DirectRunner, engine_runner
     from semcomm.server._wiring import build_gateway
 
     cfg = load_config(None, environ={}, defaults=False, overrides={
@@ -121,7 +121,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from semcomm.server._tiny import build_tiny_model
+    from semcomm.reference import build_tiny_model
 
     torch.set_num_threads(1 if args.quick else max(1, (os.cpu_count() or 2)))
     hidden, layers = (128, 2) if args.quick else (args.hidden, args.layers)

@@ -70,8 +70,8 @@ def main() -> None:
     from semcomm.kv import MemoryStore
     from semcomm.security import TenantSalter
     from semcomm.server import BatchingWorker, LocalBackend, create_app, load_config
-    from semcomm.server._engine_runner import engine_runner
-    from semcomm.server._tiny import build_tiny_model
+    from semcomm.runtime import engine_runner
+    from semcomm.reference import build_tiny_model
     from semcomm.server._wiring import build_gateway
 
     per = 2 if args.quick else 4

@@ -276,7 +276,7 @@ def _kv_budgets(quick: bool) -> dict[str, int]:
     from transformers import AutoConfig
 
     from semcomm.models import model_path
-    from semcomm.server._memplan import kv_shape_from_config
+    from semcomm.runtime._memplan import kv_shape_from_config
 
     out = {}
     for name, cat in MODELS.items():
@@ -329,7 +329,7 @@ async def child_main(mode: str, quick: bool, workers: int = 2, policy: str = "de
                      ) -> dict[str, Any]:
     import httpx
 
-    from semcomm.server._memplan import current_rss_bytes, peak_rss_bytes
+    from semcomm.runtime._memplan import current_rss_bytes, peak_rss_bytes
 
     passages = _passages()
     rounds = 2 if quick else 4
@@ -410,7 +410,7 @@ async def keepalive_main(quick: bool) -> dict[str, Any]:
 
     import httpx
 
-    from semcomm.server._memplan import current_rss_bytes
+    from semcomm.runtime._memplan import current_rss_bytes
 
     passages = _passages()
     state = Path(tempfile.mkdtemp(prefix="bench-memory-keepalive-"))

@@ -63,7 +63,7 @@ def _timeit(fn: Any, n: int) -> float:
 
 
 def bench_isolation(quick: bool) -> dict[str, Any]:
-    from semcomm.server._tiny import build_tiny_model
+    from semcomm.reference import build_tiny_model
 
     torch.manual_seed(0)
     model, tok = build_tiny_model(hidden_size=128, layers=4)

@@ -30,6 +30,7 @@ from ._assets import (
     router_labels,
     sharer_path,
 )
+from ._tiny import TINY_MODEL_ID, build_byte_tokenizer, build_tiny_model
 from .world import (
     LETTERS,
     ROUTER_PROMPT,
@@ -68,6 +69,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ASSETS_DIR",
+    "TINY_MODEL_ID",
+    "build_byte_tokenizer",
+    "build_tiny_model",
     "LETTERS",
     "ROUTER_PROMPT",
     "SYSTEM_PROMPT",

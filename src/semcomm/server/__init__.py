@@ -7,6 +7,9 @@ served through (in-process HF engines, OpenAI-compatible upstreams, pipelines). 
 ``docs/server.md``.
 """
 
+from ..reference import build_tiny_model
+from ..runtime import BatchingWorker, Job, KVAccountant, MemoryMonitor, MemoryPlan, ModelPlan
+from ..runtime import Runner as EngineRunner
 from ._app import create_app
 from ._backends import (
     BackendStatus,
@@ -15,15 +18,12 @@ from ._backends import (
     LocalBackend,
     ModelBackend,
 )
-from ._batching import BatchingWorker, EngineRunner, Job
 from ._config import DEFAULT_TOML, ServerConfig, load_config
 from ._faults import FaultyBackend
 from ._gateway import Gateway
-from ._memplan import KVAccountant, MemoryMonitor, MemoryPlan, ModelPlan
 from ._pipeline import PipelineBackend
 from ._preflight import preflight
 from ._ray import serve_ray
-from ._tiny import build_tiny_model
 from ._upstream import UpstreamBackend
 from ._wiring import build_gateway, plan_config
 

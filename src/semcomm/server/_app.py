@@ -48,8 +48,8 @@ from ..errors import (
     TenantError,
     UpstreamError,
 )
-from ._backends import Completion, GenRequest
-from ._batching import Delta
+from ..runtime import Completion, Delta
+from ._backends import GenRequest, collect
 from ._body import BadBody, BodyLimit, BodyTooLarge, StrictJSONRoute, default_body_limit
 from ._config import ServerConfig, load_config
 from ._dashboard import dashboard_data
@@ -266,14 +266,6 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             raise e
         return n
 
-    async def _serve(request: Request, req: GenRequest, body: dict[str, Any], endpoint: str
-                     ) -> Served:
-        no_cache, no_store = _cache_flags(request)
-        return await asyncio.wait_for(
-            gw.serve(req, endpoint=endpoint, body=body, headers=dict(request.headers),
-                     no_cache=no_cache, no_store=no_store),
-            timeout=cfg.server.request_timeout_s)
-
     def _headers(served: Served, rid: str) -> dict[str, str]:
         out = {HITS_HEADER: served.hits_header, "x-semcomm-model": served.model,
                "x-request-id": rid}
@@ -281,104 +273,59 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             out[REPLICA_HEADER] = served.replica
         return out
 
-    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible)")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        tenant = _auth(request)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        req = GenRequest(
-            model=body.model,
-            messages=[{"role": "system" if m.role == "developer" else m.role,
-                       "content": m.text()} for m in body.messages],
-            prompt=None,
-            max_tokens=_max_tokens(body.max_completion_tokens or body.max_tokens),
-            temperature=body.temperature if body.temperature is not None else 0.0,
-            top_p=body.top_p if body.top_p is not None else 1.0,
-            stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
-            stream=bool(body.stream),
-        )
-        raw = body.model_dump(exclude_none=True)
-        served = await _serve(request, req, raw, "chat")
+    def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        return {"temperature": body.temperature if body.temperature is not None else 0.0,
+                "top_p": body.top_p if body.top_p is not None else 1.0,
+                "stop": body.stop_list(), "seed": body.seed, "stream": bool(body.stream)}
+
+    async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                        req: GenRequest, endpoint: str) -> Response:
+        """The one handler behind both generation endpoints: the gateway serves ``req`` within
+        ``server.request_timeout_s`` (the whole request, streamed or not), the answer is shaped
+        for ``endpoint`` ("chat" or "completions")."""
+        chat = endpoint == "chat"
+        rid = req.request_id
+        no_cache, no_store = _cache_flags(request)
+        deadline = asyncio.get_running_loop().time() + cfg.server.request_timeout_s
+        async with asyncio.timeout_at(deadline):
+            served = await gw.serve(req, endpoint=endpoint,
+                                    body=body.model_dump(exclude_none=True),
+                                    headers=dict(request.headers), no_cache=no_cache,
+                                    no_store=no_store)
+            if not body.stream:
+                final = await collect(served.items)
         headers = _headers(served, rid)
         if not body.stream:
-            final = await _drain(served)
             usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens)
             meta = {**final.meta, "hits": final.hits or ["none"]}
-            return JSONResponse(chat_response(rid, served.model, final.text, final.finish_reason,
-                                              usage, meta), headers=headers)
+            shape = chat_response if chat else completion_response
+            return JSONResponse(shape(rid, served.model, final.text, final.finish_reason, usage,
+                                      meta), headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
-        async def events() -> AsyncIterator[bytes]:
-            yield _sse(chat_chunk(rid, served.model, created, content="", role=True))
-            try:
-                async for item in served.items:
-                    if isinstance(item, Delta):
-                        yield _sse(chat_chunk(rid, served.model, created, content=item.text))
-                    elif isinstance(item, Completion):
-                        meta = {**item.meta, "hits": item.hits or ["none"]}
-                        yield _sse(chat_chunk(rid, served.model, created,
-                                              finish=item.finish_reason, meta=meta))
-                        if include_usage:
-                            yield _sse(chat_chunk(rid, served.model, created, empty=True,
-                                                  usage=usage_dict(item.prompt_tokens,
-                                                                   item.completion_tokens,
-                                                                   item.hit_tokens)))
-            except Exception as exc:
-                log.warning("stream %s failed: %s", rid, exc)
-                body_ = json.loads(bytes(_error_response(exc).body))
-                yield _sse(body_)
-                return
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
-
-    @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        tenant = _auth(request)
-        if body.echo or body.suffix:
-            e = InvalidInputError("echo and suffix are not supported")
-            e.param = "echo" if body.echo else "suffix"  # type: ignore[attr-defined]
-            raise e
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        req = GenRequest(
-            model=body.model, messages=None, prompt=body.prompt_text(),
-            max_tokens=_max_tokens(body.max_tokens),
-            temperature=body.temperature if body.temperature is not None else 0.0,
-            top_p=body.top_p if body.top_p is not None else 1.0,
-            stop=body.stop_list(), seed=body.seed, tenant=tenant, request_id=rid,
-            stream=bool(body.stream),
-        )
-        if not req.prompt:
-            e = InvalidInputError("prompt must not be empty")
-            e.param = "prompt"  # type: ignore[attr-defined]
-            raise e
-        served = await _serve(request, req, body.model_dump(exclude_none=True), "completions")
-        headers = _headers(served, rid)
-        if not body.stream:
-            final = await _drain(served)
-            usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens)
-            meta = {**final.meta, "hits": final.hits or ["none"]}
-            return JSONResponse(completion_response(rid, served.model, final.text,
-                                                    final.finish_reason, usage, meta),
-                                headers=headers)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        created = int(time.time())
+        def chunk(**kw: Any) -> bytes:
+            if chat:
+                return _sse(chat_chunk(rid, served.model, created, **kw))
+            if "content" in kw:
+                kw["text"] = kw.pop("content")
+            return _sse(completion_chunk(rid, served.model, created, **kw))
 
         async def events() -> AsyncIterator[bytes]:
+            if chat:
+                yield chunk(content="", role=True)
             try:
-                async for item in served.items:
-                    if isinstance(item, Delta):
-                        yield _sse(completion_chunk(rid, served.model, created, text=item.text))
-                    elif isinstance(item, Completion):
-                        meta = {**item.meta, "hits": item.hits or ["none"]}
-                        yield _sse(completion_chunk(rid, served.model, created, text="",
-                                                    finish=item.finish_reason, meta=meta))
-                        if include_usage:
-                            yield _sse(completion_chunk(rid, served.model, created, empty=True,
-                                                        usage=usage_dict(item.prompt_tokens,
-                                                                         item.completion_tokens,
-                                                                         item.hit_tokens)))
+                async with asyncio.timeout_at(deadline):
+                    async for item in served.items:
+                        if isinstance(item, Delta):
+                            yield chunk(content=item.text)
+                        elif isinstance(item, Completion):
+                            meta = {**item.meta, "hits": item.hits or ["none"]}
+                            yield chunk(content="" if not chat else None,
+                                        finish=item.finish_reason, meta=meta)
+                            if include_usage:
+                                yield chunk(empty=True, usage=usage_dict(
+                                    item.prompt_tokens, item.completion_tokens, item.hit_tokens))
             except Exception as exc:
                 log.warning("stream %s failed: %s", rid, exc)
                 yield _sse(json.loads(bytes(_error_response(exc).body)))
@@ -388,13 +335,31 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
 
-    async def _drain(served: Served) -> Completion:
-        final = None
-        async for item in served.items:
-            if isinstance(item, Completion):
-                final = item
-        assert final is not None
-        return final
+    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        req = GenRequest(
+            model=body.model, tenant=_auth(request),
+            messages=[{"role": "system" if m.role == "developer" else m.role,
+                       "content": m.text()} for m in body.messages],
+            prompt=None, max_tokens=_max_tokens(body.max_completion_tokens or body.max_tokens),
+            request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **_sampling(body))
+        return await _generate(request, body, req, "chat")
+
+    @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tenant = _auth(request)
+        if body.echo or body.suffix:
+            e = InvalidInputError("echo and suffix are not supported")
+            e.param = "echo" if body.echo else "suffix"  # type: ignore[attr-defined]
+            raise e
+        req = GenRequest(model=body.model, tenant=tenant, messages=None,
+                         prompt=body.prompt_text(), max_tokens=_max_tokens(body.max_tokens),
+                         request_id=f"cmpl-{uuid.uuid4().hex[:24]}", **_sampling(body))
+        if not req.prompt:
+            e = InvalidInputError("prompt must not be empty")
+            e.param = "prompt"  # type: ignore[attr-defined]
+            raise e
+        return await _generate(request, body, req, "completions")
 
     # --- models, health, metrics -----------------------------------------------------------------
     @app.get("/v1/models", summary="List models")

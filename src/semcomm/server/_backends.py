@@ -1,15 +1,20 @@
 """Model backends: the narrow protocol the gateway serves every model through.
 
-A :class:`ModelBackend` turns a :class:`GenRequest` into a stream of :class:`Started`,
-:class:`Delta` and a final :class:`Completion` (``complete`` collects the stream). Three kinds:
+A :class:`ModelBackend` turns a :class:`GenRequest` into a stream of ``Started``, ``Delta``
+pieces and one final ``Completion`` (``semcomm.runtime``'s one result type; :func:`collect`
+drains a stream). Three kinds:
 
-* :class:`LocalBackend`: an in-process HF model behind a :class:`BatchingWorker` (KV prefix
-  reuse when the runner is a ``semcomm.engine`` runner, plain batched decoding otherwise);
-* ``UpstreamBackend`` (in ``_upstream``): any OpenAI-compatible server (vLLM, Ollama, a cloud API, another
-  semcomm), over httpx with timeouts and retries only where a retry cannot duplicate output;
+* :class:`LocalBackend`: an in-process HF model behind a ``semcomm.runtime.BatchingWorker``
+  (KV prefix reuse when the runner is an engine runner, plain batched decoding otherwise);
+* ``UpstreamBackend`` (in ``_upstream``): any OpenAI-compatible server (vLLM, Ollama, a cloud
+  API, another semcomm), over httpx with timeouts and retries only where a retry cannot
+  duplicate output;
 * ``PipelineBackend`` (in ``_pipeline``): a chain of stages served as one virtual model.
 
-Failure injection for tests (``fail_mode``) is ``_faults.FaultyBackend``.
+A request is prepared once (``ModelBackend.prepare``: rendered, tokenized and its chunk keys
+hashed, off the event loop) and carries the result in ``GenRequest.prepared``; nothing
+downstream renders, tokenizes or hashes it again. Failure injection for tests
+(``fail_mode``) is ``_faults.FaultyBackend``.
 """
 
 from __future__ import annotations
@@ -20,13 +25,23 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidInputError, OverloadedError, UpstreamError
+from ..kv import ChunkKey
+from ..runtime import (
+    BatchingWorker,
+    Completion,
+    Event,
+    Failed,
+    Job,
+    KVAccountant,
+    Runner,
+    StreamItem,
+)
 from ..security import TenantContext
-from ._batching import BatchingWorker, Delta, Failed, Finished, Job, Started
 
 __all__ = [
     "BackendStatus",
@@ -35,9 +50,11 @@ __all__ = [
     "LocalBackend",
     "ModelBackend",
     "ModelState",
+    "PreparedPrompt",
     "Residency",
     "StreamItem",
     "collect",
+    "messages_text",
     "render_prompt",
 ]
 
@@ -45,8 +62,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class PreparedPrompt:
+    """A request's prompt on one in-process model: rendered and tokenized once."""
+
+    ids: list[int]  # the prompt's tokens (chat template applied)
+    keys: list[ChunkKey] | None = None  # chunk keys in the tenant's KV namespace (None: the
+    # model reuses no KV for this request, or its weights are unloaded: the engine hashes)
+    kv_tokens: int = 0  # tokens of KV the request reserves: prompt + max_tokens (capped)
+
+
+@dataclass(slots=True)
 class GenRequest:
-    """One normalized generation request (chat or plain completion)."""
+    """One normalized generation request (chat or plain completion).
+
+    After admission it carries the tenant context (``ctx``) and, once prepared, the prompt's
+    tokens and chunk keys per in-process model (``prepared``, by model name), which the
+    replica router and the engine use as they are."""
 
     model: str  # the name the client asked for
     messages: list[dict[str, str]] | None  # chat: [{"role", "content"}], content flattened to text
@@ -61,6 +92,7 @@ class GenRequest:
     snapshot: Any = None  # KV snapshot to continue from (pipeline handoff on one model)
     stream: bool = True  # the client reads a stream (upstreams then stream too)
     ctx: TenantContext | None = None  # set by admission; None only outside the gateway
+    prepared: dict[str, PreparedPrompt] = field(default_factory=dict)
 
     @property
     def tenant_ctx(self) -> TenantContext:
@@ -70,22 +102,10 @@ class GenRequest:
         return TenantContext.public() if self.tenant is None else TenantContext(
             self.tenant, "", False)
 
-
-@dataclass(slots=True)
-class Completion:
-    """The final result of a request, whatever served it."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    hits: list[str] = field(default_factory=list)  # header tokens: "semantic", "kv:512", "c2c"
-    hit_tokens: int = 0  # prompt tokens not recomputed (KV prefix or snapshot)
-    ttft_s: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)  # reported as response["semcomm"]
-
-
-StreamItem = Started | Delta | Completion
+    @property
+    def text(self) -> str:
+        """The request's text: the prompt, or the messages as :func:`messages_text`."""
+        return self.prompt or "" if self.messages is None else messages_text(self.messages)
 
 
 @dataclass(slots=True)
@@ -98,10 +118,17 @@ class BackendStatus:
 
 @runtime_checkable
 class ModelBackend(Protocol):
-    """What the gateway needs from a model: a stream of results, a status, a close."""
+    """What the gateway needs from a model: preparation, a stream of results, a status, a
+    close."""
 
     name: str
     kind: str  # "hf" | "upstream" | "pipeline"
+
+    def prepare(self, req: GenRequest) -> PreparedPrompt | None:
+        """Render and tokenize ``req`` for this model once (blocking: callers on the event loop
+        run it in a thread) and keep it in ``req.prepared``; 400 for a prompt that cannot fit.
+        None for a model whose tokenizer semcomm does not hold (upstreams, pipelines)."""
+        ...
 
     def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]: ...
 
@@ -111,14 +138,20 @@ class ModelBackend(Protocol):
 
 
 async def collect(items: AsyncIterator[StreamItem]) -> Completion:
-    """Drain a backend stream and return its final :class:`Completion`."""
+    """Drain a backend stream and return its final ``Completion``: the one way to drain."""
     final: Completion | None = None
     async for item in items:
         if isinstance(item, Completion):
             final = item
-    if final is None:  # pragma: no cover - protocol violation by a backend
+    if final is None:
         raise UpstreamError("the backend ended without a result", status=502)
     return final
+
+
+def messages_text(messages: Sequence[dict[str, str]]) -> str:
+    """Chat messages as plain text (``role: content`` lines), for a model without a chat
+    template and for the replica router's keys on upstreams: the one way to flatten them."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
 
 def prompt_chars(req: GenRequest) -> int:
@@ -148,7 +181,7 @@ def render_prompt(tokenizer: Any, req: GenRequest) -> list[int]:
                                                 tokenize=True)
             ids = out["input_ids"] if hasattr(out, "keys") else out
             return [int(i) for i in ids]
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in req.messages) + "assistant:"
+        text = messages_text(req.messages) + "assistant:"
     else:
         text = req.prompt or ""
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -196,10 +229,11 @@ class LocalBackend:
 
     def __init__(self, name: str, worker: BatchingWorker, *, kv_reuse: bool = False,
                  reload: Callable[[], BatchingWorker] | None = None,
-                 keep_alive_s: float | None = None) -> None:
+                 keep_alive_s: float | None = None, memory: KVAccountant | None = None,
+                 worker_name: str | None = None) -> None:
         self.name = name
         self._worker: BatchingWorker | None = worker
-        self.worker_name = worker.name  # "<model>/worker-<i>" for one of several workers
+        self.worker_name = worker_name or worker.name  # "<model>/worker-<i>" of several
         self.tokenizer = worker.runner.tokenizer
         self.model_id = worker.runner.model_id
         self.max_positions = int(worker.runner.max_positions)
@@ -207,9 +241,7 @@ class LocalBackend:
         longest = longest_token_chars(self.tokenizer)
         self.max_prompt_chars = self.max_positions * longest if longest else None
         self.kv_reuse = kv_reuse  # the runner restores cached KV prefixes
-        # the process's KV admission (semcomm.server._memplan.KVAccountant), set once by
-        # build_gateway; None admits every request
-        self.memory: Any = None
+        self.memory = memory  # the process's KV admission; None admits every request
         self._reload = reload
         self.keep_alive_s = keep_alive_s if reload is not None else None
         self.residency = Residency()
@@ -233,12 +265,12 @@ class LocalBackend:
         return w if w is not None else self._load()
 
     @property
-    def runner(self) -> Any:
+    def runner(self) -> Runner:
         """The runner (it holds the model), reloading the model first if it was dropped."""
         return self.worker.runner
 
     @property
-    def loaded_runner(self) -> Any:
+    def loaded_runner(self) -> Runner | None:
         """The runner when the model is loaded, None when keep-alive dropped it (no reload)."""
         w = self._worker
         return None if w is None else w.runner
@@ -246,9 +278,9 @@ class LocalBackend:
     def namespaces(self) -> set[bytes]:
         """KV namespace digests this model has stored under, loaded or not."""
         out = set(self._past_namespaces)
-        fn = getattr(self.loaded_runner, "namespaces", None)
-        if fn is not None:
-            out.update(fn())
+        runner = self.loaded_runner
+        if runner is not None:
+            out.update(runner.namespaces())
         return out
 
     def _load(self) -> BatchingWorker:
@@ -328,13 +360,11 @@ class LocalBackend:
                 return False
             worker, self._worker = self._worker, None
             self._timer = None
-            fn = getattr(worker.runner, "namespaces", None)
-            if fn is not None:
-                self._past_namespaces.update(fn())
+            self._past_namespaces.update(worker.runner.namespaces())
             self.residency.state = ModelState.UNLOADED
             self.residency.unloads += 1
         worker.close()  # its thread is idle: no job is queued or running
-        del worker, fn
+        del worker
         gc.collect()  # the model, its engines and their caches hold each other
         log.info("model %s unloaded after %.0f s idle", self.name, self.keep_alive_s or 0)
         return True
@@ -383,10 +413,18 @@ class LocalBackend:
             return None
         return int(self.memory.worker_headroom(self.name, self.worker_name))
 
-    def kv_tokens(self, req: GenRequest) -> int:
-        """Tokens of KV the request would reserve: its prompt plus ``max_tokens`` (capped)."""
-        n = len(self.prompt_ids(req))
-        return n + min(req.max_tokens, self.max_positions - n)
+    def prepare(self, req: GenRequest) -> PreparedPrompt:
+        """The request's prompt on this model (kept in ``req.prepared``): tokens, and chunk keys
+        when the loaded runner reuses KV (an unloaded model is not brought back for them)."""
+        prep = req.prepared.get(self.name)
+        if prep is None:
+            ids = self.prompt_ids(req)
+            runner = self.loaded_runner if self.kv_reuse else None
+            keys = runner.keys(ids, req.tenant_ctx) if runner is not None else None
+            n = len(ids)
+            prep = req.prepared[self.name] = PreparedPrompt(
+                ids, keys, kv_tokens=n + min(req.max_tokens, self.max_positions - n))
+        return prep
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         worker = await self._acquire_loaded()
@@ -397,87 +435,62 @@ class LocalBackend:
             self._release()
 
     async def _stream(self, worker: BatchingWorker, req: GenRequest) -> AsyncIterator[StreamItem]:
-        runner = worker.runner
         worker.arriving(1)
         try:
-            ids = await asyncio.to_thread(self.prompt_ids, req)  # tokenizing: off the loop
+            prep = req.prepared.get(self.name)
+            if prep is None:  # a request built without the gateway (a pipeline stage)
+                prep = await asyncio.to_thread(self.prepare, req)  # tokenizing: off the loop
         except BaseException:
             worker.arriving(-1)
             raise
-        max_new = min(req.max_tokens, self.max_positions - len(ids))
+        ids = prep.ids
+        max_new = prep.kv_tokens - len(ids)
         reservation = None
-        if self.memory is not None:  # KV headroom for prompt + max_tokens, or wait, or 429
+        memory = self.memory
+        if memory is not None:  # KV headroom for prompt + max_tokens, or wait, or 429
             try:
-                reservation = await asyncio.to_thread(self.memory.reserve, self.name,
-                                                      len(ids) + max_new,
-                                                      worker=self.worker_name)
+                reservation = await asyncio.to_thread(memory.reserve, self.name,
+                                                      prep.kv_tokens, worker=self.worker_name)
             except BaseException:
                 worker.arriving(-1)
                 raise
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        # a short request is in flight for the prefill scheduler from submit to its first
-        # token (long prefills on other workers step aside meanwhile, docs/server.md)
-        sched = getattr(runner, "scheduler", None)
-        ticket = (sched.short_request(worker.thread_ident)
-                  if sched is not None and worker.thread_ident is not None
-                  and len(ids) <= sched.long_tokens else None)
-
-        def emit(event: Any) -> None:
-            if ticket is not None and not isinstance(event, Started):
-                ticket.close()  # engine thread: the first token (or the end) is out
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        def emit(event: Event) -> None:  # the engine thread hands each event to the loop
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         ctx = req.tenant_ctx
         job = Job(prompt_ids=ids, max_new_tokens=max_new, temperature=req.temperature,
                   top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=ctx.tenant,
-                  emit=emit, snapshot=req.snapshot, digest=ctx.digest or None,
-                  isolate=ctx.isolate)
+                  emit=emit,
+                  snapshot=req.snapshot, digest=ctx.digest or None, isolate=ctx.isolate,
+                  keys=prep.keys)
         try:
             worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:
-            if ticket is not None:
-                ticket.close()
-            if reservation is not None:
-                self.memory.release(reservation)
+            if memory is not None and reservation is not None:
+                memory.release(reservation)
             raise
         finally:
             worker.arriving(-1)
         done = False
-        hits: list[str] = []
         try:
             while True:
                 event = await queue.get()
-                if isinstance(event, Started):
-                    if event.hit_tokens:
-                        hits.append(f"kv:{event.hit_tokens}")
-                    yield event
-                elif isinstance(event, Delta):
-                    yield event
-                elif isinstance(event, Finished):
-                    done = True
-                    out = event.output
-                    meta: dict[str, Any] = {"model": self.name, "engine": runner.model_id}
-                    if out.hit_tiers:
-                        meta["kv_tiers"] = sorted(set(out.hit_tiers))
-                    meta.update(out.extra)
-                    yield Completion(
-                        text=out.text, finish_reason=out.finish_reason,
-                        prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
-                        hits=hits if out.hit_tokens else [], hit_tokens=out.hit_tokens,
-                        ttft_s=out.ttft_s, meta=meta,
-                    )
-                    return
-                elif isinstance(event, Failed):
+                if isinstance(event, Failed):
                     done = True
                     raise event.error
+                if isinstance(event, Completion):
+                    done = True
+                    event.meta = {"model": self.name, "engine": self.model_id, **event.meta}
+                    yield event
+                    return
+                yield event
         finally:
-            if ticket is not None:
-                ticket.close()
             if not done:
                 job.cancelled.set()
-            if reservation is not None:
-                self.memory.release(reservation)
+            if memory is not None and reservation is not None:
+                memory.release(reservation)
 
     async def aclose(self) -> None:
         with self._state_lock:

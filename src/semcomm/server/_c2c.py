@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..runtime import Completion, Delta, Started, StreamItem
 from ..security import TenantContext
-from ._backends import Completion, GenRequest, LocalBackend, StreamItem
-from ._batching import Delta, Started
+from ._backends import GenRequest, LocalBackend
 
 __all__ = ["C2CHandoff", "FusionRegistry", "cut_at_stop", "find_fuser"]
 

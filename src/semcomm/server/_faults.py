@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from ._backends import BackendStatus, GenRequest, ModelBackend, StreamItem
-from ._batching import Delta
+from ..runtime import Delta, StreamItem
+from ._backends import BackendStatus, GenRequest, ModelBackend, PreparedPrompt
 
 __all__ = ["FaultyBackend", "InjectedFault"]
 
@@ -46,6 +46,9 @@ class FaultyBackend:
 
     def status(self) -> BackendStatus:
         return self.inner.status()
+
+    def prepare(self, req: GenRequest) -> PreparedPrompt | None:
+        return self.inner.prepare(req)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         self.calls += 1

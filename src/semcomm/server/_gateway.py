@@ -22,11 +22,10 @@ from typing import Any, Protocol
 
 from ..errors import InvalidInputError, OverloadedError, SemcommError, TenantError, UpstreamError
 from ..kv import ChunkStore
+from ..runtime import Completion, Delta, MemoryMonitor, PrefillScheduler, Started, StreamItem
 from ..security import TenantContext, TenantSalter
-from ._backends import Completion, GenRequest, ModelBackend, StreamItem
-from ._batching import Delta, Started
+from ._backends import GenRequest, ModelBackend, collect
 from ._config import ServerConfig
-from ._memplan import MemoryMonitor
 from ._metrics import Metrics
 from ._semantic_layer import SemanticLayer
 
@@ -61,8 +60,8 @@ class Served:
 
     model: str
     hits_header: str  # known before the first byte: "semantic", "kv:512", "none", ...
-    items: AsyncIterator[StreamItem]
-    first: StreamItem | None  # the first item, already taken from ``items``
+    items: AsyncIterator[StreamItem]  # Started (already taken: it set the header), Delta*,
+    # one Completion
     replica: str = ""  # the replica serving it ("" when the model has one)
 
 
@@ -141,61 +140,6 @@ def _fingerprint(tenant_digest: str, messages: list[dict[str, str]] | None,
     return h, len(head)
 
 
-def _unsent(text: str, streamed: str, model: str) -> str:
-    """What a backend's deltas left out of its final ``text`` (normally nothing).
-
-    A backend that streamed a prefix of its answer (or nothing, as a whole-answer stage does)
-    gets the rest sent as one more delta, so every stream joins to its final text. Text that
-    was streamed and then dropped from the answer cannot be unsent: that is a backend bug, logged.
-    """
-    if streamed == text:
-        return ""
-    if text.startswith(streamed):
-        return text[len(streamed):]
-    log.error("model %s streamed text that is not in its final answer", model)
-    return ""
-
-
-def _kv_tokens(backend: Any, req: GenRequest) -> int | None:
-    """Tokens of KV ``req`` would reserve on an in-process ``backend`` (None: not one, or the
-    prompt does not render there)."""
-    inner = getattr(backend, "replicas", None)
-    first = inner[0] if inner else backend
-    fn = getattr(first, "kv_tokens", None)
-    if fn is None:
-        return None
-    try:
-        return int(fn(req))
-    except SemcommError:
-        return None
-
-
-def _local_first(backend: Any) -> Any:
-    """The in-process worker a model's requests render on (itself, its first replica, or a
-    FaultyBackend's model); an upstream or a pipeline comes back as it is."""
-    inner = getattr(backend, "inner", backend)
-    replicas = getattr(inner, "replicas", None)  # in-process workers; Ray's is a count
-    return replicas[0] if isinstance(replicas, (list, tuple)) and replicas else inner
-
-
-def _check_prompt_chars(backend: Any, req: GenRequest) -> None:
-    check = getattr(_local_first(backend), "check_prompt_chars", None)
-    if check is not None:
-        check(req)
-
-
-def _prompt_tokens(backend: Any, req: GenRequest) -> int | None:
-    """This request's prompt tokens on an in-process ``backend`` (None: an upstream or a
-    pipeline, whose tokenizer semcomm does not hold, or a prompt that does not render)."""
-    fn = getattr(_local_first(backend), "prompt_ids", None)
-    if fn is None:
-        return None
-    try:
-        return len(fn(req))
-    except SemcommError:
-        return None
-
-
 class Gateway:
     """The request path of one server (see the module docstring)."""
 
@@ -203,7 +147,8 @@ class Gateway:
                  semantic: SemanticLayer | None = None, kv_store: ChunkStore | None = None,
                  guard: Admitter | None = None, model_router: ModelChooser | None = None,
                  salter: TenantSalter | None = None, notes: dict[str, str] | None = None,
-                 memory: MemoryMonitor | None = None) -> None:
+                 memory: MemoryMonitor | None = None,
+                 prefill: PrefillScheduler | None = None) -> None:
         """A gateway over parts that are already built (``build_gateway(config)`` builds them
         from the config in one step); nothing is filled in later."""
         self.config = config
@@ -226,21 +171,14 @@ class Gateway:
         self.memory = memory  # the process's memory plan and live KV (None: not planned)
         if memory is not None:
             self.metrics.register_memory(memory.snapshot)
-        self.prefill = self._prefill_scheduler()  # None: no in-process model, or turned off
+        self.prefill = prefill  # the process's prefill scheduler (None: none, or turned off)
         if self.prefill is not None:
             self.metrics.register_prefill(self.prefill.stats)
         self._started = False
-        # KV tiers with a health probe (Redis): tier name -> (up, detail); read by /health
-        self.kv_health: dict[str, tuple[bool, str]] = {
-            self._tier_name(t): (True, "up") for t in self._pinged_tiers()}
+        # KV tiers with a health probe (Redis), filled by the first probe: tier name -> (up,
+        # detail); read by /health
+        self.kv_health: dict[str, tuple[bool, str]] = {}
         self._prober: asyncio.Task[None] | None = None
-
-    def _prefill_scheduler(self) -> Any:
-        if not any(m.kind == "hf" for m in self.config.models.values()):
-            return None
-        from ._prefill import scheduler_for
-
-        return scheduler_for(self.config.server)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -254,36 +192,28 @@ class Gateway:
             self.metrics.backend_up.labels(name).set(1 if b.status().up else 0)
         if self.semantic is not None:
             self.metrics.semantic_up.set(1 if self.semantic.up else 0)
+        await asyncio.to_thread(self.probe_backends)  # a tier without a remote answers None
         if self.kv_health or (self.semantic is not None and self.semantic.pingable):
-            self.probe_backends()
             self._prober = asyncio.create_task(self._probe_loop())
 
     # --- backend health ----------------------------------------------------------------------
-    def _kv_tiers(self) -> list[Any]:
-        store = self.kv_store
-        if store is None:
-            return []
-        return list(getattr(store, "tiers", None) or getattr(store, "stores", None) or [store])
-
-    def _pinged_tiers(self) -> list[Any]:
-        return [t for t in self._kv_tiers() if callable(getattr(t, "ping", None))]
-
-    @staticmethod
-    def _tier_name(tier: Any) -> str:
-        return str(getattr(tier, "name", type(tier).__name__))
+    def _kv_tiers(self) -> tuple[ChunkStore, ...]:
+        return () if self.kv_store is None else self.kv_store.tiers
 
     def probe_backends(self) -> None:
         """One health probe of every backend that has one (Redis KV tiers, a Redis semantic
         store): their state in /health and the ``*_backend_up`` gauges follows the probe, so
         an outage shows for as long as it lasts and recovery within one probe interval
         (``server.health_probe_s``). Blocking (socket timeouts): run it in a thread."""
-        for tier in self._pinged_tiers():
-            name = self._tier_name(tier)
+        for tier in self._kv_tiers():
             try:
-                ok = bool(tier.ping())
+                answer = tier.ping()
                 why = "no answer to PING"
             except Exception as exc:  # a probe never raises
-                ok, why = False, f"{type(exc).__name__}: {exc}"
+                answer, why = False, f"{type(exc).__name__}: {exc}"
+            if answer is None:  # nothing remote to probe (memory, disk)
+                continue
+            ok, name = bool(answer), tier.name
             was = self.kv_health.get(name, (True, ""))[0]
             if ok != was:
                 if ok:
@@ -315,7 +245,7 @@ class Gateway:
                 log.exception("closing backend %s failed", b.name)
         if self.semantic is not None:
             await asyncio.to_thread(self.semantic.close)
-        if self.kv_store is not None and hasattr(self.kv_store, "close"):
+        if self.kv_store is not None:
             await asyncio.to_thread(self.kv_store.close)
         self._started = False
 
@@ -393,6 +323,9 @@ class Gateway:
 
     def resolve(self, model: str, tenant: str | None, req: GenRequest,
                 routed: str | None = None) -> tuple[str, ModelBackend]:
+        """The model serving ``req`` and its backend: ``model``, or for "auto"/"default" the
+        router's choice (``routed``), else ``routing.default_model``, moved to another model
+        when the chosen one has no KV headroom for it (preparing the candidates' prompts)."""
         names = self.model_names(tenant)
         if model in ("auto", "default"):
             chosen = routed if routed in names else None
@@ -410,6 +343,15 @@ class Gateway:
             raise ModelNotFound(model, names)
         return model, self.backends[model]
 
+    def _kv_tokens(self, model: str, req: GenRequest) -> int | None:
+        """Tokens of KV ``req`` reserves on in-process ``model`` (None: not one, or the prompt
+        does not fit it)."""
+        try:
+            prep = self.backends[model].prepare(req)
+        except SemcommError:
+            return None
+        return None if prep is None else prep.kv_tokens
+
     def _with_headroom(self, chosen: str, names: list[str], req: GenRequest) -> str:
         """Model "auto" and memory: when ``chosen`` has no KV headroom for the request now, the
         smallest other candidate (by planned weights) that has it; else ``chosen`` (which then
@@ -417,14 +359,14 @@ class Gateway:
         mem = self.memory
         if mem is None or chosen not in mem.plan.models:
             return chosen
-        tokens = _kv_tokens(self.backends.get(chosen), req)
+        tokens = self._kv_tokens(chosen, req)
         if tokens is None or mem.fits(chosen, tokens):
             return chosen
         auto = set(self.config.routing.auto_models or names)
         plans = mem.plan.models
         for other in sorted((n for n in names if n != chosen and n in auto and n in plans),
                             key=lambda n: plans[n].weight_bytes):
-            need = _kv_tokens(self.backends.get(other), req)
+            need = self._kv_tokens(other, req)
             if need is not None and mem.fits(other, need):
                 log.info("model %s is out of KV headroom for %d tokens: %s serves 'auto'",
                          chosen, tokens, other)
@@ -432,42 +374,51 @@ class Gateway:
                 return other
         return chosen
 
+    def prepare(self, req: GenRequest) -> tuple[str, ModelBackend]:
+        """Route and prepare ``req`` once (blocking: the model router embeds, preparing renders
+        and tokenizes): the model, its backend, and ``req.prepared`` filled for it. Raises 400
+        for a prompt that cannot fit the model, 404 for a model the tenant may not use."""
+        routed = None
+        if req.model in ("auto", "default") and self.model_router is not None:
+            routed = self.model_router(req, self.model_names(req.tenant))
+        model, backend = self.resolve(req.model, req.tenant, req, routed)
+        backend.prepare(req)
+        return model, backend
+
+    def _prepares_off_loop(self, req: GenRequest) -> bool:
+        """Whether preparing ``req`` does work worth a thread (routing, tokenizing)."""
+        b = self.backends.get(req.model)
+        return b is None or b.kind == "hf" or req.model in ("auto", "default")
+
     # --- the request path -----------------------------------------------------------------------
     async def serve(self, req: GenRequest, *, endpoint: str, body: dict[str, Any] | None = None,
                     headers: dict[str, str] | None = None, no_cache: bool = False,
                     no_store: bool = False) -> Served:
         """Run the request path up to the first item; the rest streams from ``Served.items``.
 
-        Raises before anything is sent (bad input, unknown model, overload, upstream down), so
-        the app can answer with a proper status code.
+        Admission, then routing and preparing (one thread hop when there is work), the
+        semantic answer cache, then the model. Raises before anything is sent (bad input,
+        unknown model, overload, upstream down), so the app can answer with a proper status.
         """
         t0 = time.perf_counter()
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
         # 0. admission (auth happened in the app): salts, rate limit, probe detection, before
-        # any embedding or routing work is spent on the request
-        ctx = self.admit(req, body=body, headers=headers)
-        req.ctx = ctx
-        routed = None
-        if req.model in ("auto", "default") and self.model_router is not None:
-            # the router embeds the conversation: off the event loop
-            routed = await asyncio.to_thread(self.model_router, req, self.model_names(req.tenant))
-        if req.model in ("auto", "default") and self.memory is not None:
-            # the headroom check renders the prompt with the model's tokenizer: off the loop
-            model, backend = await asyncio.to_thread(self.resolve, req.model, req.tenant, req,
-                                                     routed)
+        # any embedding, routing or tokenizing is spent on the request
+        ctx = req.ctx = self.admit(req, body=body, headers=headers)
+        # 1. the model (the semantic key names it) and the prompt prepared for it, once
+        if self._prepares_off_loop(req):
+            model, backend = await asyncio.to_thread(self.prepare, req)
         else:
-            model, backend = self.resolve(req.model, req.tenant, req, routed)
+            model, backend = self.prepare(req)
         req.model = model
-        _check_prompt_chars(backend, req)  # a text too long for any context: 400, untokenized
-        isolate = ctx.isolate
         for st in self._both(req.tenant):
             st.requests += 1
         fp, fp_len = _fingerprint(ctx.digest, req.messages, req.prompt)
 
-        # 1. semantic answer cache (tenant-scoped; only deterministic requests by default)
+        # 2. semantic answer cache (tenant-scoped; only deterministic requests by default)
         sem = self.semantic
-        sem_ok = (sem is not None and sem.usable() and not isolate
+        sem_ok = (sem is not None and sem.usable() and not ctx.isolate
                   and (req.temperature == 0 or not self.config.semantic.only_greedy))
         if sem is not None and sem_ok and not no_cache:
             for st in self._both(req.tenant):
@@ -475,18 +426,17 @@ class Gateway:
             hit = await sem.lookup(req, ctx)
             self._semantic_health()
             if hit is not None:
-                # usage counts this request's prompt, not the stored one's (tokenizing: a thread)
-                n = await asyncio.to_thread(_prompt_tokens, backend, req)
-                return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len, n)
+                prep = req.prepared.get(model)  # usage counts this request's prompt
+                return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len,
+                                          None if prep is None else len(prep.ids))
             self.metrics.misses.labels("semantic").inc()
 
-        # 2. the model (in-process engine, upstream, or pipeline)
-        overhead = time.perf_counter() - t0
-        self.metrics.overhead.observe(overhead)
+        # 3. the model (in-process engine, upstream, or pipeline)
+        self.metrics.overhead.observe(time.perf_counter() - t0)
         items = backend.stream(req)
         try:
             first = await items.__anext__()
-        except StopAsyncIteration:  # pragma: no cover - protocol violation
+        except StopAsyncIteration:
             raise UpstreamError(f"model {model!r} produced nothing", status=502) from None
         except OverloadedError:
             self.metrics.rejected.labels(model).inc()
@@ -495,18 +445,15 @@ class Gateway:
             self.metrics.upstream_retries.labels(model).inc()
             self.metrics.backend_up.labels(model).set(1 if backend.status().up else 0)
             raise
-        hits: list[str] = []
-        if isinstance(first, Started):
-            hits.extend([f"kv:{first.hit_tokens}"] if first.hit_tokens else [])
-            hits.extend(first.layers)
-        if isinstance(first, Completion):
-            hits = list(first.hits)
+        if not isinstance(first, Started):
+            raise UpstreamError(f"model {model!r} broke the stream contract: "
+                                f"{type(first).__name__} before Started", status=502)
+        hits = [f"kv:{first.hit_tokens}"] if first.hit_tokens else []
+        hits.extend(first.layers)
         store = sem_ok and not no_store
-        return Served(model=model, hits_header=",".join(hits) or "none",
-                      replica=first.replica if isinstance(first, Started) else "",
+        return Served(model=model, hits_header=",".join(hits) or "none", replica=first.replica,
                       items=self._finish(req, backend, first, items, endpoint, t0, store, ctx,
-                                         fp, fp_len),
-                      first=first)
+                                         fp, fp_len))
 
     def _semantic_health(self) -> None:
         sem = self.semantic
@@ -553,7 +500,7 @@ class Gateway:
                 yield Delta(answer)
             yield comp
 
-        return Served(model=req.model, hits_header="semantic", items=one(), first=started)
+        return Served(model=req.model, hits_header="semantic", items=one())
 
     async def _finish(self, req: GenRequest, backend: ModelBackend, first: StreamItem,
                       items: AsyncIterator[StreamItem], endpoint: str, t0: float, store: bool,
@@ -563,18 +510,19 @@ class Gateway:
         sent: list[str] = []  # the deltas so far: joined, they must equal the final text
         try:
             yield first
-            if isinstance(first, Completion):
-                final = first
-            else:
-                async for item in items:
-                    if isinstance(item, Delta):
-                        sent.append(item.text)
-                    elif isinstance(item, Completion):
-                        final = item
-                        rest = _unsent(final.text, "".join(sent), req.model)
-                        if rest:
-                            yield Delta(rest)
-                    yield item
+            async for item in items:
+                if isinstance(item, Delta):
+                    sent.append(item.text)
+                elif isinstance(item, Completion):
+                    final = item
+                    if "".join(sent) != final.text:  # the one stream contract, never patched
+                        raise UpstreamError(
+                            f"model {req.model!r} broke the stream contract: its text pieces "
+                            "do not join to its answer", status=502)
+                yield item
+            if final is None:
+                raise UpstreamError(f"model {req.model!r} ended its stream without a result",
+                                    status=502)
         except BaseException as exc:
             status = "error"
             for st in self._both(req.tenant):
@@ -633,29 +581,22 @@ class Gateway:
 
     async def complete(self, req: GenRequest, **kw: Any) -> tuple[Served, Completion]:
         served = await self.serve(req, endpoint=kw.pop("endpoint", "internal"), **kw)
-        final = None
-        async for item in served.items:
-            if isinstance(item, Completion):
-                final = item
-        assert final is not None
-        return served, final
+        return served, await collect(served.items)
 
     # --- introspection ---------------------------------------------------------------------------
     def store_stats(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         store = self.kv_store
         if store is not None:
-            tiers = getattr(store, "tiers", None) or getattr(store, "stores", None) or [store]
-            for t in tiers:
+            for t in store.tiers:
                 try:
                     st = t.stats()
                 except Exception:
                     continue
-                d = st if isinstance(st, dict) else {k: getattr(st, k) for k in
-                                                     ("entries", "bytes", "capacity_bytes", "hits",
-                                                      "misses", "evictions", "corrupt")
-                                                     if hasattr(st, k)}
-                out[f"kv-{getattr(t, 'name', 'store')}"] = d
+                out[f"kv-{t.name}"] = {"entries": st.entries, "bytes": st.bytes,
+                                       "capacity_bytes": st.capacity_bytes, "hits": st.hits,
+                                       "misses": st.misses, "evictions": st.evictions,
+                                       "corrupt": st.corrupt}
         if self.semantic is not None:
             try:
                 out["semantic"] = self.semantic.stats()
@@ -692,7 +633,7 @@ class Gateway:
             sem["backend"] = self.semantic.backend
         tiers = {}
         for t in self._kv_tiers():
-            name = self._tier_name(t)
+            name = t.name
             up, detail = self.kv_health.get(name, (True, "up"))
             tiers[name] = {"up": up, "detail": detail}
         # what is down, by name: "model:<name>", "semantic:<backend>", "kv:<tier>"

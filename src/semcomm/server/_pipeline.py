@@ -27,8 +27,8 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ._backends import BackendStatus, Completion, GenRequest, ModelBackend, StreamItem, collect
-from ._batching import Started
+from ..runtime import Completion, Started, StreamItem
+from ._backends import BackendStatus, GenRequest, ModelBackend, collect
 from ._c2c import C2CHandoff, FusionRegistry
 from ._config import PipelineConfig
 
@@ -91,6 +91,9 @@ class PipelineBackend:
             return "stages reference missing models"
         chain = " -> ".join(s.model for s in self.cfg.stages)
         return f"{chain}; handoffs {modes or ['none']}"
+
+    def prepare(self, req: GenRequest) -> None:
+        return None  # each stage prepares its own request
 
     def status(self) -> BackendStatus:
         ups = [self._backend(i).status() for i in range(len(self.cfg.stages))]

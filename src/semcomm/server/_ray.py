@@ -18,15 +18,16 @@ Errors cross the process boundary as data, never as a traceback: a replica answe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .. import errors as _errors
 from ..errors import ConfigError, SemcommError, UpstreamError, require
+from ..runtime import Completion, Delta, Started, StreamItem
 from ..security import TenantContext
-from ._backends import BackendStatus, Completion, GenRequest, StreamItem, render_prompt
-from ._batching import Delta, Started
+from ._backends import BackendStatus, GenRequest, PreparedPrompt, collect, render_prompt
 from ._config import ServerConfig
 
 __all__ = ["EngineReplica", "RayBackend", "deploy_models", "error_from_wire", "error_to_wire",
@@ -110,14 +111,10 @@ class EngineReplica:
                          stop=list(request.get("stop") or []), seed=request.get("seed"),
                          tenant=tenant, request_id=request.get("request_id", ""),
                          ctx=ctx if ctx.digest else None)
-        final: Completion | None = None
         try:
-            async for item in self.backend.stream(req):
-                if isinstance(item, Completion):
-                    final = item
+            final = await collect(self.backend.stream(req))
         except Exception as exc:
             return {"error": error_to_wire(exc, self.name)}
-        assert final is not None
         return {"text": final.text, "finish_reason": final.finish_reason,
                 "prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
                 "hit_tokens": final.hit_tokens, "ttft_s": final.ttft_s,
@@ -175,10 +172,21 @@ class RayBackend:
 
         return Namespace(**{**self.namespace_fields, "tenant": ctx.digest}).digest.hex()
 
+    def prepare(self, req: GenRequest) -> PreparedPrompt:
+        """The rendered prompt's token ids: Ray's router computes the KV chunk keys from them,
+        under the tenant's namespace (the same keys as the replicas' KV store)."""
+        prep = req.prepared.get(self.name)
+        if prep is None:
+            ids = render_prompt(self.tokenizer, req)
+            prep = req.prepared[self.name] = PreparedPrompt(ids, None,
+                                                            kv_tokens=len(ids) + req.max_tokens)
+        return prep
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        # the router needs the rendered prompt's token ids (the KV chunk keys come from them)
-        # and the tenant's namespace (the same keys as the replicas' KV store)
-        ids = render_prompt(self.tokenizer, req)
+        prep = req.prepared.get(self.name)
+        if prep is None:  # a request built outside the gateway
+            prep = await asyncio.to_thread(self.prepare, req)
+        ids = prep.ids
         ctx = req.tenant_ctx
         body = {"token_ids": ids, "messages": req.messages, "prompt": req.prompt,
                 "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,

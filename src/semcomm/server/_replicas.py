@@ -21,29 +21,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
-from ..kv import Namespace, chunk_keys
+from ..kv import ChunkKey, chunk_keys
 from ..routing import ReplicaRouter
-from ..security import TenantContext
-from ._backends import (
-    BackendStatus,
-    Completion,
-    GenRequest,
-    LocalBackend,
-    ModelBackend,
-    StreamItem,
-)
-from ._batching import Started
+from ..runtime import Completion, Started, StreamItem
+from ._backends import BackendStatus, GenRequest, LocalBackend, ModelBackend, PreparedPrompt
 
 __all__ = ["ReplicatedBackend", "local_replicas", "upstream_replicas"]
-
-
-def _text(req: GenRequest) -> str:
-    if req.messages is None:
-        return req.prompt or ""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in req.messages)
 
 
 class ReplicatedBackend:
@@ -54,17 +39,15 @@ class ReplicatedBackend:
     """
 
     def __init__(self, name: str, replicas: Sequence[ModelBackend], names: Sequence[str], *,
-                 prompt_ids: Callable[[GenRequest], list[int]],
-                 namespace: Callable[[TenantContext], bytes], chunk_size: int,
-                 policy: str = "default") -> None:
+                 chunk_size: int, policy: str = "default",
+                 workers: Sequence[LocalBackend] = ()) -> None:
         if len(replicas) < 2 or len(replicas) != len(names):
             raise ValueError("a replicated backend needs two or more named replicas")
         self.name = name
         self.replicas = list(replicas)
         self.kind = self.replicas[0].kind
-        self.kv_reuse = bool(getattr(self.replicas[0], "kv_reuse", False))
-        self._prompt_ids = prompt_ids
-        self._namespace = namespace
+        self.workers = list(workers)  # the in-process workers (empty: upstream replicas)
+        self.kv_reuse = bool(self.workers and self.workers[0].kv_reuse)
         self.chunk_size = chunk_size
         # one router for the model (load is per replica, whatever the tenant); the keys carry
         # the tenant's namespace, so one tenant's prefix never attracts another's requests
@@ -79,29 +62,38 @@ class ReplicatedBackend:
                              queue_depth=sum(s.queue_depth for s in sts),
                              in_flight=sum(s.in_flight for s in sts))
 
-    def keys(self, req: GenRequest) -> tuple[list[Any], int]:
-        """The chunk keys of the request's prompt under its tenant's namespace, and its length."""
-        ids = self._prompt_ids(req)
-        ns = self._namespace(req.tenant_ctx)
-        return list(chunk_keys(ns, ids, self.chunk_size)), len(ids)
+    def prepare(self, req: GenRequest) -> PreparedPrompt | None:
+        """In-process workers share one model: the first prepares the prompt for all of them
+        (its chunk keys are the engines' keys: the router indexes the store's own keys)."""
+        return self.workers[0].prepare(req) if self.workers else None
 
-    def kv_need(self, req: GenRequest, prompt_tokens: int) -> int | None:
-        """KV bytes the request will reserve, and the replicas' headroom set in the router
+    def keys(self, req: GenRequest) -> tuple[list[ChunkKey], int]:
+        """The chunk keys the router sees for ``req`` and its prompt length: the prepared keys
+        of in-process workers (none for an isolated request: routed by load alone); for
+        upstreams, keys over the prompt's UTF-8 bytes under the model's and tenant's name."""
+        prep = self.prepare(req)
+        if prep is not None:
+            return list(prep.keys or []), len(prep.ids)
+        data = req.text.encode("utf-8")
+        ns = hashlib.blake2b(f"semcomm/replicas/{self.name}\x00{req.tenant_ctx.digest}"
+                             .encode(), digest_size=32).digest()
+        return chunk_keys(ns, list(data), self.chunk_size), len(data)
+
+    def kv_need(self, req: GenRequest, prep: PreparedPrompt | None) -> int | None:
+        """KV bytes the request will reserve, and the workers' headroom set in the router
         (None when the replicas report none: upstreams, or no memory plan)."""
-        free = [getattr(r, "kv_headroom", lambda: None)() for r in self.replicas]
-        if all(f is None for f in free):
+        if prep is None or not self.workers or self.workers[0].memory is None:
             return None
-        first: Any = self.replicas[0]
-        limit = int(getattr(first, "max_positions", prompt_tokens + req.max_tokens))
-        tokens = prompt_tokens + max(0, min(req.max_tokens, limit - prompt_tokens))
-        need = first.memory.need_bytes(self.name, tokens)
-        self.router.set_kv_free(free)
+        self.router.set_kv_free([w.kv_headroom() for w in self.workers])
+        need = self.workers[0].memory.need_bytes(self.name, prep.kv_tokens)
         return None if need is None else int(need)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        keys, n = await asyncio.to_thread(self.keys, req)  # tokenizing: off the event loop
+        if self.workers and self.name not in req.prepared:  # built outside the gateway
+            await asyncio.to_thread(self.prepare, req)
+        keys, n = self.keys(req)
         decision = self.router.route(keys=keys, num_tokens=max(n, 1),
-                                     kv_bytes=self.kv_need(req, n))
+                                     kv_bytes=self.kv_need(req, req.prepared.get(self.name)))
         backend = self.replicas[decision.slot]
         try:
             async for item in backend.stream(req):
@@ -119,27 +111,6 @@ class ReplicatedBackend:
             await r.aclose()
 
 
-def _engine_namespace(backend: LocalBackend) -> Callable[[TenantContext], bytes] | None:
-    engine_of = getattr(backend.runner, "engine", None)
-    if not callable(engine_of):
-        return None
-    fields = {k: v for k, v in dataclasses.asdict(engine_of(None).namespace).items()
-              if k != "tenant"}
-
-    def namespace(ctx: TenantContext) -> bytes:
-        return bytes(Namespace(**{**fields, "tenant": ctx.digest}).digest)
-
-    return namespace
-
-
-def _named_namespace(name: str) -> Callable[[TenantContext], bytes]:
-    def namespace(ctx: TenantContext) -> bytes:
-        return hashlib.blake2b(f"semcomm/replicas/{name}\x00{ctx.digest}".encode(),
-                               digest_size=32).digest()
-
-    return namespace
-
-
 def local_replicas(name: str, workers: Sequence[LocalBackend], *, chunk_size: int,
                    policy: str) -> ReplicatedBackend:
     """In-process workers of one model (same weights, same KV store).
@@ -149,20 +120,14 @@ def local_replicas(name: str, workers: Sequence[LocalBackend], *, chunk_size: in
     least-loaded here, and the router still sends a request only to a worker with KV headroom
     for it. Upstream replicas keep "default": each has its own cache.
     """
-    first = workers[0]
     if policy == "default":
         policy = "least-loaded"
-    return ReplicatedBackend(
-        name, workers, [f"worker-{i}" for i in range(len(workers))],
-        prompt_ids=first.prompt_ids,  # refuses a prompt too long for the context
-        namespace=_engine_namespace(first) or _named_namespace(name),
-        chunk_size=chunk_size, policy=policy)
+    return ReplicatedBackend(name, workers, [f"worker-{i}" for i in range(len(workers))],
+                             chunk_size=chunk_size, policy=policy, workers=workers)
 
 
 def upstream_replicas(name: str, upstreams: Sequence[ModelBackend], *, chunk_size: int,
                       policy: str) -> ReplicatedBackend:
     """Upstream servers of one model, one per base URL."""
-    return ReplicatedBackend(
-        name, upstreams, [f"upstream-{i}" for i in range(len(upstreams))],
-        prompt_ids=lambda req: list(_text(req).encode("utf-8")),
-        namespace=_named_namespace(name), chunk_size=chunk_size, policy=policy)
+    return ReplicatedBackend(name, upstreams, [f"upstream-{i}" for i in range(len(upstreams))],
+                             chunk_size=chunk_size, policy=policy)

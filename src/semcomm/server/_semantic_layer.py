@@ -18,8 +18,9 @@ from typing import Any
 
 from .._query import split_query
 from ..errors import TenantError
+from ..runtime import Completion
 from ..security import TenantContext
-from ._backends import Completion, GenRequest
+from ._backends import GenRequest
 
 __all__ = ["SCOPE_NAME", "SemanticHit", "SemanticLayer"]
 

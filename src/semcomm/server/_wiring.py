@@ -18,14 +18,24 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, SemcommError
+from ..kv import ChunkStore
+from ..runtime import (
+    BatchingWorker,
+    DirectRunner,
+    KVAccountant,
+    MemoryMonitor,
+    MemoryPlan,
+    PrefillScheduler,
+    Runner,
+    engine_runner,
+    prefill_scheduler,
+)
 from ..security import TenantSalter
 from ._backends import LocalBackend, ModelBackend
-from ._batching import BatchingWorker
 from ._c2c import FusionRegistry
 from ._config import ModelConfig, ServerConfig
 from ._faults import FaultyBackend
 from ._gateway import Admitter, Gateway, ModelChooser
-from ._memplan import MemoryMonitor, MemoryPlan
 from ._pipeline import PipelineBackend
 from ._upstream import UpstreamBackend
 
@@ -78,7 +88,7 @@ def _model_source(cfg: ModelConfig, name: str) -> tuple[str | None, str | None]:
 
 def load_hf(cfg: ModelConfig, name: str) -> tuple[Any, Any, str]:
     """Load ``(model, tokenizer, model_id)`` for an in-process model entry."""
-    from ._tiny import TINY_MODEL_ID, build_tiny_model
+    from ..reference import TINY_MODEL_ID, build_tiny_model
 
     path, model_id = _model_source(cfg, name)  # model_id: a catalog name, shown as the id
     if path is None:
@@ -237,27 +247,30 @@ def _redis_semantic_store(url: str | None, sealer: Any = None) -> Any:
     return cls(url) if sealer is None else cls(url, sealer=sealer)
 
 
+def scheduler_for(server: Any) -> PrefillScheduler | None:
+    """The process's prefill scheduler for a ``[server]`` config section (None: turned off)."""
+    return prefill_scheduler(server.long_prefill_slots, server.long_prefill_tokens,
+                             server.long_prefill_piece_tokens, server.long_prefill_nice,
+                             yield_to_short=server.long_prefill_yield,
+                             yield_max_s=server.long_prefill_yield_max_ms / 1e3,
+                             yield_run_s=server.long_prefill_yield_run_ms / 1e3)
+
+
 def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                   salter: TenantSalter, notes: dict[str, str], loaded: tuple[Any, Any, str],
                   worker_name: str | None) -> tuple[BatchingWorker, bool]:
     """A batching worker over a loaded model (engine runner with KV reuse when it can), and
     whether it reuses KV."""
-    from ._engine_runner import DirectRunner
-
     model, tok, model_id = loaded
-    runner: Any = None
-    kv_reuse = False
+    runner: Runner | None = None
     if cfg.kv_cache and store is not None:
-        from ._engine_runner import engine_runner
-        from ._prefill import scheduler_for
-
         runner, why = engine_runner(model, tok, model_id=model_id, store=store, salter=salter,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
                                     scheduler=scheduler_for(config.server),
                                     keep_logits=config.kv.keep_logits)
-        kv_reuse = runner is not None
         notes[f"model:{name}"] = why
+    kv_reuse = runner is not None
     if runner is None:
         runner = DirectRunner(model, tok, model_id=model_id)
         notes.setdefault(f"model:{name}", "plain batched decoding (no KV reuse)")
@@ -290,7 +303,8 @@ def _keep_alive(name: str, cfg: ModelConfig, config: ServerConfig,
 def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                    salter: TenantSalter, notes: dict[str, str],
                    loaded: tuple[Any, Any, str] | None = None,
-                   worker_name: str | None = None) -> LocalBackend:
+                   worker_name: str | None = None,
+                   memory: KVAccountant | None = None) -> LocalBackend:
     first = loaded if loaded is not None else load_hf(cfg, name)
     worker, kv_reuse = _build_worker(name, cfg, config, store, salter, notes, first, worker_name)
     del first  # the worker's runner holds the model; keep-alive must be able to drop it
@@ -300,7 +314,8 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
         def reload() -> BatchingWorker:  # a fresh model and worker, as at start-up
             return _build_worker(name, cfg, config, store, salter, {}, load_hf(cfg, name),
                                  None)[0]
-    return LocalBackend(name, worker, kv_reuse=kv_reuse, reload=reload, keep_alive_s=keep)
+    return LocalBackend(name, worker, kv_reuse=kv_reuse, reload=reload, keep_alive_s=keep,
+                        memory=memory)
 
 
 def _chunk(cfg: ModelConfig, config: ServerConfig) -> int:
@@ -326,22 +341,26 @@ def _upstream(name: str, mcfg: ModelConfig, config: ServerConfig) -> ModelBacken
 
 
 def _local_workers(name: str, mcfg: ModelConfig, config: ServerConfig, store: Any,
-                   salter: TenantSalter, notes: dict[str, str]) -> ModelBackend:
+                   salter: TenantSalter, notes: dict[str, str], loaded: tuple[Any, Any, str],
+                   memory: KVAccountant | None) -> ModelBackend:
     """``workers`` in-process workers over one loaded model, behind the replica router."""
     from ._replicas import local_replicas
 
-    loaded = load_hf(mcfg, name)
     workers = [_local_backend(name, mcfg, config, store, salter, notes, loaded=loaded,
-                              worker_name=f"{name}/worker-{i}") for i in range(mcfg.workers)]
+                              worker_name=f"{name}/worker-{i}", memory=memory)
+               for i in range(mcfg.workers)]
     notes[f"model:{name}"] += f"; {mcfg.workers} workers, replica router"
     return local_replicas(name, workers, chunk_size=_chunk(mcfg, config),
                           policy=config.routing.replica_policy)
 
 
 def build_models(config: ServerConfig, store: Any, salter: TenantSalter,
-                 notes: dict[str, str], *, given: Mapping[str, ModelBackend] | None = None
+                 notes: dict[str, str], *, loaded: dict[str, tuple[Any, Any, str]],
+                 memory: KVAccountant | None, given: Mapping[str, ModelBackend] | None = None
                  ) -> dict[str, ModelBackend]:
-    """Every configured model's backend (``given`` ones, e.g. Ray deployments, used as they are)."""
+    """Every configured model's backend (``given`` ones, e.g. Ray deployments, used as they
+    are); in-process ones over the ``loaded`` models (taken out of the dict: the workers then
+    hold the only reference, so keep-alive can drop them)."""
     models: dict[str, ModelBackend] = dict(given or {})
     for name, mcfg in config.models.items():
         if name in models:
@@ -351,9 +370,11 @@ def build_models(config: ServerConfig, store: Any, salter: TenantSalter,
             backend = _upstream(name, mcfg, config)
             notes[f"model:{name}"] = f"upstream {', '.join(mcfg.replica_urls)}"
         elif mcfg.workers > 1:
-            backend = _local_workers(name, mcfg, config, store, salter, notes)
+            backend = _local_workers(name, mcfg, config, store, salter, notes,
+                                     loaded.pop(name), memory)
         else:
-            backend = _local_backend(name, mcfg, config, store, salter, notes)
+            backend = _local_backend(name, mcfg, config, store, salter, notes,
+                                     loaded=loaded.pop(name), memory=memory)
         if mcfg.fail_mode != "none":
             log.warning("model %s fails on purpose (fail_mode=%s): test configuration", name,
                         mcfg.fail_mode)
@@ -382,12 +403,17 @@ def build_gateway(config: ServerConfig, *,
     kv_store, notes["kv"] = build_kv_store(config)
     semantic, notes["semantic"] = build_semantic(config, salter)
     _load_semantic_models(semantic)
-    from ._memplan import current_rss_bytes
+    from ..runtime import current_rss_bytes
 
     # the process before any model is loaded (the semantic embedder and verifier included)
     baseline = current_rss_bytes()
-    models = build_models(config, kv_store, salter, notes, given=backends)
-    memory = build_memory(config, models, kv_store, baseline, notes)
+    loaded = {name: load_hf(m, name) for name, m in config.models.items()
+              if m.kind == "hf" and name not in (backends or {})}
+    plan, accountant = build_plan_for(config, loaded, baseline, notes)
+    models = build_models(config, kv_store, salter, notes, loaded=loaded, memory=accountant,
+                          given=backends)
+    del loaded  # emptied by build_models: the workers hold the models now
+    memory = build_monitor(config, plan, accountant, models, kv_store)
     fusions = FusionRegistry(dict(models), notes)
     every: dict[str, ModelBackend] = dict(models)
     for pname, pcfg in config.pipelines.items():
@@ -396,8 +422,11 @@ def build_gateway(config: ServerConfig, *,
         notes[f"pipeline:{pname}"] = pipe.plan_note()
     guard = build_guard(config, salter, notes)
     router = build_model_router(config, semantic, models, notes)
+    prefill = (scheduler_for(config.server)
+               if any(m.kind == "hf" for m in config.models.values()) else None)
     return Gateway(config, backends=every, semantic=semantic, kv_store=kv_store, guard=guard,
-                   model_router=router, salter=salter, notes=notes, memory=memory)
+                   model_router=router, salter=salter, notes=notes, memory=memory,
+                   prefill=prefill)
 
 
 def _load_semantic_models(semantic: Any) -> None:
@@ -420,14 +449,14 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
     from transformers import AutoConfig
 
     from ..engine import resolve_dtype
-    from ._memplan import (
+    from ..reference import build_tiny_model
+    from ..runtime import (
         DEFAULT_BASELINE_BYTES,
         ModelFacts,
         build_plan,
         weight_bytes,
         weight_bytes_from_dir,
     )
-    from ._tiny import build_tiny_model
 
     facts: dict[str, ModelFacts] = {}
     for name, mcfg in config.models.items():
@@ -468,42 +497,44 @@ def _local_members(backend: Any) -> list[LocalBackend]:
     return []  # upstream or Ray replicas: their memory is another process's
 
 
-def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_store: Any,
-                 baseline: int, notes: dict[str, str]) -> MemoryMonitor:
-    """The process's memory plan over the loaded models, checked against ``server.memory_bytes``
-    (a :class:`ConfigError` naming the numbers when it cannot fit), and the KV admission every
-    in-process worker reserves through."""
-    from ._memplan import KVAccountant, ModelFacts, build_plan, weight_bytes
+def build_plan_for(config: ServerConfig, loaded: Mapping[str, tuple[Any, Any, str]],
+                   baseline: int, notes: dict[str, str]) -> tuple[MemoryPlan, KVAccountant]:
+    """The process's memory plan over the ``loaded`` in-process models, checked against
+    ``server.memory_bytes`` (a :class:`ConfigError` naming the numbers when it cannot fit),
+    and the KV admission every in-process worker is built with."""
+    from ..runtime import ModelFacts, build_plan, weight_bytes
 
     facts: dict[str, ModelFacts] = {}
-    members: dict[str, list[LocalBackend]] = {}
-    for name, backend in models.items():
-        local = _local_members(backend)
-        if not local:
-            continue
+    for name, (model, _tok, _id) in loaded.items():
         mcfg = config.models[name]
-        runner: Any = local[0].runner  # EngineRunner or DirectRunner: both hold the model
-        model = runner.model
+        workers = max(1, mcfg.workers)
+        keep = None if workers > 1 else _keep_alive(name, mcfg, config, notes)
         facts[name] = ModelFacts(
             config=model.config, weight_bytes=weight_bytes(model), measured=True,
             dtype=str(next(model.parameters()).dtype), max_context=mcfg.max_context,
-            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin, keep_alive_s=local[0].keep_alive_s,
-            max_batch=(mcfg.max_batch or config.server.max_batch) * len(local))
-        del runner, model
-        members[name] = local
-    mem_tier = _kv_memory_bytes(config)
-    plan = build_plan(facts, limit_bytes=config.server.memory_bytes, prefix_cache_bytes=mem_tier,
-                      baseline_bytes=baseline)
+            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin, keep_alive_s=keep,
+            max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
+    plan = build_plan(facts, limit_bytes=config.server.memory_bytes,
+                      prefix_cache_bytes=_kv_memory_bytes(config), baseline_bytes=baseline)
     plan.check()
     accountant = KVAccountant(plan.models, max_wait_s=config.server.kv_wait_s)
-    for name, local in members.items():
-        accountant.set_workers(name, len(local))
-        for b in local:
-            b.memory = accountant
+    for name in loaded:
+        accountant.set_workers(name, max(1, config.models[name].workers))
+    limit = config.server.memory_bytes
+    notes["memory"] = (f"plan {plan.planned_bytes / 2**20:,.0f} MiB"
+                       + (f" of {limit / 2**20:,.0f} MiB" if limit else " (no limit set)"))
+    return plan, accountant
+
+
+def build_monitor(config: ServerConfig, plan: MemoryPlan, accountant: KVAccountant,
+                  models: Mapping[str, ModelBackend], kv_store: ChunkStore | None
+                  ) -> MemoryMonitor:
+    """What ``/health`` and the metrics show of memory: the plan, live KV, cached KV by model
+    and each model's residency."""
+    members = {name: local for name, b in models.items() if (local := _local_members(b))}
     tier = None
     if kv_store is not None:
-        tiers = getattr(kv_store, "tiers", None) or [kv_store]
-        tier = next((t for t in tiers if hasattr(t, "namespace_bytes")), None)
+        tier = next((t for t in kv_store.tiers if t.namespace_bytes() is not None), None)
 
     def namespaces() -> dict[str, set[bytes]]:
         out: dict[str, set[bytes]] = {}
@@ -515,9 +546,6 @@ def build_memory(config: ServerConfig, models: Mapping[str, ModelBackend], kv_st
     def residency() -> dict[str, dict[str, Any]]:
         return {name: local[0].residency.as_dict() for name, local in members.items()}
 
-    limit = config.server.memory_bytes
-    notes["memory"] = (f"plan {plan.planned_bytes / 2**20:,.0f} MiB"
-                       + (f" of {limit / 2**20:,.0f} MiB" if limit else " (no limit set)"))
     return MemoryMonitor(plan, accountant, namespaces=namespaces,
                          tier_bytes=tier.namespace_bytes if tier is not None else None,
                          residency=residency)

@@ -1,7 +1,7 @@
 """The process-wide prefill scheduler: long prefills in pieces, bounded, yielding to short requests.
 
 :class:`PrefillScheduler` (one per process and setting, :func:`prefill_scheduler`) runs every
-engine prefill's forward (``HFEngine.prefill_scheduler``). A long one (more uncached tokens
+engine prefill's forward (``HFEngine(prefill_scheduler=...)``, a ``semcomm.engine.PrefillRunner``). A long one (more uncached tokens
 than ``long_tokens``) is cut into pieces ending at KV chunk boundaries and each piece needs one
 of ``slots`` shared by every model in the process, so long prefills never take every core from
 the short requests. With ``yield_to_short`` (the default) a long prefill also steps aside
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PrefillScheduler", "ShortTicket", "prefill_scheduler", "scheduler_for"]
+__all__ = ["PrefillScheduler", "ShortTicket", "prefill_scheduler"]
 
 log = logging.getLogger(__name__)
 
@@ -269,9 +269,6 @@ class PrefillScheduler:
             self._long_owners[owner] += 1
             self._cond.notify_all()  # requests queued behind this worker no longer count
         try:
-            if self.yield_to_short and _install_gate(getattr(runner, "model", None)):
-                with self._cond:
-                    self.gated_models += 1
             logits = None
             pieces = self.cuts(int(cache.get_seq_length()), n, align) if align > 0 else [(0, n)]
             pool = self._executor()
@@ -289,6 +286,15 @@ class PrefillScheduler:
                 if not self._long_owners[owner]:
                     del self._long_owners[owner]
         return logits
+
+    def attach(self, model: Any) -> None:
+        """Put the pause point on the decoder layers of a model this process loaded and serves
+        (once per model; a forward pre-hook that reads one thread-local when no long piece
+        computes on the thread): with ``yield_to_short`` a running piece of a long prefill can
+        then pause between two layers. Without it, pieces yield only between themselves."""
+        if self.yield_to_short and _install_gate(model):
+            with self._cond:
+                self.gated_models += 1
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
         if self.nice == 0:
@@ -405,12 +411,3 @@ def prefill_scheduler(slots: int | None, long_tokens: int, piece_tokens: int,
                 yield_to_short=yield_to_short, yield_max_s=yield_max_s,
                 yield_run_s=yield_run_s)
         return sched
-
-
-def scheduler_for(server: Any) -> PrefillScheduler | None:
-    """:func:`prefill_scheduler` for a ``[server]`` config section."""
-    return prefill_scheduler(server.long_prefill_slots, server.long_prefill_tokens,
-                             server.long_prefill_piece_tokens, server.long_prefill_nice,
-                             yield_to_short=server.long_prefill_yield,
-                             yield_max_s=server.long_prefill_yield_max_ms / 1e3,
-                             yield_run_s=server.long_prefill_yield_run_ms / 1e3)

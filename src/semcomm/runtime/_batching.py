@@ -16,67 +16,19 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import OverloadedError
+from ..kv import ChunkKey
+from ..security import TenantContext
+from ._events import Event, Failed, Started
+from ._prefill import PrefillScheduler
 
-__all__ = [
-    "BatchingWorker",
-    "Delta",
-    "EngineRunner",
-    "Failed",
-    "Finished",
-    "GenOutput",
-    "Job",
-    "Started",
-]
+__all__ = ["BatchingWorker", "Job", "Runner"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class GenOutput:
-    """What an engine produced for one job."""
-
-    token_ids: list[int]  # generated tokens only
-    text: str
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    hit_tokens: int = 0  # prompt tokens restored from the KV prefix cache (not recomputed)
-    hit_tiers: tuple[str, ...] = ()  # tier that served each hit chunk
-    ttft_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)  # engine stats worth reporting
-
-
-@dataclass(slots=True)
-class Started:
-    """Prefill done: how much of the prompt came from cache. Sent before any token."""
-
-    prompt_tokens: int
-    hit_tokens: int
-    hit_tiers: tuple[str, ...] = ()
-    layers: tuple[str, ...] = ()  # reuse layers other than KV known at the start ("c2c")
-    replica: str = ""  # which replica serves the request, when the model has several
-
-
-@dataclass(slots=True)
-class Delta:
-    text: str
-
-
-@dataclass(slots=True)
-class Finished:
-    output: GenOutput
-
-
-@dataclass(slots=True)
-class Failed:
-    error: BaseException
-
-
-Event = Started | Delta | Finished | Failed
 
 
 @dataclass(slots=True)
@@ -96,14 +48,26 @@ class Job:
     snapshot: Any = None  # optional KV snapshot to continue from (pipelines, same model)
     digest: str | None = None  # the admitted tenant's salt digest (None: derive from tenant)
     isolate: bool = False  # no KV reuse: nothing read from or written to the shared store
+    keys: list[ChunkKey] | None = None  # the prompt's chunk keys in the engine's namespace
 
 
-class EngineRunner(Protocol):
+class Runner(Protocol):
     """Runs a batch of jobs to completion on the calling thread, emitting events per job."""
 
     model_id: str
+    model: Any
     tokenizer: Any
     max_positions: int
+    scheduler: PrefillScheduler | None  # the process's long-prefill scheduler, if any
+
+    def keys(self, ids: Sequence[int], ctx: TenantContext) -> list[ChunkKey] | None:
+        """The prompt's chunk keys in the namespace the job's engine stores under (None: this
+        runner reuses no KV for ``ctx``)."""
+        ...
+
+    def namespaces(self) -> set[bytes]:
+        """KV namespace digests this runner has stored under."""
+        ...
 
     def run(self, jobs: list[Job]) -> None: ...
 
@@ -112,10 +76,10 @@ class BatchingWorker:
     """A bounded FIFO queue in front of one runner, drained in batches by one thread.
 
     Invariants: at most ``max_queue`` jobs wait; jobs start in arrival order; a batch holds at
-    most ``max_batch`` jobs; every submitted job gets exactly one Finished or Failed event.
+    most ``max_batch`` jobs; every submitted job gets exactly one Completion or Failed event.
     """
 
-    def __init__(self, runner: EngineRunner, *, max_batch: int = 8, max_queue: int = 64,
+    def __init__(self, runner: Runner, *, max_batch: int = 8, max_queue: int = 64,
                  name: str = "engine", batch_wait_s: float = 0.02) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
@@ -144,6 +108,31 @@ class BatchingWorker:
                 self._cond.notify()
 
     def submit(self, job: Job) -> None:
+        """Queue ``job`` (:class:`OverloadedError` when the queue is full).
+
+        A short job is in flight for the prefill scheduler from here to its first token (long
+        prefills on other workers step aside meanwhile, docs/server.md)."""
+        sched = self.runner.scheduler
+        if (sched is None or self._thread.ident is None
+                or len(job.prompt_ids) > sched.long_tokens):
+            self._enqueue(job)
+            return
+        ticket = sched.short_request(self._thread.ident)
+        emit = job.emit
+
+        def emit_then_close(event: Event) -> None:
+            if not isinstance(event, Started):
+                ticket.close()  # engine thread: the first token (or the end) is out
+            emit(event)
+
+        job.emit = emit_then_close
+        try:
+            self._enqueue(job)
+        except BaseException:
+            ticket.close()
+            raise
+
+    def _enqueue(self, job: Job) -> None:
         with self._cond:
             if self._closed:
                 raise OverloadedError(f"model {self.name!r} is shutting down", retry_after_s=5)

@@ -1,62 +1,70 @@
-"""The server's runners: each turns a batch of queued jobs into one ``semcomm.engine`` call.
+"""The runners: each turns a batch of queued jobs into one ``semcomm.engine`` call.
 
 * :class:`EngineRunner` serves a model through per-tenant ``semcomm.engine.HFEngine`` s (each
   has its own salted KV namespace), all sharing one model and one store: KV prefix reuse.
 * :class:`DirectRunner` serves a model the engine does not support, without KV reuse.
-* The engines' prefills run through the process's ``PrefillScheduler`` (``_prefill``: long
-  prefills in pieces, bounded, yielding to short requests), re-exported here.
+* The engines' prefills run through the process's :class:`PrefillScheduler` (long prefills in
+  pieces, bounded, yielding to short requests), given to each engine at construction.
 
 Both hand the batch to one ``semcomm.engine.BatchDecoder`` (the one decode loop: sampling,
 detokenizing, stop strings, batching; a batch of one with an engine is exactly
 ``HFEngine.generate``, docs/architecture.md, invariant 2) and turn its callbacks and results
-into the worker's events. Neither touches KV tensors nor the transformers cache API.
+into the job's events: ``Started``, ``Delta`` pieces, one ``Completion``. Neither touches KV
+tensors nor the transformers cache API.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
-from ..engine import BatchDecoder, BatchRequest, BatchResult, GenerationStats, SamplingParams
-from ._batching import Delta, Event, Finished, GenOutput, Job, Started
-from ._prefill import PrefillScheduler, prefill_scheduler
+from ..engine import (
+    DEFAULT_CHUNK_SIZE,
+    BatchDecoder,
+    BatchRequest,
+    BatchResult,
+    GenerationStats,
+    HFEngine,
+    SamplingParams,
+)
+from ..kv import ChunkKey, ChunkStore
+from ..security import TenantContext, TenantSalter
+from ._batching import Job
+from ._events import Completion, Delta, Started
+from ._prefill import PrefillScheduler
 
-__all__ = ["DirectRunner", "EngineRunner", "PrefillScheduler", "engine_runner",
-           "prefill_scheduler"]
+__all__ = ["DirectRunner", "EngineRunner", "engine_runner"]
 
 log = logging.getLogger(__name__)
 
 
-def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: Any, salter: Any,
-                  chunk_size: int | None, codec: str | None,
+def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: ChunkStore,
+                  salter: TenantSalter, chunk_size: int | None, codec: str | None,
                   scheduler: PrefillScheduler | None = None,
-                  keep_logits: bool = True) -> tuple[Any, str]:
+                  keep_logits: bool = True) -> tuple[EngineRunner | None, str]:
     """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model."""
     try:
-        from ..engine import DEFAULT_CHUNK_SIZE, HFEngine
-    except ImportError as exc:
-        return None, f"semcomm.engine.HFEngine unavailable ({exc}); plain batched decoding"
-    try:
-        runner = EngineRunner(HFEngine, model, tokenizer, model_id=model_id, store=store,
-                              salter=salter, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+        runner = EngineRunner(model, tokenizer, model_id=model_id, store=store, salter=salter,
+                              chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
                               codec=codec or "lossless", scheduler=scheduler,
                               keep_logits=keep_logits)
     except Exception as exc:  # unsupported model family etc.: serve it plainly, say why
         log.warning("model %s served without KV reuse: %s", model_id, exc)
         return None, f"HFEngine refused the model ({exc}); plain batched decoding"
     return runner, (f"HFEngine: KV prefix reuse, chunk {runner.chunk_size}, codec "
-                    f"{runner.codec}, store {getattr(store, 'name', type(store).__name__)}")
+                    f"{runner.codec}, store {store.name}")
 
 
 def _kv_extra(st: GenerationStats) -> dict[str, Any]:
-    """The engine's per-request KV statistics, as reported in ``GenOutput.extra["kv"]``."""
+    """The engine's per-request KV statistics, as reported in ``Completion.meta["kv"]``."""
     return {"hit_tokens": st.hit_tokens, "tier": st.tier,
             "bytes_loaded": st.bytes_loaded, "bytes_stored": st.bytes_stored,
             "load_ms": round(st.load_ms, 3), "prefill_ms": round(st.prefill_ms, 3)}
 
 
-def _request(job: Job, engine: Any = None) -> BatchRequest:
+def _request(job: Job, engine: HFEngine | None = None) -> BatchRequest:
     """The engine's request for ``job``: its events go to ``job.emit``."""
     def started(st: GenerationStats) -> None:
         # a whole hit with its stored logits restores every prompt token (docs/architecture.md,
@@ -71,38 +79,42 @@ def _request(job: Job, engine: Any = None) -> BatchRequest:
         prompt_ids=list(job.prompt_ids), max_new_tokens=job.max_new_tokens,
         params=SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
         stop=tuple(job.stop), engine=engine, snapshot=job.snapshot, on_start=started,
-        on_text=text, cancelled=job.cancelled.is_set)
+        on_text=text, cancelled=job.cancelled.is_set,
+        keys=job.keys if engine is not None and not job.isolate else None)
 
 
-def _finished(res: BatchResult, *, kv: bool) -> Event | None:
-    """The ``Finished`` event of a result (None for a cancelled job: nobody listens)."""
-    if res.finish_reason == "cancelled":
-        return None
+def _completion(res: BatchResult, *, kv: bool) -> Completion:
     st = res.stats
-    extra: dict[str, Any] = {"kv": _kv_extra(st)} if kv else {}
-    if res.batch > 1 and kv:
-        extra["batch"] = res.batch
-    return Finished(GenOutput(
-        token_ids=res.token_ids, text=res.text,
-        finish_reason="length" if res.finish_reason == "length" else "stop",
-        prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens, hit_tiers=st.hit_tiers,
-        ttft_s=st.ttft_s, extra=extra))
+    meta: dict[str, Any] = {}
+    if kv:
+        meta["kv"] = _kv_extra(st)
+        if res.batch > 1:
+            meta["batch"] = res.batch
+        if st.hit_tiers:
+            meta["kv_tiers"] = sorted(set(st.hit_tiers))
+    return Completion(
+        text=res.text, finish_reason="length" if res.finish_reason == "length" else "stop",
+        prompt_tokens=st.prompt_tokens, completion_tokens=len(res.token_ids),
+        hits=[f"kv:{st.hit_tokens}"] if st.hit_tokens else [], hit_tokens=st.hit_tokens,
+        ttft_s=st.ttft_s, meta=meta)
 
 
-def _emit_all(jobs: list[Job], results: list[BatchResult], *, kv: bool) -> None:
+def _emit_all(jobs: Sequence[Job], results: Sequence[BatchResult], *, kv: bool) -> None:
     for job, res in zip(jobs, results):
-        ev = _finished(res, kv=kv)
-        if ev is not None:
-            job.emit(ev)
+        if res.finish_reason != "cancelled":  # a cancelled job: nobody listens
+            job.emit(_completion(res, kv=kv))
 
 
 class EngineRunner:
-    """Runs batches of jobs on per-tenant ``HFEngine`` s over one shared model (see module doc)."""
+    """Runs batches of jobs on per-tenant ``HFEngine`` s over one shared model (see module doc).
 
-    def __init__(self, engine_cls: Any, model: Any, tokenizer: Any, *, model_id: str, store: Any,
-                 salter: Any, chunk_size: int, codec: str,
+    The runner owns the model it serves: with a scheduler, the scheduler's pause point goes on
+    the model's decoder layers here, once (``PrefillScheduler.attach``).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, store: ChunkStore,
+                 salter: TenantSalter, chunk_size: int, codec: str,
                  scheduler: PrefillScheduler | None = None, keep_logits: bool = True) -> None:
-        self.engine_cls = engine_cls
         self.scheduler = scheduler
         self.model = model
         self.tokenizer = tokenizer
@@ -112,14 +124,16 @@ class EngineRunner:
         self.chunk_size = chunk_size
         self.codec = codec
         self.keep_logits = keep_logits
-        self._engines: dict[tuple[str | None, bool], Any] = {}
+        self._engines: dict[tuple[str | None, bool], HFEngine] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
         self.decoder = BatchDecoder.for_engine(first)
         self.max_positions = self.decoder.max_positions
+        if scheduler is not None:
+            scheduler.attach(self.model)
 
     def engine(self, tenant: str | None, digest: str | None = None, *,
-               isolate: bool = False) -> Any:
+               isolate: bool = False) -> HFEngine:
         """The engine serving ``tenant``: its KV namespace carries the tenant's salt digest.
 
         ``digest`` is the digest admission decided (``TenantContext.digest``); the engine's
@@ -131,17 +145,23 @@ class EngineRunner:
             if eng is None:
                 # no idle K/V buffers kept between requests: the server's memory plan counts
                 # live and cached KV only (engine/_pool.py)
-                eng = self.engine_cls(self.model, self.tokenizer,
-                                      store=None if isolate else self.store,
-                                      chunk_size=self.chunk_size, codec=self.codec,
-                                      tenant=tenant, salter=self.salter, kv_pool_bytes=0,
-                                      keep_logits=self.keep_logits)
-                eng.prefill_scheduler = self.scheduler
+                eng = HFEngine(self.model, self.tokenizer,
+                               store=None if isolate else self.store,
+                               chunk_size=self.chunk_size, codec=self.codec,
+                               tenant=tenant, salter=self.salter, kv_pool_bytes=0,
+                               keep_logits=self.keep_logits, prefill_scheduler=self.scheduler)
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:
             raise RuntimeError(f"KV namespace digest {eng.namespace.tenant!r} differs from the "
                                f"admitted tenant digest {digest!r}")
         return eng
+
+    def keys(self, ids: Sequence[int], ctx: TenantContext) -> list[ChunkKey] | None:
+        """The chunk keys of ``ids`` in the namespace ``ctx``'s engine stores under (None for an
+        isolated context: it reads and writes no shared KV)."""
+        if ctx.isolate:
+            return None
+        return self.engine(ctx.tenant, ctx.digest or None).chunk_keys(ids)
 
     def namespaces(self) -> set[bytes]:
         """The KV namespace digests of this runner's engines (one per tenant served so far)."""
@@ -157,12 +177,20 @@ class EngineRunner:
 class DirectRunner:
     """Serves batches of jobs on a plain transformers causal LM (no KV prefix cache)."""
 
+    scheduler: PrefillScheduler | None = None
+
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.decoder = BatchDecoder(model, tokenizer)
         self.max_positions = self.decoder.max_positions
+
+    def keys(self, ids: Sequence[int], ctx: TenantContext) -> list[ChunkKey] | None:
+        return None  # no KV reuse
+
+    def namespaces(self) -> set[bytes]:
+        return set()
 
     def run(self, jobs: list[Job]) -> None:
         _emit_all(jobs, self.decoder.generate([_request(job) for job in jobs]), kv=False)
