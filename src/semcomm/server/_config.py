@@ -4,7 +4,9 @@ Layering, later wins: the embedded default (:data:`DEFAULT_TOML`), then the user
 (tables merge key by key, so a file that only sets ``[tenants.acme]`` keeps every default),
 then environment variables ``SEMCOMM__SECTION__KEY=value`` (double underscores separate the
 path; the value is read as a TOML value when it parses as one, else as a string), e.g.
-``SEMCOMM__SERVER__PORT=9000`` or ``SEMCOMM__TENANTS__ACME__API_KEY=k1``.
+``SEMCOMM__SERVER__PORT=9000`` or ``SEMCOMM__TENANTS__ACME__API_KEY=k1``, then the explicit
+overrides of :func:`load_config`. pydantic-settings reads and merges the layers (its TOML file,
+environment and init sources); :class:`ServerConfig` validates the result once.
 
 Errors are :class:`semcomm.errors.ConfigError` naming the dotted key and the problem.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,10 +25,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SkipValidation,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
 )
 
 from ..errors import ConfigError
@@ -443,37 +459,131 @@ class ServerConfig(_Section):
         return semcomm_home() / "server"
 
 
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+def _toml_value(raw: str) -> Any:
+    """An environment value as TOML reads it (``9000``, ``false``, ``['memory']``, an inline
+    table), or the string itself when it is not a TOML value."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
 
 
-def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
-        if not path:
-            continue
+@dataclass(frozen=True)
+class _Request:
+    """What one :func:`load_config` call reads (the sources are built per call)."""
+
+    path: Path | None = None
+    environ: Mapping[str, str] | None = None  # None: os.environ
+    defaults: bool = True
+
+
+# settings_customise_sources is a classmethod without arguments of its own: the call's file,
+# environment and defaults flag reach it through this (thread- and task-local) variable
+_REQUEST: ContextVar[_Request | None] = ContextVar("semcomm_config_request", default=None)
+
+
+class _EnvSource(EnvSettingsSource):
+    """``SEMCOMM__SECTION__KEY`` variables, nested by pydantic-settings (``env_nested_delimiter``).
+
+    The library decodes only the values of list and dict fields, as JSON, and keeps others as
+    strings; semcomm documents every value as read as TOML when it parses as one (so
+    ``['memory']`` and inline tables work, and ``"quoted"`` is a string), so the values are
+    decoded here, once, and the library's decoding is a no-op. The prefix matches exactly and
+    the path after it is lower-cased (keys and tenant names, as before). A variable that names
+    no section is refused as an unknown key, where the library would skip it.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, Any]:
+        return {ENV_PREFIX + name[len(ENV_PREFIX):].lower(): _toml_value(raw)
+                for name, raw in self._environ.items() if name.startswith(ENV_PREFIX)}
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo | None, value: Any) -> Any:
+        return value  # decoded in _load_env_vars
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        for name, value in self.env_vars.items():
+            section = name[len(ENV_PREFIX):].split("__", 1)[0]
+            if section and section not in self.settings_cls.model_fields:
+                data.setdefault(section, value)
+        return data
+
+
+class _ConfigFile(TomlConfigSettingsSource):
+    """The user's TOML file. The library skips a file that is not there; here it is an error,
+    and a file that cannot be read or parsed is named in the message."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        self._path = path
+        super().__init__(settings_cls, toml_file=path)
+
+    def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
         try:
-            value: Any = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        node = tree
-        for p in path[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"environment variable {name}: {'.'.join(path)} conflicts with "
-                                  "another override")
-            node = nxt
-        node[path[-1]] = value
-    return tree
+            return self._read_file(self._path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(self._path)!r}: "
+                              f"{exc.strerror or exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(self._path)!r} is not valid TOML: {exc}"
+                              ) from exc
+
+
+class _LayerSources(BaseSettings):
+    """Reads and merges the layers; holds each section as a raw table (ServerConfig validates).
+
+    ServerConfig itself is not the settings class: pydantic calls a BaseSettings' ``__init__``
+    from ``model_validate`` too, so ``ServerConfig.model_validate_json`` (a Ray replica's copy)
+    would read the environment and the embedded default again.
+    """
+
+    model_config = SettingsConfigDict(
+        extra="allow",  # unknown sections reach ServerConfig, which refuses them by name
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=True,
+        validate_default=False,
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest first: overrides, environment, the file, the embedded default."""
+        req = _REQUEST.get() or _Request()
+        sources: list[PydanticBaseSettingsSource] = [
+            init_settings, _EnvSource(settings_cls, os.environ if req.environ is None
+                                      else req.environ)]
+        embedded: dict[str, Any] = tomllib.loads(DEFAULT_TOML) if req.defaults else {}
+        if req.path is not None:
+            user = _ConfigFile(settings_cls, req.path)
+            # a file that defines its own models replaces the embedded ones (and their
+            # pipelines, default model and model router)
+            if "models" in user.toml_data:
+                embedded.pop("models", None)
+                embedded.pop("pipelines", None)
+                embedded.get("routing", {}).pop("default_model", None)
+                embedded.get("routing", {}).pop("model_router", None)
+            sources.append(user)
+        # the embedded default is a string, not a file: an init source holds its tables
+        sources.append(InitSettingsSource(settings_cls, init_kwargs=embedded))
+        return tuple(sources)
+
+
+# one raw table per section of ServerConfig: the environment source reads only variables under
+# a field's name and nests them because the field is a dict; SkipValidation, so whatever a layer
+# holds (an override may be a section model) is validated once, by ServerConfig
+_Layers = create_model(
+    "_Layers", __base__=_LayerSources,
+    **{name: (SkipValidation[dict[str, Any]], None)  # type: ignore[call-overload]
+       for name in ServerConfig.model_fields},
+)
 
 
 def _describe(err: ValidationError) -> str:
@@ -499,30 +609,14 @@ def load_config(
     With ``defaults=False`` the embedded models and pipelines are left out (the file must
     configure its own); every other section still has defaults.
     """
-    data: dict[str, Any] = tomllib.loads(DEFAULT_TOML) if defaults else {}
-    if path is not None:
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from exc
-        try:
-            user = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
-        # a file that defines its own models replaces the embedded ones (and their pipelines,
-        # default model and model router)
-        if defaults and "models" in user:
-            data.pop("models", None)
-            data.pop("pipelines", None)
-            data.get("routing", {}).pop("default_model", None)
-            data.get("routing", {}).pop("model_router", None)
-        data = _merge(data, user)
-    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
-    if overrides:
-        data = _merge(data, overrides)
+    token = _REQUEST.set(_Request(None if path is None else Path(path), environ, defaults))
     try:
-        return ServerConfig.model_validate(data)
+        layers = _Layers(**dict(overrides or {}))
+        return ServerConfig.model_validate({k: getattr(layers, k) for k in layers.model_fields_set})
     except ValidationError as exc:
         where = f" in {str(path)!r}" if path is not None else ""
         raise ConfigError(f"invalid semcomm config{where}: {_describe(exc)}") from None
+    except SettingsError as exc:
+        raise ConfigError(f"invalid semcomm config: {exc}") from exc
+    finally:
+        _REQUEST.reset(token)
