@@ -27,10 +27,15 @@ SECRET = "ab" * 32
 
 
 class Recorder:
-    """An OpenAI-compatible stub upstream that keeps the JSON bodies it was sent."""
+    """An OpenAI-compatible stub upstream that keeps the JSON bodies it was sent.
+
+    ``script`` holds raw replies ``(status, headers, body)``, one per request, answered before
+    the built-in ones (for streams and failures written byte by byte).
+    """
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.script: list[tuple[int, dict[str, str], bytes]] = []
         self._lock = threading.Lock()
         rec = self
 
@@ -43,6 +48,15 @@ class Recorder:
                 body = json.loads(self.rfile.read(n))
                 with rec._lock:
                     rec.bodies.append(body)
+                    scripted = rec.script.pop(0) if rec.script else None
+                if scripted is not None:
+                    status, headers, raw = scripted
+                    self.send_response(status)
+                    for name, value in {**headers, "content-length": str(len(raw))}.items():
+                        self.send_header(name, value)
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    return
                 usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
                 if body.get("stream"):
                     self.send_response(200)

@@ -2,30 +2,48 @@
 
 :class:`UpstreamBackend` speaks the same stream contract as every backend (``Started``,
 ``Delta`` pieces, one ``Completion``), with timeouts and retries only where a retry cannot
-duplicate output; :func:`upstream_tenant_fields` keeps tenants apart on a vLLM upstream.
+duplicate output (one tenacity policy, :meth:`UpstreamBackend._retrying`); streamed replies are
+read as server-sent events by httpx-sse. :func:`upstream_tenant_fields` keeps tenants apart on a
+vLLM upstream.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import random
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+import httpx
+from httpx_sse import EventSource, SSEError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
 from ..errors import UpstreamError
+from ..runtime import Completion, Delta, Started, StreamItem
 from ..security import TenantContext
-from ._backends import BackendStatus, Completion, GenRequest, StreamItem
-from ._batching import Delta, Started
+from ._backends import BackendStatus, GenRequest
+from ._upstream_fast import parse_completion
 
 __all__ = ["FORWARD_TENANT", "VLLM_TENANT_PARAM", "UpstreamBackend", "upstream_tenant_fields"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_STATUSES = {429, 502, 503, 504}
+_MAX_WAIT_S = 2.0  # the longest pause between two attempts, Retry-After included
+# exponential backoff with full jitter: uniform in [0, min(2 s, 0.1 s * 2**retry)), so the mean
+# pause doubles from 50 ms
+_BACKOFF = wait_random_exponential(multiplier=0.1, max=_MAX_WAIT_S)
+# what a streamed request asks for (as httpx_sse.aconnect_sse does)
+_SSE_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
 
 
 def _error_message(resp: Any) -> str:
@@ -37,6 +55,36 @@ def _error_message(resp: Any) -> str:
         return str(err)[:300]
     except Exception:
         return (resp.text or "").strip()[:300] or resp.reason_phrase
+
+
+class _Refused(Exception):
+    """An HTTP error answer (status >= 400): no output yet, retried when its status allows."""
+
+    def __init__(self, resp: httpx.Response) -> None:
+        super().__init__(f"HTTP {resp.status_code}")
+        self.status = resp.status_code
+        self.message = _error_message(resp)
+        try:
+            self.retry_after: float | None = float(resp.headers.get("retry-after", ""))
+        except ValueError:
+            self.retry_after = None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Retried: a connection that failed, or a 429/502/503/504 answer (nothing produced yet).
+    Not a read timeout: the upstream may still be working, a retry would double its load."""
+    if isinstance(exc, _Refused):
+        return exc.status in _RETRY_STATUSES
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+def _wait(state: RetryCallState) -> float:
+    """The backoff, or the answer's Retry-After when it asks for longer (at most 2 s)."""
+    delay = _BACKOFF(state)
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(exc, _Refused) and exc.retry_after is not None:
+        delay = min(_MAX_WAIT_S, max(delay, exc.retry_after))
+    return delay
 
 
 VLLM_TENANT_PARAM = "semcomm_tenant"
@@ -93,8 +141,6 @@ class UpstreamBackend:
                  upstream_model: str | None = None, timeout_s: float = 60.0,
                  connect_timeout_s: float = 5.0, max_retries: int = 2,
                  forward_tenant: str = "off") -> None:
-        import httpx
-
         if forward_tenant not in FORWARD_TENANT:
             raise ValueError(f"forward_tenant must be one of {sorted(FORWARD_TENANT)}, "
                              f"got {forward_tenant!r}")
@@ -112,6 +158,9 @@ class UpstreamBackend:
         self._up = True
         self._detail = f"upstream {self.base_url}"
         self._in_flight = 0
+
+    def prepare(self, req: GenRequest) -> None:
+        return None  # the upstream renders and tokenizes
 
     def status(self) -> BackendStatus:
         return BackendStatus(up=self._up, detail=self._detail, in_flight=self._in_flight)
@@ -143,24 +192,25 @@ class UpstreamBackend:
             log.warning("upstream model %s is now %s: %s", self.name, "up" if up else "down", detail)
         self._up, self._detail = up, detail
 
-    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
-        delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
-        if retry_after:
-            try:
-                delay = min(2.0, max(delay, float(retry_after)))
-            except ValueError:
-                pass
-        await asyncio.sleep(delay)
+    def _retrying(self) -> AsyncRetrying:
+        """The retry policy of every call: at most ``max_retries`` attempts after the first."""
+        return AsyncRetrying(stop=stop_after_attempt(self.max_retries + 1), wait=_wait,
+                             retry=retry_if_exception(_retryable), before_sleep=self._log_retry,
+                             reraise=True)
 
-    def _transport_error(self, exc: Exception, attempt: int) -> UpstreamError:
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.info("upstream %s: %s, retrying in %.2f s", self.name,
+                 exc if isinstance(exc, _Refused) else exc.__class__.__name__,
+                 state.next_action.sleep if state.next_action is not None else 0.0)
+
+    def _transport_error(self, exc: Exception, attempts: int = 1) -> UpstreamError:
         """Mark the upstream and name a transport failure that is not retried (any more)."""
-        import httpx
-
         if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
             self._mark(False, f"unreachable: {exc.__class__.__name__}")
             return UpstreamError(
                 f"upstream model {self.name!r} at {self.base_url} is unreachable "
-                f"({exc.__class__.__name__}) after {attempt + 1} attempts",
+                f"({exc.__class__.__name__}) after {attempts} attempts",
                 status=502, retryable=True)
         if isinstance(exc, httpx.TimeoutException):
             self._mark(False, "timed out")
@@ -179,35 +229,37 @@ class UpstreamBackend:
             f"upstream model {self.name!r} answered HTTP {status}: {message}", status=status,
             retryable=status in _RETRY_STATUSES)
 
+    async def _send(self, path: str, body: dict[str, Any], *, stream: bool) -> httpx.Response:
+        """POST ``body`` under the retry policy: an answer below 400 (``stream``: its headers
+        only, the caller reads and closes it) or an :class:`UpstreamError`."""
+        attempts = 0
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    attempts = attempt.retry_state.attempt_number
+                    request = self._client.build_request(
+                        "POST", path, json=body, headers=_SSE_HEADERS if stream else None)
+                    resp = await self._client.send(request, stream=stream)
+                    if resp.status_code >= 400:
+                        try:
+                            await resp.aread()
+                        finally:
+                            await resp.aclose()
+                        raise _Refused(resp)
+                    return resp
+        except _Refused as exc:
+            raise self._status_error(exc.status, exc.message) from None
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, attempts) from exc
+        raise AssertionError("unreachable: the retry policy returns or raises")
+
     async def _complete(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         """One JSON call (the client is not streaming): same retry rules as streams."""
-        import httpx
-
-        from ._upstream_fast import parse_completion
-
         path, body = self._body(req, stream=False)
         t0 = time.perf_counter()
         self._in_flight += 1
         try:
-            attempt = 0
-            while True:
-                try:
-                    resp = await self._client.post(path, json=body)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    if attempt < self.max_retries:
-                        await self._backoff(attempt, None)
-                        attempt += 1
-                        continue
-                    raise self._transport_error(exc, attempt) from exc
-                except httpx.HTTPError as exc:
-                    raise self._transport_error(exc, attempt) from exc
-                if resp.status_code >= 400:
-                    if resp.status_code in _RETRY_STATUSES and attempt < self.max_retries:
-                        await self._backoff(attempt, resp.headers.get("retry-after"))
-                        attempt += 1
-                        continue
-                    raise self._status_error(resp.status_code, _error_message(resp))
-                break
+            resp = await self._send(path, body, stream=False)
             text, finish, usage = parse_completion(self.name, resp.content)
             if not self._up:
                 self._mark(True, f"upstream {self.base_url}")
@@ -225,8 +277,6 @@ class UpstreamBackend:
         )
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
-        import httpx
-
         if not req.stream:
             async for item in self._complete(req):
                 yield item
@@ -235,83 +285,77 @@ class UpstreamBackend:
         t0 = time.perf_counter()
         self._in_flight += 1
         try:
-            attempt = 0
-            while True:
-                try:
-                    async with self._client.stream("POST", path, json=body) as resp:
-                        if resp.status_code >= 400:
-                            await resp.aread()
-                            msg = _error_message(resp)
-                            if resp.status_code in _RETRY_STATUSES and attempt < self.max_retries:
-                                log.info("upstream %s answered %d, retrying", self.name,
-                                         resp.status_code)
-                                await self._backoff(attempt, resp.headers.get("retry-after"))
-                                attempt += 1
-                                continue
-                            raise self._status_error(resp.status_code, msg)
-                        async for item in self._parse_sse(resp, req, t0):
-                            yield item
-                        if not self._up:
-                            self._mark(True, f"upstream {self.base_url}")
-                        return
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    if attempt < self.max_retries:
-                        await self._backoff(attempt, None)
-                        attempt += 1
-                        continue
-                    raise self._transport_error(exc, attempt) from exc
-                except httpx.HTTPError as exc:
-                    raise self._transport_error(exc, attempt) from exc
+            # retried only here, before the first chunk: once events flow, a failure is final
+            resp = await self._send(path, body, stream=True)
+            try:
+                async for item in self._read_events(resp, t0):
+                    yield item
+            except SSEError as exc:
+                raise UpstreamError(f"upstream model {self.name!r} did not answer with an "
+                                    f"event stream ({exc})", status=502) from exc
+            except httpx.HTTPError as exc:
+                raise self._transport_error(exc) from exc
+            finally:
+                await resp.aclose()
+            if not self._up:
+                self._mark(True, f"upstream {self.base_url}")
         finally:
             self._in_flight -= 1
 
-    async def _parse_sse(self, resp: Any, req: GenRequest, t0: float) -> AsyncIterator[StreamItem]:
+    async def _read_events(self, resp: httpx.Response, t0: float) -> AsyncIterator[StreamItem]:
+        """The server-sent events of an OpenAI stream: ``Started``, ``Delta``s, one ``Completion``.
+
+        Events are whole (several ``data:`` lines join with newlines; comments and ``id:`` /
+        ``retry:`` fields are no output). An ``error`` event, or an event whose JSON has an
+        ``error``, fails the stream; events of other types (pings) are skipped.
+        """
         parts: list[str] = []
         finish = "stop"
         usage: dict[str, Any] = {}
         ttft = 0.0
         started = False
         saw_done = False
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                saw_done = True
-                break
-            try:
-                chunk = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise UpstreamError(f"upstream model {self.name!r} sent a malformed event",
-                                    status=502) from exc
-            if "error" in chunk:
-                err = chunk["error"]
-                raise UpstreamError(f"upstream model {self.name!r} failed mid-stream: "
-                                    f"{err.get('message') if isinstance(err, dict) else err}",
-                                    status=502)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                text = delta.get("content") if "delta" in choice else choice.get("text")
-                if not started:
-                    started = True
-                    yield Started(prompt_tokens=0, hit_tokens=0)
-                if text:
-                    if not parts:
-                        ttft = time.perf_counter() - t0
-                    parts.append(text)
-                    yield Delta(text)
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+        async with aclosing(EventSource(resp).aiter_sse()) as events:
+            async for sse in events:
+                if sse.event not in ("message", "error") or not sse.data:
+                    continue
+                if sse.data.strip() == "[DONE]":
+                    saw_done = True
+                    break
+                try:
+                    chunk = json.loads(sse.data)
+                except json.JSONDecodeError:
+                    chunk = None
+                if sse.event == "error" or (isinstance(chunk, dict) and "error" in chunk):
+                    err = chunk.get("error", chunk) if isinstance(chunk, dict) else sse.data[:300]
+                    raise UpstreamError(f"upstream model {self.name!r} failed mid-stream: "
+                                        f"{err.get('message') if isinstance(err, dict) else err}",
+                                        status=502)
+                if not isinstance(chunk, dict):
+                    raise UpstreamError(f"upstream model {self.name!r} sent a malformed event",
+                                        status=502)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if "delta" in choice else choice.get("text")
+                    if not started:
+                        started = True
+                        yield Started(prompt_tokens=0, hit_tokens=0)
+                    if text:
+                        if not parts:
+                            ttft = time.perf_counter() - t0
+                        parts.append(text)
+                        yield Delta(text)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
         if not saw_done:
             raise UpstreamError(f"upstream model {self.name!r} ended its stream without [DONE]",
                                 status=502)
         if not started:
             yield Started(prompt_tokens=0, hit_tokens=0)
-        text = "".join(parts)
         yield Completion(
-            text=text, finish_reason=finish,
+            text="".join(parts), finish_reason=finish,
             prompt_tokens=int(usage.get("prompt_tokens", 0) or 0),
             completion_tokens=int(usage.get("completion_tokens", 0) or 0),
             ttft_s=ttft, meta={"model": self.name, "upstream": self.base_url},
