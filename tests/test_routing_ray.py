@@ -106,4 +106,13 @@ def test_tenant_namespaces_keep_separate_homes(echo_handle: Any) -> None:
 
 
 def test_requests_without_token_ids_still_route(echo_handle: Any) -> None:
-    assert echo_handle.remote({"text": "no token ids here"}).result(timeout_s=60)
+    """A request the router cannot key (no token ids) is still served, by load: concurrent
+    ones spread over both replicas, each answered by a replica of this deployment."""
+    time.sleep(1.0)
+    known = {echo_handle.remote({"token_ids": _prompt(300 + i), "sleep": 0.3})
+             for i in range(4)}
+    homes = {r.result(timeout_s=60) for r in known}
+    responses = [echo_handle.remote({"text": f"no token ids here {i}", "sleep": 0.4})
+                 for i in range(8)]
+    replicas = [r.result(timeout_s=60) for r in responses]
+    assert set(replicas) <= homes and len(set(replicas)) == 2, replicas

@@ -48,8 +48,20 @@ def test_client_supplied_salts_are_refused(body: dict, headers: dict | None, fie
 
 
 def test_ordinary_requests_pass_the_salt_check() -> None:
-    reject_client_salt({"model": "m", "messages": [{"role": "user", "content": "salt?"}],
-                        "metadata": {"user": "u1"}}, {"Authorization": "Bearer k"})
+    """Words like "salt" in content, ordinary metadata and headers are not salts: the guard
+    admits the request under the tenant's own digest; the same request with a salt is refused."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "salt? cache_salt?"}],
+            "metadata": {"user": "u1", "note": "season with salt"}, "temperature": 0}
+    headers = {"Authorization": "Bearer k", "X-Request-Id": "salt-123"}
+    reject_client_salt(body, headers)  # no ClientSaltError
+    salter = TenantSalter("ab" * 32)
+    guard = RequestGuard(salter)
+    admission = guard.admit("acme", [1, 2, 3], max_tokens=4, body=body, headers=headers)
+    assert admission.salt_digest == salter.digest("acme") and not admission.isolate
+    assert guard.refused == 0
+    with pytest.raises(ClientSaltError):
+        guard.admit("acme", [1, 2, 3], max_tokens=4, body={**body, "cache_salt": "x"},
+                    headers=headers)
 
 
 SYSTEM = list(range(1000, 1200))  # a 200-token shared prefix

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -76,18 +77,28 @@ def test_openai_sync_chat_and_stream_agree(server: LiveServer) -> None:
 
 
 def test_openai_async_concurrent(server: LiveServer) -> None:
-    async def main() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=BETA, max_retries=0)
-        outs = await asyncio.gather(*[
-            client.chat.completions.create(
-                model="tiny", max_tokens=4,
-                messages=[{"role": "user", "content": f"async request number {i}"}])
-            for i in range(6)])
-        await client.close()
-        return [o.choices[0].message.content or "" for o in outs]
+    """Six concurrent requests (batched together) each get their own answer: the same text and
+    usage as the request alone, under their own id."""
+    def messages(i: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"async request number {i}: " + "x" * (i * 7)}]
 
-    outs = asyncio.run(main())
-    assert len(outs) == 6 and all(isinstance(o, str) for o in outs)
+    async def main() -> tuple[list[Any], list[Any]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=BETA, max_retries=0)
+        together = await asyncio.gather(*[
+            client.chat.completions.create(model="tiny", max_tokens=6, messages=messages(i))
+            for i in range(6)])
+        alone = [await client.chat.completions.create(model="tiny", max_tokens=6,
+                                                      messages=messages(i)) for i in range(6)]
+        await client.close()
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert len({o.id for o in together}) == 6
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t.choices[0].message.content == a.choices[0].message.content, i
+        assert t.usage.prompt_tokens == a.usage.prompt_tokens
+        assert t.usage.completion_tokens == a.usage.completion_tokens
+    assert len({o.usage.prompt_tokens for o in together}) == 6  # each its own prompt
 
 
 def test_legacy_completions(server: LiveServer) -> None:

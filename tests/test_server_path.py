@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from semcomm.errors import ConfigError, InvalidInputError, OverloadedError, TenantError
+from semcomm.runtime import Completion, Delta, Started
 from semcomm.security import TenantContext
 from semcomm.server import load_config
-from semcomm.runtime import Completion, Delta, Started
 from semcomm.server._backends import GenRequest
 from semcomm.server._gateway import Gateway
 from semcomm.server._wiring import build_gateway
@@ -417,3 +417,123 @@ def test_the_gateway_and_every_integration_split_a_chat_alike(
 
     chat = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
     assert li.SemcommLLM._chat_key(chat) == (query, context)
+
+
+# --- prepared once, one contract, one deadline ----------------------------------------------
+
+class _Counting:
+    """Counts the tokenizer's renderings and the chunk-key hashes of what runs inside it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> None:
+        import semcomm.kv._keys as keys_mod
+
+        self.renders = self.hashes = 0
+        real_hash = keys_mod.chunk_key
+        real_render = type(tokenizer).apply_chat_template
+
+        def chunk_key(parent: bytes, tokens: Any) -> Any:
+            self.hashes += 1
+            return real_hash(parent, tokens)
+
+        def render(tok: Any, *a: Any, **kw: Any) -> Any:
+            self.renders += 1
+            return real_render(tok, *a, **kw)
+
+        monkeypatch.setattr(keys_mod, "chunk_key", chunk_key)
+        monkeypatch.setattr(type(tokenizer), "apply_chat_template", render)
+
+
+@pytest.mark.parametrize("model", ["tiny", "multi"])
+def test_a_request_is_rendered_and_hashed_once(gateway: Gateway, model: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway prepares a request once (tokens and chunk keys); the replica router and the
+    engine use them as they are: one rendering and one hash per chunk, streamed or not."""
+    backend: Any = gateway.backends[model]
+    worker = backend.workers[0] if model == "multi" else backend
+    count = _Counting(monkeypatch, worker.tokenizer)
+    chunks = 0
+    for stream in (False, True):
+        count.renders = count.hashes = 0
+        run = asyncio.run(_run(gateway, LONG + f" stream={stream}", model=model, max_tokens=2,
+                               stream=stream))
+        chunks = -(-run.final.prompt_tokens // 32)
+        assert (count.renders, count.hashes) == (1, chunks), (stream, count.__dict__)
+    assert chunks > 4
+
+
+class _Scripted:
+    """A backend that plays a fixed script of events (failures no real model produces)."""
+
+    kind = "upstream"
+
+    def __init__(self, name: str, script: list[Any], pause_s: float = 0.0) -> None:
+        self.name, self.script, self.pause_s = name, script, pause_s
+
+    def prepare(self, req: GenRequest) -> None:
+        return None
+
+    def status(self) -> Any:
+        from semcomm.server import BackendStatus
+
+        return BackendStatus(up=True)
+
+    async def stream(self, req: GenRequest) -> Any:
+        for item in self.script:
+            yield item
+            if isinstance(item, Started):
+                await asyncio.sleep(self.pause_s)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _scripted_gateway(tmp: Path, backend: _Scripted, **server: Any) -> Gateway:
+    cfg = _config(tmp, server={"state_dir": str(tmp), "max_tokens_limit": 64, **server})
+    return Gateway(cfg, backends={backend.name: backend})
+
+
+def test_a_backend_that_drops_its_last_piece_fails_the_stream(tmp_path: Path) -> None:
+    """The gateway never patches a stream: pieces that do not join to the answer are a 502,
+    streamed (an error event) or not."""
+    from semcomm.errors import UpstreamError
+
+    lossy = _Scripted("lossy", [Started(prompt_tokens=3, hit_tokens=0), Delta("Hello, "),
+                                Completion(text="Hello, world", finish_reason="stop",
+                                           prompt_tokens=3, completion_tokens=2)])
+    gw = _scripted_gateway(tmp_path, lossy)
+    with pytest.raises(UpstreamError, match="stream contract") as err:
+        asyncio.run(_run(gw, "hi", model="lossy", tenant=None))
+    assert err.value.status == 502
+    whole = _Scripted("whole", [Started(prompt_tokens=3, hit_tokens=0), *lossy.script[1:2],
+                                Delta("world"), lossy.script[2]])
+    gw = _scripted_gateway(tmp_path, whole)
+    assert asyncio.run(_run(gw, "hi", model="whole", tenant=None)).deltas == "Hello, world"
+
+
+def test_the_request_timeout_covers_the_whole_request(tmp_path: Path) -> None:
+    """``server.request_timeout_s`` bounds the whole request: a backend that starts at once and
+    then stalls is a 504, streamed or not (it used to cover only the first event)."""
+    import httpx
+
+    from semcomm.server import create_app
+
+    stall = _Scripted("stall", [Started(prompt_tokens=3, hit_tokens=0), Delta("late"),
+                                Completion(text="late", finish_reason="stop", prompt_tokens=3,
+                                           completion_tokens=1)], pause_s=30)
+    app = create_app(gateway=_scripted_gateway(tmp_path, stall, request_timeout_s=0.5))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=20,
+                                     headers={"Authorization": "Bearer k-acme"}) as c:
+            body = {"model": "stall", "messages": [{"role": "user", "content": "hi"}]}
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+            r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            assert r.status_code == 200 and '"code":"timeout"' in r.text, r.text
+            assert "[DONE]" not in r.text
+            assert loop.time() - t0 < 5  # two half-second deadlines, not the 30 s stall
+
+    asyncio.run(main())

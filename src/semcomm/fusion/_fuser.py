@@ -301,16 +301,3 @@ def estimate_parameters(config: FuserConfig) -> int:
     per_branch = (a * h + h) + config.num_blocks * (h + 2 * h * inner) + h + (h * o + o)
     per_branch += h * heads + heads + 1
     return 2 * len(config.layers) * per_branch
-
-
-def describe_size(fuser: Fuser, sharer_params: int, receiver_params: int) -> dict[str, Any]:
-    """Fuser parameter count next to the two models' (for reports)."""
-    n = fuser.num_parameters()
-    return {
-        "fuser_params": n,
-        "sharer_params": sharer_params,
-        "receiver_params": receiver_params,
-        "fuser_over_receiver": n / max(receiver_params, 1),
-        "fuser_mb_fp32": n * 4 / 1e6,
-        "log10_params": math.log10(max(n, 1)),
-    }

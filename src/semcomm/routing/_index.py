@@ -18,7 +18,7 @@ first one it holds. Keys are opaque hashables: the live router uses the KV store
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -293,10 +293,6 @@ class PreciseIndex:
             return True
         self._remember(tomb_key, seq)
         return False
-
-    def apply_many(self, replica: int, events: Iterable[Any]) -> int:
-        """Apply a batch; returns how many changed state."""
-        return sum(1 for e in events if self.apply(replica, e))
 
     def subscriber(self, replica: int) -> Any:
         """A callback for ``ChunkStore.subscribe`` that feeds this replica's events."""

@@ -14,6 +14,8 @@ Every collaborator is a constructor argument; the server (``semcomm.server``) wi
 its config. See docs/architecture.md, "The request path".
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._batching import BatchingWorker, Job, Runner
 from ._events import Completion, Delta, Event, Failed, Started, StreamItem
 from ._memplan import (
@@ -33,7 +35,23 @@ from ._memplan import (
     weight_bytes_from_dir,
 )
 from ._prefill import PrefillScheduler, ShortTicket, prefill_scheduler
-from ._runners import DirectRunner, EngineRunner, engine_runner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._runners import DirectRunner, EngineRunner, engine_runner
+
+# the runners load semcomm.engine (torch, transformers): imported on first use, so a gateway
+# serving upstreams only starts without them
+_LAZY = {"DirectRunner", "EngineRunner", "engine_runner"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'semcomm.runtime' has no attribute {name!r}")
+    from . import _runners
+
+    value = getattr(_runners, name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "DEFAULT_BASELINE_BYTES",

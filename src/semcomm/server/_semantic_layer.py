@@ -20,6 +20,7 @@ from .._query import split_query
 from ..errors import TenantError
 from ..runtime import Completion
 from ..security import TenantContext
+from ..semantic import Scope
 from ._backends import GenRequest
 
 __all__ = ["SCOPE_NAME", "SemanticHit", "SemanticLayer"]
@@ -67,22 +68,13 @@ class SemanticLayer:
         self._guarded = 0
         self.rejections_delta = 0  # candidates vetoed since the gateway last read this
         self._shadow_view: tuple[float, int, dict[str, Any] | None] = (0.0, -1, None)
-        self._scope_cls = None
-        try:
-            from ..semantic import Scope
 
-            self._scope_cls = Scope
-        except ImportError:  # pragma: no cover - depends on the semantic package version
-            pass
-
-    def _scope(self, ctx: TenantContext) -> Any:
+    def _scope(self, ctx: TenantContext) -> Scope:
         """The tenant's scope. The cache derives the scope's digest from the tenant id with the
         same salter as admission: a context whose digest differs is refused, never served."""
         if self.salter is not None and self.salter.digest(ctx.tenant) != ctx.digest:
             raise TenantError("the admitted tenant digest does not match the semantic scope")
-        if self._scope_cls is not None:
-            return self._scope_cls(name=SCOPE_NAME, tenant=ctx.tenant)
-        return SCOPE_NAME
+        return Scope(name=SCOPE_NAME, tenant=ctx.tenant)
 
     @staticmethod
     def _model(req: GenRequest) -> str:
@@ -109,9 +101,7 @@ class SemanticLayer:
                 self.cache.embedder.embed(["warm up"])
                 self.cache.stats()
             else:
-                kw: dict[str, Any] = {"scope": self._scope_cls(name="__warmup__", tenant=None)
-                                      if self._scope_cls else "__warmup__"}
-                self.cache.lookup("warm up", **kw)
+                self.cache.lookup("warm up", scope=Scope(name="__warmup__", tenant=None))
             self.load_models()
         except Exception as exc:
             self._down(exc)

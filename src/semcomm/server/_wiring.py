@@ -21,13 +21,11 @@ from ..errors import ConfigError, SemcommError
 from ..kv import ChunkStore
 from ..runtime import (
     BatchingWorker,
-    DirectRunner,
     KVAccountant,
     MemoryMonitor,
     MemoryPlan,
     PrefillScheduler,
     Runner,
-    engine_runner,
     prefill_scheduler,
 )
 from ..security import TenantSalter
@@ -45,17 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def _reference_path(which: str) -> Path | None:
-    try:
-        from .. import reference
-    except ImportError:  # pragma: no cover
-        return None
-    fn = getattr(reference, f"{which}_path", None)
-    if fn is None:
-        return None
-    try:
-        p = Path(fn())
-    except Exception:
-        return None
+    """The shipped reference model ``which`` ("sharer" or "receiver"), if it is installed."""
+    from ..reference import receiver_path, sharer_path
+
+    p = Path((sharer_path if which == "sharer" else receiver_path)())
     return p if (p / "config.json").exists() else None
 
 
@@ -121,41 +112,29 @@ def build_kv_store(config: ServerConfig) -> tuple[Any, str]:
     kv = config.kv
     if not kv.enabled:
         return None, "disabled in config"
-    try:
-        from .. import kv as kvpkg
-    except ImportError as exc:  # pragma: no cover
-        return None, f"semcomm.kv unavailable: {exc}"
-    tiers: list[Any] = []
-    missing = []
+    from ..kv import DiskStore, MemoryStore, RedisStore, TieredStore
+
+    tiers: list[ChunkStore] = []
     sealer = _chunk_sealer(config)
     for tier in kv.tiers:
-        if tier == "memory" and hasattr(kvpkg, "MemoryStore"):
-            tiers.append(kvpkg.MemoryStore(capacity_bytes=kv.memory_bytes,
-                                            eviction=kv.memory_eviction))
-        elif tier == "disk" and hasattr(kvpkg, "DiskStore"):
+        if tier == "memory":
+            tiers.append(MemoryStore(capacity_bytes=kv.memory_bytes, eviction=kv.memory_eviction))
+        elif tier == "disk":
             path = Path(kv.disk_path).expanduser() if kv.disk_path else config.state_dir() / "kv"
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"kv.disk_path: cannot create {path}: "
                                   f"{exc.strerror or exc}") from None
-            tiers.append(kvpkg.DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer,
-                                         durability=kv.disk_durability,
-                                         max_pending_bytes=kv.disk_max_pending_bytes))
-        elif tier == "redis" and hasattr(kvpkg, "RedisStore"):
-            tiers.append(kvpkg.RedisStore(url=str(kv.redis_url), sealer=sealer))
-        else:
-            missing.append(tier)
+            tiers.append(DiskStore(path, capacity_bytes=kv.disk_bytes, sealer=sealer,
+                                   durability=kv.disk_durability,
+                                   max_pending_bytes=kv.disk_max_pending_bytes))
+        else:  # "redis" (the config allows no other)
+            tiers.append(RedisStore(url=str(kv.redis_url), sealer=sealer))
     if not tiers:
-        return None, f"no KV store tier available (missing: {', '.join(missing)})"
+        return None, "no KV store tier configured"
     note = f"tiers {[t.name for t in tiers]}"
-    if missing:
-        note += f"; not available: {missing}"
-    if len(tiers) == 1:
-        return tiers[0], note
-    if hasattr(kvpkg, "TieredStore"):
-        return kvpkg.TieredStore(tiers), note
-    return tiers[0], note + "; TieredStore unavailable, first tier only"
+    return (tiers[0] if len(tiers) == 1 else TieredStore(tiers)), note
 
 
 def _keyring(config: ServerConfig) -> Any:
@@ -193,10 +172,7 @@ def build_semantic(config: ServerConfig, salter: TenantSalter | Any) -> tuple[An
     sc = config.semantic
     if not sc.enabled:
         return None, "disabled in config"
-    try:
-        from ..semantic import SemanticCache
-    except ImportError as exc:
-        return None, f"semcomm.semantic.SemanticCache unavailable: {exc}"
+    from ..semantic import SemanticCache
     from ._semantic_layer import SemanticLayer
 
     kw: dict[str, Any] = {}
@@ -261,6 +237,8 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                   worker_name: str | None) -> tuple[BatchingWorker, bool]:
     """A batching worker over a loaded model (engine runner with KV reuse when it can), and
     whether it reuses KV."""
+    from ..runtime import DirectRunner, engine_runner
+
     model, tok, model_id = loaded
     runner: Runner | None = None
     if cfg.kv_cache and store is not None:
