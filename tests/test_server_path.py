@@ -465,6 +465,8 @@ class _Scripted:
     """A backend that plays a fixed script of events (failures no real model produces)."""
 
     kind = "upstream"
+    kv_reuse = False
+    max_positions = None
 
     def __init__(self, name: str, script: list[Any], pause_s: float = 0.0) -> None:
         self.name, self.script, self.pause_s = name, script, pause_s

@@ -18,13 +18,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import OverloadedError
 from ..kv import ChunkKey
 from ..security import TenantContext
 from ._events import Event, Failed, Started
 from ._prefill import PrefillScheduler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import HFEngine
 
 __all__ = ["BatchingWorker", "Job", "Runner"]
 
@@ -67,6 +70,11 @@ class Runner(Protocol):
 
     def namespaces(self) -> set[bytes]:
         """KV namespace digests this runner has stored under."""
+        ...
+
+    def engine(self, tenant: str | None, digest: str | None = None, *,
+               isolate: bool = False) -> HFEngine | None:
+        """The engine serving ``tenant`` (None: this runner reuses no KV)."""
         ...
 
     def run(self, jobs: list[Job]) -> None: ...

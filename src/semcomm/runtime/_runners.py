@@ -189,6 +189,10 @@ class DirectRunner:
     def keys(self, ids: Sequence[int], ctx: TenantContext) -> list[ChunkKey] | None:
         return None  # no KV reuse
 
+    def engine(self, tenant: str | None, digest: str | None = None, *,
+               isolate: bool = False) -> HFEngine | None:
+        return None  # no KV reuse
+
     def namespaces(self) -> set[bytes]:
         return set()
 

@@ -124,6 +124,16 @@ class ModelBackend(Protocol):
     name: str
     kind: str  # "hf" | "upstream" | "pipeline"
 
+    @property
+    def kv_reuse(self) -> bool:
+        """Requests restore and store KV prefixes (a same-model handoff can too)."""
+        ...
+
+    @property
+    def max_positions(self) -> int | None:
+        """The context in tokens, where semcomm knows it."""
+        ...
+
     def prepare(self, req: GenRequest) -> PreparedPrompt | None:
         """Render and tokenize ``req`` for this model once (blocking: callers on the event loop
         run it in a thread) and keep it in ``req.prepared``; 400 for a prompt that cannot fit.

@@ -31,6 +31,8 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ._backends import ModelBackend
+
 __all__ = [
     "DRAIN_FACTOR",
     "MAX_DEPTH",
@@ -212,19 +214,14 @@ class StrictJSONRoute(APIRoute):
         return strict_handler
 
 
-def default_body_limit(backends: Iterable[Any]) -> int:
+def default_body_limit(backends: Iterable[ModelBackend]) -> int:
     """``server.max_body_bytes`` when unset: from the largest context an in-process model
     accepts (``max_positions`` tokens x 64 bytes + 64 KiB), at least 1 MiB, and 8 MiB when an
     upstream (whose context is not known here) is configured."""
     limit = _MIN_BODY
     for b in backends:
-        positions = getattr(b, "max_positions", None)
-        replicas = getattr(b, "replicas", None)  # in-process workers; Ray's is a count
-        if positions is None and isinstance(replicas, (list, tuple)):
-            for r in replicas:
-                positions = max(positions or 0, int(getattr(r, "max_positions", 0) or 0)) or None
-        if positions:
-            limit = max(limit, int(positions) * _BYTES_PER_TOKEN + _SLACK)
-        elif getattr(b, "kind", "") == "upstream":
+        if b.max_positions:
+            limit = max(limit, b.max_positions * _BYTES_PER_TOKEN + _SLACK)
+        elif b.kind == "upstream":
             limit = max(limit, _UPSTREAM_BODY)
     return limit

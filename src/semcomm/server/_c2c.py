@@ -42,10 +42,7 @@ def _fits(path: Path, sharer: LocalBackend, receiver: LocalBackend) -> bool:
         return False
     for side, backend in (("sharer", sharer), ("receiver", receiver)):
         want = doc.get(side) or {}
-        cfg = getattr(getattr(backend.runner, "model", None), "config", None)
-        if cfg is None:
-            return False
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        cfg = backend.runner.model.config.get_text_config()
         have = {"model_type": getattr(cfg, "model_type", None),
                 "num_layers": getattr(cfg, "num_hidden_layers", None),
                 "vocab_size": getattr(cfg, "vocab_size", None)}
@@ -153,11 +150,9 @@ class C2CHandoff:
     def _pipeline(self, system: str, ctx: TenantContext) -> Any:
         from ..fusion import FusionPipeline, ModelSide
 
-        engine = None
-        engine_of = getattr(self.sharer.runner, "engine", None)
-        if callable(engine_of) and not ctx.isolate:
-            # the sharer's prompt KV from the KV store, in the admitted tenant's namespace
-            engine = engine_of(ctx.tenant, ctx.digest or None)
+        # the sharer's prompt KV from the KV store, in the admitted tenant's namespace
+        engine = None if ctx.isolate else self.sharer.runner.engine(ctx.tenant,
+                                                                     ctx.digest or None)
         s_side = ModelSide(self._s_model, self._s_tok, _spec=self._s_spec)
         r_side = ModelSide(self._r_model, self._r_tok,
                            prefix=f"system: {system}\n" if system else "",

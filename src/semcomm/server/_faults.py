@@ -39,6 +39,8 @@ class FaultyBackend:
         self.inner = inner
         self.name = inner.name
         self.kind = inner.kind
+        self.kv_reuse = inner.kv_reuse
+        self.max_positions = inner.max_positions
         self.mode = mode
         self.delay_s = delay_s
         self.count = count

@@ -53,6 +53,8 @@ class PipelineBackend:
     """A virtual model that runs its stages in order (see the module docstring)."""
 
     kind = "pipeline"
+    kv_reuse = False  # its stages reuse KV, not the pipeline as one model
+    max_positions = None
 
     def __init__(self, name: str, cfg: PipelineConfig, models: Mapping[str, ModelBackend],
                  fusions: FusionRegistry | None = None) -> None:
@@ -71,7 +73,7 @@ class PipelineBackend:
         b = self._backend(i)
         want = self.cfg.handoff
         same = prev.model == cur.model
-        kv_ok = same and bool(getattr(b, "kv_reuse", False))
+        kv_ok = same and b.kv_reuse
         if want in ("auto", "kv") and kv_ok:
             return "kv"
         if want in ("auto", "c2c") and not same and self._fusion(i) is not None:

@@ -124,19 +124,17 @@ class EngineReplica:
         """This replica's KV namespace without its tenant part (the gateway adds the digest)."""
         import dataclasses
 
-        engine_of = getattr(self.backend.runner, "engine", None)
-        if not callable(engine_of):
+        eng = self.backend.runner.engine(None)
+        if eng is None:
             return {}
-        return {k: v for k, v in dataclasses.asdict(engine_of(None).namespace).items()
-                if k != "tenant"}
+        return {k: v for k, v in dataclasses.asdict(eng.namespace).items() if k != "tenant"}
 
     def stats(self) -> dict[str, Any]:
         st = self.backend.status()
         out: dict[str, Any] = {"replica": self.replica, "queue_depth": st.queue_depth,
                                "kv": self.note}
-        engine_of = getattr(self.backend.runner, "engine", None)
-        if callable(engine_of):
-            eng = engine_of(None)
+        eng = self.backend.runner.engine(None)
+        if eng is not None:
             out["namespace"] = eng.namespace_digest.hex()
             out["store"] = repr(eng.store.stats()) if eng.store is not None else None
             out["namespace_fields"] = {k: str(getattr(eng.namespace, k)) for k in
@@ -149,6 +147,7 @@ class RayBackend:
 
     kind = "hf"
     kv_reuse = True  # every replica reuses KV prefixes through the shared store
+    max_positions = None  # the replicas' (their own limit applies)
 
     def __init__(self, name: str, handle: Any, tokenizer: Any, replicas: int,
                  namespace_fields: dict[str, Any] | None = None) -> None:

@@ -48,6 +48,7 @@ class ReplicatedBackend:
         self.kind = self.replicas[0].kind
         self.workers = list(workers)  # the in-process workers (empty: upstream replicas)
         self.kv_reuse = bool(self.workers and self.workers[0].kv_reuse)
+        self.max_positions = self.workers[0].max_positions if self.workers else None
         self.chunk_size = chunk_size
         # one router for the model (load is per replica, whatever the tenant); the keys carry
         # the tenant's namespace, so one tenant's prefix never attracts another's requests

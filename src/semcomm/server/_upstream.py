@@ -136,6 +136,8 @@ class UpstreamBackend:
     """
 
     kind = "upstream"
+    kv_reuse = False  # whatever the upstream does, it is not semcomm's KV
+    max_positions = None  # unknown here
 
     def __init__(self, name: str, *, base_url: str, api_key: str | None = None,
                  upstream_model: str | None = None, timeout_s: float = 60.0,
