@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-from semcomm.kv import FORMAT_VERSION, ChunkKey, Namespace, chunk_keys, encode_chunk
+from semcomm.kv import (
+    FORMAT_VERSION,
+    ChunkKey,
+    ChunkStoreBase,
+    Namespace,
+    StoreStats,
+    chunk_keys,
+    encode_chunk,
+)
 
 NS = Namespace(model="test-model", tokenizer="", dtype="float32", codec="none", tenant="t0")
 
@@ -36,3 +46,41 @@ def singles(n: int, *, seed: int = 0, payload: int = 64) -> list[tuple[ChunkKey,
     for i in range(n):
         out.extend(chain(1, seed=seed * 100_003 + i, payload=payload))
     return out
+
+
+class DictStore(ChunkStoreBase):
+    """A store of one's own as the docs describe it: ``ChunkStoreBase`` and its six required
+    methods over a dict, with no validation or verification of its own (so what its ``get``
+    returns is whatever was last put there, or tampered with)."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[ChunkKey, bytes] = {}
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        return self.data.get(key)
+
+    def put(self, key: ChunkKey, value: bytes) -> None:
+        self.data[key] = value
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self.data
+
+    def delete(self, key: ChunkKey) -> bool:
+        return self.data.pop(key, None) is not None
+
+    def scan(self) -> Iterator[ChunkKey]:
+        return iter(list(self.data))
+
+    def stats(self) -> StoreStats:
+        return StoreStats(name=self.name, entries=len(self.data),
+                          bytes=sum(map(len, self.data.values())), capacity_bytes=None)
+
+
+def tampered(value: bytes, at: int = -20) -> bytes:
+    """``value`` with one payload bit flipped (the length, header and checksum kept)."""
+    data = bytearray(value)
+    data[at] ^= 0x40
+    return bytes(data)

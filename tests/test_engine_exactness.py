@@ -223,6 +223,26 @@ def test_a_tampered_chunk_on_disk_is_a_miss_on_the_engine_path(tmp_path) -> None
     assert out.token_ids == ref
 
 
+def test_a_tampered_chunk_in_a_store_of_ones_own_is_a_miss_on_the_engine_path() -> None:
+    """The engine decodes fetched chunks without hashing them again (stores serve verified
+    bytes only): a store whose ``get`` does not verify is checked by ChunkStoreBase.fetch, so
+    a chunk altered in it is a miss from there on, never restored."""
+    from ._kvchunks import DictStore, tampered
+
+    model = tiny_model("llama")
+    ids = prompt_ids(40, seed=13)
+    ref = cache_off(model, ids)
+    store = DictStore()
+    engine = HFEngine(model, store=store, chunk_size=CHUNK, device="cpu")
+    assert engine.generate(ids, max_new_tokens=NEW).token_ids == ref
+    keys = engine.chunk_keys(ids)
+    assert len(keys) == 3 and len(store.data) == 4  # three chunks and the prompt's logits
+    store.data[keys[1]] = tampered(store.data[keys[1]])
+    out = engine.generate(ids, max_new_tokens=NEW)
+    assert out.stats.hit_tokens == CHUNK and not out.stats.logits_restored  # chunk 0 only
+    assert out.token_ids == ref
+
+
 def test_a_prefix_is_fetched_with_one_batched_call_per_request() -> None:
     """The engine restores a prefix with one ``fetch_many`` (one round trip to Redis, one pass
     per tier), checks presence with one ``contains_many`` and writes with one ``put_many``."""

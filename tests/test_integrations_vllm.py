@@ -197,7 +197,7 @@ def test_settings_and_tiered_store(tmp_path: Path) -> None:
                                              "codec": "int8"})
     assert s.store == ("memory", f"disk:{tmp_path}") and s.codec.startswith("int8")
     store = build_store(s)
-    assert [t.name for t in store.tiers] == ["memory", "disk"]  # type: ignore[attr-defined]
+    assert [t.name for t in store.tiers] == ["memory", "disk"]
 
 
 @pytest.mark.parametrize(("block", "requested", "expect"), [
@@ -399,6 +399,26 @@ def test_load_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
     got = load_chunks(disk, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
                       codec=get_codec("lossless"))
     assert len(got) == 1 and torch.equal(got[0][0], torch.zeros(L, H, CS, D))
+
+
+def test_load_from_a_store_of_ones_own_stops_at_a_tampered_chunk(tmp_path: Path) -> None:
+    """A store whose get does not verify (ChunkStoreBase's fetch checks it): the connector's
+    loads, plain and buffered, stop at the altered chunk as with a DiskStore."""
+    from ._kvchunks import DictStore, tampered
+
+    ns, tokens, mem, _, keys = _three_chunks_on_disk(tmp_path)
+    mine = DictStore()
+    for k in keys:
+        mine.put(k, mem.get(k))  # type: ignore[arg-type]
+    mine.data[keys[1]] = tampered(mine.data[keys[1]], at=-100)
+    codec = get_codec("lossless")
+    got = load_chunks(mine, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32", codec=codec)
+    assert len(got) == 1 and torch.equal(got[0][0], torch.zeros(L, H, CS, D))
+    mine.data[keys[1]] = tampered(mem.get(keys[1]) or b"", at=-100)  # dropped by that read
+    buf = bytearray(len(mem.get(keys[2]) or b"") + 4096)
+    n = sum(1 for _ in iter_chunks(mine, _spec(ns, tokens, 3), chunk_size=CS, dtype="float32",
+                                   codec=codec, buffer=buf))
+    assert n == 1
 
 
 def test_buffered_load_reads_into_one_buffer_and_stops_at_tampering(tmp_path: Path) -> None:

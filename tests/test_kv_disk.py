@@ -280,11 +280,11 @@ def test_refresher_indexes_another_writers_files_and_deletions(kvdir: Path) -> N
         other.delete(k)
     assert wait_for(lambda: store.stats().entries == 3), store.stats()
     assert set(store.eviction_order()) == {k for k, _ in items[2:]}
-    from semcomm.kv import _disk
+    from semcomm.kv import _refresher
 
-    assert id(store) in _disk._REFRESHER._due
+    assert id(store) in _refresher.REFRESHER._due
     store.close()
-    assert id(store) not in _disk._REFRESHER._due  # the refresher no longer re-lists it
+    assert id(store) not in _refresher.REFRESHER._due  # the refresher no longer re-lists it
 
 
 def test_refresher_keeps_the_budget_shared_with_another_writer(kvdir: Path) -> None:
@@ -301,7 +301,7 @@ def test_refresher_keeps_the_budget_shared_with_another_writer(kvdir: Path) -> N
 
 
 def test_put_never_lists_the_directory(kvdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from semcomm.kv import _disk
+    from semcomm.kv import _disk, _refresher
 
     store = DiskStore(kvdir, refresh_s=0.05)
     other = DiskStore(kvdir, refresh_s=None)
@@ -320,7 +320,7 @@ def test_put_never_lists_the_directory(kvdir: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(_disk.os, "scandir", scandir)
     monkeypatch.setattr(_disk.os, "listdir", listdir)
-    monkeypatch.setattr(_disk, "_REFRESH_S", 0.0)  # the old put re-listed when this had passed
+    monkeypatch.setattr(_refresher, "REFRESH_S", 0.0)  # the old put re-listed when this had passed
     for k, v in singles(20, seed=41):
         store.put(k, v)
         time.sleep(0.005)
@@ -393,7 +393,7 @@ def test_kill_9_mid_write_never_serves_a_partial_chunk(
 @pytest.fixture
 def syncs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count file fsyncs and whole-filesystem syncs made by DiskStore."""
-    from semcomm.kv import _disk
+    from semcomm.kv import _disk_io
 
     counts = {"fsync": 0, "syncfs": 0}
     real_fsync = os.fsync
@@ -405,8 +405,8 @@ def syncs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     def syncfs(fd: int) -> None:
         counts["syncfs"] += 1
 
-    monkeypatch.setattr(_disk.os, "fsync", fsync)
-    monkeypatch.setattr(_disk, "_syncfs", syncfs)
+    monkeypatch.setattr(_disk_io.os, "fsync", fsync)
+    monkeypatch.setattr(_disk_io, "syncfs", syncfs)
     return counts
 
 

@@ -21,7 +21,7 @@ import pytest
 import xxhash
 
 from semcomm.errors import InvalidInputError
-from semcomm.kv import DiskStore, MemoryStore, TieredStore, _disk, _format, encode_chunk
+from semcomm.kv import DiskStore, MemoryStore, TieredStore, _disk, _disk_io, _format, encode_chunk
 from semcomm.kv._format import _Handover
 from semcomm.kv._writeback import WriteQueue
 
@@ -133,7 +133,7 @@ def test_encode_chunk_still_returns_plain_bytes() -> None:
 def test_large_chunks_are_written_preallocated_and_exactly(tmp_path: Path) -> None:
     items = chain(2, payload=_disk._PREALLOCATE_MIN)  # above the preallocation threshold
     store = DiskStore(tmp_path / "kv")
-    assert store._preallocate == (_disk._FALLOCATE is not None)
+    assert store._preallocate == (_disk_io._FALLOCATE is not None)
     store.put_many(items)
     for k, v in items:
         assert Path(store._path(k)).read_bytes() == v  # no preallocated tail
@@ -152,7 +152,7 @@ def test_a_filesystem_that_cannot_preallocate_turns_it_off(
         ctypes.set_errno(errno.EOPNOTSUPP)
         return -1
 
-    monkeypatch.setattr(_disk, "_FALLOCATE", refuse)
+    monkeypatch.setattr(_disk_io, "_FALLOCATE", refuse)
     store = DiskStore(tmp_path / "kv")
     items = chain(3, payload=_disk._PREALLOCATE_MIN)
     store.put_many(items)
@@ -166,7 +166,7 @@ def test_a_full_disk_at_preallocation_is_a_failed_write_not_a_torn_chunk(
         ctypes.set_errno(errno.ENOSPC)
         return -1
 
-    monkeypatch.setattr(_disk, "_FALLOCATE", full)
+    monkeypatch.setattr(_disk_io, "_FALLOCATE", full)
     store = DiskStore(tmp_path / "kv")
     (k, v), = chain(1, payload=_disk._PREALLOCATE_MIN)
     store.put(k, v)

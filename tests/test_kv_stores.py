@@ -10,6 +10,7 @@ import pytest
 from semcomm.errors import InvalidInputError
 from semcomm.kv import (
     ChunkStore,
+    ChunkStoreBase,
     DiskStore,
     Fetched,
     MemoryStore,
@@ -20,7 +21,7 @@ from semcomm.kv import (
     TieredStore,
 )
 
-from ._kvchunks import chain
+from ._kvchunks import NS, DictStore, chain, tampered
 
 KINDS = ["memory", "disk", "disk-write-behind", "redis", "tiered"]
 
@@ -40,7 +41,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChunkStore
         s = TieredStore([MemoryStore(), DiskStore(tmp_path / "kv"),
                          RedisStore(request.getfixturevalue("redis_url"))])
     yield s
-    s.close()  # type: ignore[attr-defined]
+    s.close()
 
 
 def expected_tier(store: ChunkStore) -> str:
@@ -186,9 +187,7 @@ def test_threads_share_a_store_within_budget(kind: str, tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-    flush = getattr(store, "flush", None)
-    if flush is not None:  # write-behind: the writes still queued land (and evict) first
-        flush()
+    store.flush()  # write-behind: the writes still queued land (and evict) first
     values = dict(items)
     assert all(store.get(k) == values[k] for k in list(store.scan()))
     assert store.stats().corrupt == 0 and store.stats().bytes <= cap
@@ -198,9 +197,112 @@ def test_fetch_many_in_order(store: ChunkStore) -> None:
     c = chain(4)
     for i in (0, 2, 3):
         store.put(*c[i])
-    got = store.fetch_many([k for k, _ in c])  # type: ignore[attr-defined]
+    got = store.fetch_many([k for k, _ in c])
     assert [None if f is None else f.value for f in got] == [c[0][1], None, c[2][1], c[3][1]]
     assert {f.tier for f in got if f is not None} == {expected_tier(store)}
-    assert store.fetch_many([]) == []  # type: ignore[attr-defined]
+    assert store.fetch_many([]) == []
     st = store.stats()
     assert (st.hits, st.misses) == (3, 1)
+
+
+def test_every_protocol_member_without_probing(store: ChunkStore) -> None:
+    """What callers use on any store without getattr: present, with the documented answer."""
+    c = chain(2)
+    keys = [k for k, _ in c]
+    store.put_many(c)
+    store.flush()
+    store.prefetch(keys)  # a hint: disk reads the files ahead, the others do nothing
+    assert store.contains_many(keys) == [True, True]
+    tiered = isinstance(store, TieredStore)
+    assert store.ping() is (True if tiered or store.name == "redis" else None)  # Redis is up
+    if tiered:
+        assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
+    else:
+        assert store.tiers == (store,)  # a single store's tiers: itself
+    held = store.namespace_bytes()
+    if tiered or store.name == "memory":  # the memory tier accounts bytes per namespace
+        assert held == {NS.digest: sum(len(v) for _, v in c)}
+    else:
+        assert held is None
+    assert store.verified_reads
+    assert store.reads_into is isinstance(store, DiskStore)
+    buf = bytearray(len(c[0][1]) + 10)
+    view = store.get_into(keys[0], buf)
+    assert view is not None and bytes(view) == c[0][1]
+    small = bytearray(4)  # too small: a view of new memory, the same bytes
+    view = store.get_into(keys[1], small)
+    assert view is not None and bytes(view) == c[1][1]
+    assert store.get_into(chain(1, seed=9)[0][0], buf) is None
+    with pytest.raises(TypeError):
+        store.get_into(keys[0], bytes(10))  # type: ignore[arg-type]
+
+
+def test_a_store_of_ones_own_needs_only_the_six_primitives() -> None:
+    s = DictStore()
+    assert isinstance(s, ChunkStore) and isinstance(s, ChunkStoreBase)
+    c = chain(3)
+    keys = [k for k, _ in c]
+    s.put_many(c)
+    assert s.lookup(keys) == PrefixMatch(3, ("dict",) * 3)
+    assert s.contains_many(keys) == [True] * 3
+    assert [f.value if f else None for f in s.fetch_many(keys)] == [v for _, v in c]
+    assert s.fetch(keys[0]) == Fetched(c[0][1], "dict")
+    buf = bytearray(len(c[0][1]))
+    assert bytes(s.get_into(keys[0], buf) or b"") == c[0][1]
+    s.prefetch(keys)
+    s.flush()
+    assert s.ping() is None and s.tiers == (s,) and s.namespace_bytes() is None
+    assert not s.verified_reads and not s.reads_into
+    with s:
+        pass  # close: nothing to release
+
+
+def test_a_store_whose_get_does_not_verify_never_serves_a_tampered_chunk() -> None:
+    """ChunkStoreBase.fetch checks what an unverified get returned: a tampered or swapped
+    value is a miss (and deleted), through fetch, fetch_many and get_into."""
+    s = DictStore()
+    c = chain(3)
+    keys = [k for k, _ in c]
+    s.put_many(c)
+    s.data[keys[1]] = tampered(c[1][1])
+    s.data[keys[2]] = c[0][1]  # another key's chunk
+    got = s.fetch_many(keys)
+    assert got[0] == Fetched(c[0][1], "dict") and got[1:] == [None, None]
+    assert keys[1] not in s.data and keys[2] not in s.data  # dropped, never served
+    s.data[keys[1]] = tampered(c[1][1])
+    assert s.get_into(keys[1], bytearray(len(c[1][1]))) is None
+    assert s.fetch(keys[1]) is None
+
+
+def test_a_store_of_ones_own_as_a_tier() -> None:
+    """A user store behind a MemoryStore: hits promoted, a tampered chunk a miss (not
+    promoted), and every protocol call of the tiered store reaches it."""
+    mine = DictStore()
+    mem = MemoryStore()
+    st = TieredStore([mem, mine])
+    c = chain(3)
+    keys = [k for k, _ in c]
+    for k, v in c:
+        mine.put(k, v)
+    mine.data[keys[2]] = tampered(c[2][1])
+    assert st.lookup(keys).num_chunks == 3  # presence only: nothing verified yet
+    got = st.fetch_many(keys)
+    assert [f.tier if f else None for f in got] == ["dict", "dict", None]
+    assert mem.contains_many(keys) == [True, True, False]  # promoted: the good ones only
+    assert st.fetch(keys[0]) == Fetched(c[0][1], "memory")
+    assert st.ping() is None and st.namespace_bytes() == {NS.digest: len(c[0][1]) +
+                                                           len(c[1][1])}
+    st.prefetch(keys)
+    st.flush()
+    st.close()
+
+
+def test_a_tier_that_is_not_a_chunk_store_names_the_base_class() -> None:
+    class Partial:
+        name = "partial"
+
+        def get(self, key: bytes) -> bytes | None:
+            return None
+
+    with pytest.raises(TypeError, match="ChunkStoreBase"):
+        TieredStore([MemoryStore(), Partial()])  # type: ignore[list-item]

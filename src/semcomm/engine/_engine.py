@@ -361,8 +361,10 @@ class HFEngine:
             if fetched is None:  # evicted between lookup and fetch
                 break
             try:
-                # Stores serve only verified bytes (checksummed on put, and on every read from
-                # a persistent tier), so the header checks suffice here.
+                # fetch_many serves only verified bytes (the ChunkStore contract: semcomm's
+                # stores checksum on put and on every read from a persistent tier, and
+                # ChunkStoreBase.fetch verifies the get of any other store), so the header
+                # checks suffice here; a tampered chunk never reaches this point.
                 chunk = decode_chunk(
                     fetched.value, expect_key=keys[i], expect_namespace=self.namespace_digest,
                     verify=False,
@@ -922,7 +924,8 @@ class HFEngine:
         return pre.stats.chunks_stored
 
     def __repr__(self) -> str:
+        store = None if self.store is None else self.store.name
         return (
             f"HFEngine({type(self.model).__name__}, device={self.device}, chunk_size="
-            f"{self.chunk_size}, codec={self.codec.spec!r}, store={getattr(self.store, 'name', None)})"
+            f"{self.chunk_size}, codec={self.codec.spec!r}, store={store})"
         )

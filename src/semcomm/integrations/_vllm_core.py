@@ -678,7 +678,8 @@ def _usable(value: bytes | memoryview, key: ChunkKey, spec: LoadSpec, *, chunk_s
             dtype: str, codec: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(k, v)`` of one fetched chunk, or None (logged) when it cannot be used."""
     try:
-        # stores serve only verified bytes (checksum, key): no second checksum here
+        # stores serve only verified bytes (checksum, key; the ChunkStore contract of fetch,
+        # fetch_many and get_into): no second checksum here
         chunk = decode_chunk(value, expect_key=key, expect_namespace=spec.namespace,
                              verify=False)
         _check_chunk_kind(chunk.header, chunk_size=chunk_size, dtype=dtype, codec=codec)
@@ -704,17 +705,17 @@ def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: st
     fetched a few at a time and yielded one by one, so a caller that copies each into place
     before asking for the next holds a few chunks' bytes, not the whole prefix.
 
-    ``buffer``: with a store that reads into a buffer (``DiskStore.get_into``), every chunk is
-    read into this one, so loading allocates no fresh memory per chunk (page faults of new
-    memory cost as much as the read here, docs/kv.md); each yielded ``(k, v)`` may then view the
-    buffer and is valid only until the next one is requested. Other stores ignore it.
+    ``buffer``: with a store that reads into a buffer (``store.reads_into``:
+    ``DiskStore.get_into``), every chunk is read into this one, so loading allocates no fresh
+    memory per chunk (page faults of new memory cost as much as the read here, docs/kv.md);
+    each yielded ``(k, v)`` may then view the buffer and is valid only until the next one is
+    requested. Other stores ignore it.
     """
     keys = list(spec.keys)
-    into = getattr(store, "get_into", None) if buffer is not None else None
-    if into is not None:
+    if buffer is not None and store.reads_into:
         for key in keys:
             try:
-                view = into(key, buffer)
+                view = store.get_into(key, buffer)
             except Exception as exc:
                 logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
                 return
@@ -724,11 +725,10 @@ def iter_chunks(store: ChunkStore, spec: LoadSpec, *, chunk_size: int, dtype: st
                 return
             yield kv
         return
-    many = getattr(store, "fetch_many", None)
     for i in range(0, len(keys), _FETCH_BATCH):
         batch = keys[i : i + _FETCH_BATCH]
         try:
-            got = many(batch) if many is not None else [store.fetch(k) for k in batch]
+            got = store.fetch_many(batch)
         except Exception as exc:
             logger.warning("semcomm KV fetch failed (%s); recomputing", exc)
             return
@@ -782,11 +782,10 @@ def load_into(store: ChunkStore, spec: LoadSpec, caches: Sequence[torch.Tensor],
     process's minor page faults during each (``"read_minflt"``, ``"write_minflt"``).
     """
     _check_layout(key_layout)
-    into = getattr(store, "get_into", None)
     view = None if buffer is None else memoryview(buffer)
     if view is not None and (view.readonly or not view.contiguous):
         raise TypeError("load_into needs a writable, contiguous buffer")
-    if into is None or view is None or slot_bytes <= 0 or view.nbytes < slot_bytes:
+    if not store.reads_into or view is None or slot_bytes <= 0 or view.nbytes < slot_bytes:
         done = 0
         plain = buffer if isinstance(buffer, bytearray) else None
         for k, v in iter_chunks(store, spec, chunk_size=chunk_size, dtype=dtype, codec=codec,
@@ -831,7 +830,7 @@ def read_slots(store: ChunkStore, spec: LoadSpec, i0: int, want: int, view: memo
     ``view`` (the store's ``get_into``: verified bytes), stopping at the first that fails
     (absent, corrupt, another tenant's, the wrong size or codec, the backend down): the
     usable ``(k, v)`` before it, which may view the slots."""
-    into = store.get_into  # type: ignore[attr-defined]
+    into = store.get_into
     batch: list[tuple[torch.Tensor, torch.Tensor]] = []
     for j in range(want):
         key = spec.keys[i0 + j]
@@ -1302,12 +1301,7 @@ class ChunkSaver:
                 meta={"layers": int(k.shape[0]), "writer": "vllm"},
             )))
         try:
-            many = getattr(self.store, "put_many", None)
-            if many is not None:
-                many(encoded)
-            else:
-                for key, value in encoded:
-                    self.store.put(key, value)
+            self.store.put_many(encoded)
             self.saved += len(encoded)
         except Exception as exc:
             logger.warning("semcomm KV store write failed (%s); %d chunks not saved", exc,

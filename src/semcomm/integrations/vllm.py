@@ -243,12 +243,12 @@ class SemcommConnector(KVConnectorBase_V1):
                                self.block_size, self.store)
         self._plans[request.request_id] = plan
         matched = plan.matched_tokens(num_computed_tokens)
-        prefetch = getattr(self.store, "prefetch", None)
-        if matched and prefetch is not None:
+        if matched:
             # the files of the chunks to load, requested from the disk now (a helper thread):
             # the worker reads them a few ms later, sooner where memory had paged them out
+            # (a store without files to read ahead does nothing)
             end = plan.hit_chunks + (1 if plan.tail_blocks else 0)
-            prefetch(plan.keys[num_computed_tokens // self.chunk_size : end])
+            self.store.prefetch(plan.keys[num_computed_tokens // self.chunk_size : end])
         self._timings.record("lookup", wall, time.perf_counter() - t0, req=request.request_id,
                              computed=num_computed_tokens, matched=matched)
         return matched, False
@@ -394,7 +394,7 @@ class SemcommConnector(KVConnectorBase_V1):
         step, as in the batched path), then copy them on a thread, layer by layer. False (and
         nothing read) when the store cannot read into a buffer or the chunks need more than
         ``_LAYERWISE_MAX_BYTES``: the caller loads as usual."""
-        if getattr(self.store, "get_into", None) is None:
+        if not self.store.reads_into:
             return False
         named = self._named_caches()
         if not named:
@@ -505,6 +505,4 @@ class SemcommConnector(KVConnectorBase_V1):
         if self._saver is not None:
             self._saver.close()
             self._saver = None
-        close = getattr(self.store, "close", None)
-        if close is not None:
-            close()
+        self.store.close()

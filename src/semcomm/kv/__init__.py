@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._disk import ChunkPieces, DiskStore, staging_buffer
+from ._disk import DiskStore
+from ._disk_io import ChunkPieces, staging_buffer
 from ._format import (
     FORMAT_VERSION,
     Chunk,
@@ -33,7 +34,7 @@ from ._keys import (
 )
 from ._memory import MemoryStore
 from ._redis import RedisStore
-from ._store import ChunkStore, Fetched, PrefixMatch, StoreEvent, StoreStats
+from ._store import ChunkStore, ChunkStoreBase, Fetched, PrefixMatch, StoreEvent, StoreStats
 from ._tiered import TieredStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +59,7 @@ __all__ = [
     "ChunkKey",
     "ChunkPieces",
     "ChunkStore",
+    "ChunkStoreBase",
     "CodecReport",
     "DiskStore",
     "EncodedKV",

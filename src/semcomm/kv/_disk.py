@@ -10,45 +10,61 @@ Layout::
 What a returned ``put`` promises is the store's ``durability`` (:data:`DURABILITY`); every
 setting writes a temporary file and renames it into place, so none can leave a torn chunk
 under a chunk's name, and every read verifies the checksum whatever the setting.
+
+This module is the store: its index, admission, eviction and the write and read paths. The file
+I/O it calls is in ``_disk_io`` (reads into buffers, chunks read in pieces, syncs,
+preallocation), the threads that write besides the caller in ``_writeback`` (the write-behind
+queue, ``put_many``'s helpers) and the process's directory re-lister in ``_refresher``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import itertools
 import json
 import logging
-import mmap
 import os
 import secrets
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import ConfigError, CorruptEntryError
+from ._disk_io import (
+    HEADER_PROBE,
+    ChunkPieces,
+    advise_willneed,
+    fsync_dir,
+    pid_alive,
+    pread_full,
+    preallocate,
+    preallocation_available,
+    read_file,
+    read_into,
+    same_file,
+    staging_buffer,
+    sync_filesystem,
+)
 from ._format import ChunkHeader, header_from_prefix, prefix_length
 from ._keys import ChunkKey
 from ._lru import ChainLru, LruPinning
+from ._refresher import ACTIVITY, QUIET_S, REFRESH_S, REFRESHER
 from ._store import (
     KEY_SIZE,
     ChunkSealer,
-    StoreBase,
+    ChunkStoreBase,
     StoreStats,
+    byte_view,
     check_key,
     open_stored,
     parent_of,
     validate_chunk,
 )
-from ._writeback import WriteQueue
+from ._writeback import HELPERS, WriteBatch, WriteQueue
 
 __all__ = ["DEFAULT_DISK_CAPACITY", "DEFAULT_MAX_PENDING_BYTES", "DURABILITY", "ChunkPieces",
            "DiskStore", "staging_buffer"]
@@ -69,29 +85,15 @@ _MARKER = ".semcomm-kv"
 _LOCK = ".lock"
 _HEX = frozenset("0123456789abcdef")
 _STALE_TMP_S = 900.0  # a tmp file this old is abandoned even if its pid looks alive (pid reuse)
-_REFRESH_S = 1.0  # how often a store's refresher re-lists the directory (other processes' files)
 # a shard directory whose mtime is this close to the clock when it was listed is listed again
 # next time: a change later in the same filesystem timestamp tick (a coarse clock: 1 to 10 ms)
 # would leave its mtime as it was
 _RACY_NS = 20_000_000
-# the refresher waits while a store of the process was used this recently (a put or read), so
-# its listing does not land inside a burst of puts or a request's loads; at most one period more
-_QUIET_S = 0.02
 # a chunk file at least this large gets its blocks allocated in one fallocate before the write:
 # ext4's delayed allocation otherwise reserves and tracks every 4 KiB block as the bytes are
 # copied in (measured alone here: 3 MiB written in 450 instead of 650 us, 0.75 MiB 180 instead
 # of 215 us; below 256 KiB no difference)
 _PREALLOCATE_MIN = 256 << 10
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _key_from_name(name: str) -> ChunkKey | None:
@@ -101,7 +103,6 @@ def _key_from_name(name: str) -> ChunkKey | None:
     if len(stem) != 2 * KEY_SIZE or not set(stem) <= _HEX:
         return None
     return ChunkKey(bytes.fromhex(stem))
-
 
 
 @dataclass(slots=True)
@@ -115,481 +116,7 @@ class _Job:
     pins: int  # pins of the replaced entry, carried over
 
 
-def _fsync_dir(path: str) -> None:
-    """Make renames inside ``path`` durable (best effort: not every filesystem allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _read_file(path: str) -> tuple[bytes, int]:
-    """Contents and inode number of a file (plain syscalls: this is every disk hit)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        data = os.read(fd, st.st_size)
-        if len(data) != st.st_size:  # a short read (never for regular files, but be exact)
-            parts = [data]
-            while chunk := os.read(fd, 1 << 20):
-                parts.append(chunk)
-            data = b"".join(parts)
-        return data, st.st_ino
-    finally:
-        os.close(fd)
-
-
-def _read_into(path: str, buffer: memoryview) -> tuple[bytes | memoryview, int]:
-    """A file's contents read into ``buffer`` (a fresh ``bytes`` if it does not fit), and its inode.
-
-    The read lands in memory the caller reuses, so a large chunk costs one copy out of the page
-    cache and no page faults of a freshly allocated buffer (``_read_file`` pays those).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size > len(buffer):
-            data = os.read(fd, size)
-            return (data if len(data) == size else data + _read_rest(fd)), st.st_ino
-        view = buffer[:size]
-        got = os.readv(fd, [view])
-        while got < size:  # a short read (never for regular files, but be exact)
-            n = os.preadv(fd, [view[got:]], got)
-            if n == 0:
-                break
-            got += n
-        return view[:got], st.st_ino
-    finally:
-        os.close(fd)
-
-
-def _byte_view(buffer: bytearray | memoryview, caller: str) -> memoryview:
-    """A flat byte view of a caller's read buffer; ``TypeError`` unless writable and contiguous."""
-    out = memoryview(buffer)
-    if out.readonly or not out.contiguous:
-        raise TypeError(f"{caller} needs a writable, contiguous buffer (a bytearray)")
-    if out.format != "B" or out.ndim != 1:
-        out = out.cast("B")
-    return out
-
-
-_HEADER_PROBE = 64  # at least the fixed prefix and format 2's fixed header
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Read ``len(view)`` bytes at ``offset`` into ``view``; fewer only at the end of the file."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-class ChunkPieces:
-    """A chunk file open for reading in pieces (:meth:`DiskStore.open_into`).
-
-    ``header`` and ``payload_offset`` come from the file's header as read (not verified until
-    :meth:`finish`); ``view`` is the part of the caller's buffer the chunk occupies, byte ``i``
-    of the file at ``view[i]``. :meth:`read` may be called from several threads at once (the
-    same range twice puts the same bytes in the same place).
-    """
-
-    def __init__(self, store: DiskStore, key: ChunkKey, path: str, fd: int | None,
-                 view: memoryview, head: int, parsed: tuple[ChunkHeader, int], *,
-                 ino: int = 0) -> None:
-        self._store = store
-        self.key = key
-        self._path = path
-        self._fd = fd
-        self._ino = ino
-        self.view = view
-        self.header, self.payload_offset = parsed
-        self._lock = threading.Lock()
-        # byte ranges read so far (the head; everything when the chunk came from memory)
-        self._have: list[tuple[int, int]] = [(0, head if fd is not None else len(view))]
-        self.result: memoryview | None = None
-        self.finished = False
-
-    @property
-    def size(self) -> int:
-        return len(self.view)
-
-    def read(self, offset: int, nbytes: int) -> None:
-        """Read file bytes ``offset .. offset + nbytes`` into the same place of ``view``."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > len(self.view):
-            raise ValueError(f"range {offset}+{nbytes} is outside the chunk's {len(self.view)} "
-                             "bytes")
-        if self._fd is None or nbytes == 0:
-            return
-        got = _pread_full(self._fd, self.view[offset : offset + nbytes], offset)
-        if got != nbytes:
-            raise OSError(errno.EIO, f"short read of {self._path} at {offset}")
-        with self._lock:
-            self._have.append((offset, offset + got))
-
-    def _missing(self) -> list[tuple[int, int]]:
-        with self._lock:
-            spans = sorted(self._have)
-        out, at = [], 0
-        for lo, hi in spans:
-            if lo > at:
-                out.append((at, lo))
-            at = max(at, hi)
-        if at < len(self.view):
-            out.append((at, len(self.view)))
-        return out
-
-    def finish(self) -> memoryview | None:
-        """Read what was not read, verify the whole chunk (as ``get_into``) and close the file:
-        the verified view of the caller's buffer, or None (a miss; a corrupt file is dropped).
-        Once only; later calls return the first answer."""
-        if self.finished:
-            return self.result
-        self.finished = True
-        store = self._store
-        try:
-            if self._fd is None:  # from the write-behind queue: already verified bytes
-                self.result = self.view
-                return self.result
-            try:
-                for lo, hi in self._missing():
-                    self.read(lo, hi - lo)
-            except OSError as exc:
-                store._read_failed(self.key, self._path, exc)
-                return None
-            value = store._accept(self.key, self._path, (self.view, self._ino))
-            self.result = None if value is None else memoryview(value)
-            return self.result
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Close the file without verifying (a reader that gave up on the chunk)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-            self.finished = True
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-_HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
-
-
-def staging_buffer(nbytes: int) -> memoryview:
-    """A writable buffer of ``nbytes`` for :meth:`DiskStore.get_into`, reused across reads.
-
-    Anonymous memory the kernel is asked to back with transparent huge pages
-    (``MADV_HUGEPAGE``, where the platform has it), touched once so no read pays its page
-    faults: a 3 MiB chunk then spans two pages instead of 768, and both the copy out of the page
-    cache and the checksum pass over it miss the TLB far less (measured here: 151 against 174 to
-    343 us per 3 MiB verified read into a ``bytearray``). Where huge pages are unavailable it is
-    ordinary memory, as good as a ``bytearray``. The memory is released with the last view.
-    """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-    if nbytes < 1:
-        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
-    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages then
-            m.madvise(advice)
-    view = memoryview(m)
-    for off in range(0, size, mmap.PAGESIZE):  # fault every page in now, not in a read
-        view[off] = 0
-    return view[:nbytes]
-
-
-def _read_rest(fd: int) -> bytes:
-    parts = []
-    while chunk := os.read(fd, 1 << 20):
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _syncfs(fd: int) -> None:
-    """Flush the whole filesystem holding ``fd`` (one journal commit for a batch of files)."""
-    if _LIBC is not None:
-        if _LIBC.syncfs(fd) == 0:
-            return
-    os.sync()
-
-
-def _load_libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.syncfs.argtypes = [ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def _load_fallocate() -> Any:
-    """libc's ``fallocate`` (Linux), or None. Not ``os.posix_fallocate``: where a filesystem
-    cannot preallocate, glibc emulates that one by writing zeros over the whole range."""
-    fn = getattr(_LIBC, "fallocate", None)
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _load_fallocate()
-# errnos saying this filesystem does not preallocate: stop asking (the write works without it)
-_NO_PREALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EPERM})
-
-
-class _Batch:
-    """One ``put_many``'s writes, taken one job at a time by its caller and by helper threads.
-
-    The caller writes too and waits only for jobs a helper has already taken, never for a
-    helper to be scheduled (a woken thread can get a CPU milliseconds later on a loaded
-    machine): a helper that starts after the caller took the last job finds nothing to do.
-    """
-
-    __slots__ = ("_done", "_fn", "_jobs", "_left", "_lock", "_next", "results")
-
-    def __init__(self, fn: Callable[[_Job], str | None], jobs: Sequence[_Job]) -> None:
-        self._fn = fn  # writes one job: its temporary (or final) path, None on failure
-        self._jobs = jobs
-        self.results: list[str | None] = [None] * len(jobs)  # one writer per index
-        self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)
-        self._next = 0  # the next job to take; guarded by _lock
-        self._left = len(jobs)  # jobs not yet written (taken or not); guarded by _lock
-
-    def drain(self) -> None:
-        """Write jobs until none is left to take (the caller's and each helper's loop)."""
-        while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self._jobs):
-                    return
-                self._next = i + 1
-            try:
-                self.results[i] = self._fn(self._jobs[i])
-            except Exception:  # _stage reports OSErrors itself; anything else: a failed write
-                logger.exception("DiskStore: writing chunk %s failed",
-                                 self._jobs[i].key.hex()[:16])
-            finally:
-                with self._lock:
-                    self._left -= 1
-                    if not self._left:
-                        self._done.notify_all()
-
-    def wait(self) -> None:
-        """Return once every job has been written (by whichever thread took it)."""
-        with self._lock:
-            while self._left:
-                self._done.wait()
-
-
-class _Helpers:
-    """The process's helper threads of batched writes (``DiskStore.put_many``), started once.
-
-    Shared by every store of the process; a helper runs ``_Batch.drain`` of whatever batch it
-    is handed. ``warm`` starts them ahead of the first batch (a thread start waits for the new
-    thread to run); a forked child starts its own again (``after_fork``).
-    """
-
-    MAX = 8  # helper threads at most, whatever the stores ask for
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._started = 0  # threads asked for so far (the pool starts one per idle-less submit)
-
-    def _get(self, n: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.MAX,
-                                                thread_name_prefix="semcomm-kv-put")
-            pool = self._pool
-            start = max(0, min(n, self.MAX) - self._started)
-            self._started += start
-        for _ in range(start):  # each submit with no idle thread starts one
-            pool.submit(time.sleep, 0.005)
-        return pool
-
-    def warm(self, n: int) -> None:
-        if n > 0:
-            self._get(n)
-
-    def run(self, batch: _Batch, helpers: int) -> None:
-        """Write ``batch`` with the caller and up to ``helpers`` helper threads; wait for all."""
-        if helpers > 0:
-            pool = self._get(helpers)
-            for _ in range(helpers):
-                try:
-                    pool.submit(batch.drain)
-                except RuntimeError:  # interpreter shutting down: the caller writes it all
-                    break
-        batch.drain()
-        batch.wait()
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on a helper thread; nothing waits for it."""
-        self._get(1).submit(fn, *args)
-
-    def after_fork(self) -> None:
-        self._lock = threading.Lock()
-        self._pool = None  # the parent's threads do not exist here
-        self._started = 0
-
-
-_HELPERS = _Helpers()
-
-
-def _advise_willneed(paths: list[str]) -> None:
-    """``posix_fadvise(WILLNEED)`` of each file that exists (``DiskStore.prefetch``)."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_HELPERS.after_fork)
-
-
-def _same_file(path: str, ino: int) -> bool:
-    """True when ``path`` still names the file whose inode is ``ino``."""
-    try:
-        return os.stat(path).st_ino == ino
-    except OSError:
-        return False
-
-class _Activity:
-    """When any DiskStore of this process last put or read a chunk (the refresher waits)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self) -> None:
-        self.at = 0.0  # monotonic seconds; written without a lock (one float store)
-
-    def busy(self, now: float) -> bool:
-        return now - self.at < _QUIET_S
-
-
-_ACTIVITY = _Activity()
-
-
-class _Refresher:
-    """One daemon thread per process re-listing every open DiskStore's directory in turn.
-
-    A store is due ``refresh_s`` after its last re-listing; while any store of the process is
-    in use (a put or read within ``_QUIET_S``) a due store waits, at most one period more, so
-    a re-listing does not land inside a burst of puts or a request's loads (three stores of
-    one process each re-listing on a thread of their own slowed a pass of puts on another
-    store by 2x on this 2-core box). The registry holds stores weakly; the thread ends when
-    it is empty and starts again with the next store (and anew in a forked child).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        # id(store) -> (store, when it is due, the latest it may wait to); guarded by _lock
-        self._due: dict[int, tuple[weakref.ref[DiskStore], float, float]] = {}
-        self._thread: threading.Thread | None = None
-
-    def add(self, store: DiskStore) -> None:
-        assert store.refresh_s is not None
-        due = time.monotonic() + store.refresh_s
-        with self._lock:
-            self._due[id(store)] = (weakref.ref(store), due, due + store.refresh_s)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="semcomm-kv-refresh",
-                                                daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def remove(self, store: DiskStore) -> None:
-        with self._lock:
-            item = self._due.get(id(store))
-            if item is not None and item[0]() in (store, None):
-                del self._due[id(store)]
-
-    def after_fork(self) -> None:
-        """In a forked child: fresh locks, and a thread again if stores are registered."""
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._thread = None
-        stores = [ref() for ref, _, _ in self._due.values()]
-        self._due.clear()
-        for store in stores:
-            if store is not None and store.refresh_s is not None:
-                self.add(store)
-
-    def _next(self) -> DiskStore | None:
-        """The next store to re-list, once it is due and the process is quiet; None: stop."""
-        with self._lock:
-            while True:
-                for k in [k for k, (ref, _, _) in self._due.items() if ref() is None]:
-                    del self._due[k]  # collected without close()
-                if not self._due:
-                    self._thread = None
-                    return None
-                now = time.monotonic()
-                k, (ref, due, latest) = min(self._due.items(), key=lambda kv: kv[1][1])
-                if due > now:
-                    self._wake.wait(due - now)
-                    continue
-                if _ACTIVITY.busy(now) and now < latest:
-                    self._wake.wait(_QUIET_S)
-                    continue
-                store = ref()
-                if store is None:
-                    continue
-                every = store.refresh_s or _REFRESH_S
-                # due again a period after this re-listing ends (set before it, in case it fails)
-                self._due[k] = (ref, now + every, now + 2 * every)
-                return store
-
-    def _run(self) -> None:
-        while True:
-            store = self._next()
-            if store is None:
-                return
-            try:
-                store._refresh_and_evict()
-            except Exception:  # never let one bad round end the thread
-                if store._lock_fd >= 0:
-                    logger.exception("DiskStore %s: re-listing the directory failed",
-                                     store.path)
-            finally:
-                del store
-
-
-_REFRESHER = _Refresher()
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_REFRESHER.after_fork)
-
-
-class DiskStore(StoreBase, LruPinning):
+class DiskStore(ChunkStoreBase, LruPinning):
     """Chunks as files under ``path``, bounded by ``capacity_bytes`` of file bytes.
 
     Guarantees:
@@ -640,6 +167,8 @@ class DiskStore(StoreBase, LruPinning):
     """
 
     name = "disk"
+    verified_reads = True  # every read checks the checksum and key of what it read
+    reads_into = True  # get_into reads the file straight into the caller's buffer
 
     def __init__(
         self,
@@ -652,7 +181,7 @@ class DiskStore(StoreBase, LruPinning):
         sealer: ChunkSealer | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         writer_threads: int = DEFAULT_WRITER_THREADS,
-        refresh_s: float | None = _REFRESH_S,
+        refresh_s: float | None = REFRESH_S,
     ):
         super().__init__()
         if refresh_s is not None:
@@ -705,7 +234,7 @@ class DiskStore(StoreBase, LruPinning):
         self._shard_dirs: set[str] = set()  # shard directories known to exist (skips mkdir)
         # preallocate large chunk files (see _PREALLOCATE_MIN); turned off for good the first
         # time the filesystem says it cannot (only the writer threads and put change it)
-        self._preallocate = _FALLOCATE is not None
+        self._preallocate = preallocation_available()
         self._tmp_seq = itertools.count(secrets.randbelow(1 << 30))
         self.sealer = sealer
         self._lock = threading.RLock()
@@ -737,9 +266,9 @@ class DiskStore(StoreBase, LruPinning):
         if queue is not None:
             queue.start()  # the writer threads, here rather than in the first put
         else:
-            _HELPERS.warm(writer_threads)  # put_many's helpers, here rather than in a put_many
+            HELPERS.warm(writer_threads)  # put_many's helpers, here rather than in a put_many
         if refresh_s is not None:
-            _REFRESHER.add(self)  # the process's refresher thread re-lists it from now on
+            REFRESHER.add(self)  # the process's refresher thread re-lists it from now on
 
     # ---- paths and locking -------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:
@@ -781,7 +310,7 @@ class DiskStore(StoreBase, LruPinning):
         stays as it is."""
         if self._queue is not None:
             self._queue.close()
-        _REFRESHER.remove(self)
+        REFRESHER.remove(self)
         self._closing = True  # a re-listing waiting for a quiet moment gives up
         with self._refresh_lock:  # a re-listing in progress ends first
             pass
@@ -868,7 +397,7 @@ class DiskStore(StoreBase, LruPinning):
             age = now - ent.stat(follow_symlinks=False).st_mtime
         except FileNotFoundError:
             return
-        if pid <= 0 or not _pid_alive(pid) or age > _STALE_TMP_S:
+        if pid <= 0 or not pid_alive(pid) or age > _STALE_TMP_S:
             try:
                 os.unlink(ent.path)
                 logger.info("removed stale temporary chunk file %s", ent.path)
@@ -890,7 +419,7 @@ class DiskStore(StoreBase, LruPinning):
         """
         with self._refresh_lock:
             start = time.time_ns()
-            give_up = time.monotonic() + (self.refresh_s or _REFRESH_S)
+            give_up = time.monotonic() + (self.refresh_s or REFRESH_S)
             mtimes = self._shard_mtimes
             if full:
                 mtimes.clear()
@@ -899,10 +428,10 @@ class DiskStore(StoreBase, LruPinning):
             present: set[str] = set()
             for i, shard in enumerate(self._shards()):
                 if background and i % 16 == 0:
-                    while _ACTIVITY.busy(now := time.monotonic()) and now < give_up:
+                    while ACTIVITY.busy(now := time.monotonic()) and now < give_up:
                         if self._closing:
                             return []
-                        time.sleep(_QUIET_S)
+                        time.sleep(QUIET_S)
                 present.add(shard.name)
                 try:
                     mtime = shard.stat(follow_symlinks=False).st_mtime_ns
@@ -950,7 +479,7 @@ class DiskStore(StoreBase, LruPinning):
                                 self._path(key)):
                             self._lru.remove(key)
                     for key, path, ino, size, parent in found:
-                        if key not in self._lru and key not in self._queued and _same_file(
+                        if key not in self._lru and key not in self._queued and same_file(
                                 path, ino):
                             self._lru.add(key, size, parent)
                     _, evicted = self._evict_to(0, None)
@@ -1023,7 +552,7 @@ class DiskStore(StoreBase, LruPinning):
         same misses. The view is only valid until ``buffer`` is reused: copy what you keep.
         """
         key = check_key(key)
-        out = _byte_view(buffer, "get_into")
+        out = byte_view(buffer, "get_into")
         if self._behind:
             queued = self._queued_value(key)
             if queued is not None:
@@ -1060,7 +589,7 @@ class DiskStore(StoreBase, LruPinning):
         key = check_key(key)
         if self.sealer is not None:
             raise ConfigError("a sealed DiskStore cannot be read in pieces: use get_into")
-        out = _byte_view(buffer, "open_into")
+        out = byte_view(buffer, "open_into")
         if self._behind:
             queued = self._queued_value(key)
             if queued is not None:
@@ -1070,7 +599,7 @@ class DiskStore(StoreBase, LruPinning):
                 return ChunkPieces(self, key, "", None, out[: len(queued)], 0,
                                    header_from_prefix(queued, len(queued)))
         path = self._path(key)
-        _ACTIVITY.at = time.monotonic()
+        ACTIVITY.at = time.monotonic()
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -1085,11 +614,11 @@ class DiskStore(StoreBase, LruPinning):
                     self._misses += 1
                 return None
             view = out[:size]
-            got = _pread_full(fd, view[: min(max(head, _HEADER_PROBE), size)], 0)
+            got = pread_full(fd, view[: min(max(head, HEADER_PROBE), size)], 0)
             try:
                 need = prefix_length(view[:got])
                 if need > got:
-                    got += _pread_full(fd, view[got:need], got)
+                    got += pread_full(fd, view[got:need], got)
                 parsed = header_from_prefix(view[:got], size)
             except CorruptEntryError as exc:
                 os.close(fd)
@@ -1123,9 +652,9 @@ class DiskStore(StoreBase, LruPinning):
     def _load(self, key: ChunkKey, path: str,
               into: memoryview | None = None) -> tuple[bytes | memoryview, int] | None:
         """The file's bytes and inode, or None (absent or unreadable; counted as a miss)."""
-        _ACTIVITY.at = time.monotonic()
+        ACTIVITY.at = time.monotonic()
         try:
-            return _read_file(path) if into is None else _read_into(path, into)
+            return read_file(path) if into is None else read_into(path, into)
         except OSError as exc:
             self._read_failed(key, path, exc)
             return None
@@ -1165,7 +694,7 @@ class DiskStore(StoreBase, LruPinning):
             self._hits += 1
             if key in self._lru:
                 self._lru.touch(key)
-            elif key not in self._queued and _same_file(path, ino):
+            elif key not in self._queued and same_file(path, ino):
                 # written by another process, and still there (a key with a queued write is
                 # indexed when that write lands: its old file must not be counted beside it)
                 # (evictions unlink under this lock: a file evicted while we read it is not
@@ -1247,9 +776,9 @@ class DiskStore(StoreBase, LruPinning):
                 if j is not None]
         if not jobs:
             return
-        batch = _Batch(self._stage if self._fsync else self._stage_and_rename, jobs)
+        batch = WriteBatch(self._stage if self._fsync else self._stage_and_rename, jobs)
         try:
-            _HELPERS.run(batch, min(self._writer_threads, len(jobs) - 1))
+            HELPERS.run(batch, min(self._writer_threads, len(jobs) - 1))
         finally:
             if self._fsync:
                 self._rename_synced(jobs, batch.results)
@@ -1277,7 +806,7 @@ class DiskStore(StoreBase, LruPinning):
                 ok = True
             self._finish(job, ok)
         for d in dirs:
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def _admit(self, key: ChunkKey, value: bytes, parent: ChunkKey | None, *,
                queue: bool = False) -> _Job | None:
@@ -1298,7 +827,7 @@ class DiskStore(StoreBase, LruPinning):
             existed = old is not None
             pins = old.pins if old is not None else 0
             evicted: list[ChunkKey] = []
-            _ACTIVITY.at = time.monotonic()
+            ACTIVITY.at = time.monotonic()
             # no re-listing here: the refresher indexes other processes' files meanwhile
             if self._lru.bytes + self._reserved + size > self.capacity_bytes:
                 with self._flock():
@@ -1386,7 +915,7 @@ class DiskStore(StoreBase, LruPinning):
         if not self._rename(job, tmp):
             return False
         if sync:
-            _fsync_dir(os.path.dirname(tmp))
+            fsync_dir(os.path.dirname(tmp))
         return True
 
     def _stage(self, job: _Job, *, sync: bool = False) -> str | None:
@@ -1425,16 +954,11 @@ class DiskStore(StoreBase, LruPinning):
 
     def _allocate(self, fd: int, size: int) -> None:
         """Allocate a new file's blocks in one call; ``OSError`` when the disk is full."""
-        if _FALLOCATE(fd, 0, 0, size) == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.ENOSPC:
-            raise OSError(err, os.strerror(err))
-        if err in _NO_PREALLOCATE:
+        why = preallocate(fd, size)
+        if why is not None:  # this filesystem does not preallocate: stop asking
             self._preallocate = False
             logger.debug("DiskStore %s: the filesystem does not preallocate (%s)", self.path,
-                         os.strerror(err))
-        # anything else (EINTR, ...): the write below allocates as it goes
+                         why)
 
     def _rename(self, job: _Job, tmp: str) -> bool:
         try:
@@ -1453,11 +977,7 @@ class DiskStore(StoreBase, LruPinning):
             self._errors += 1
 
     def _sync_root(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _syncfs(fd)
-        finally:
-            os.close(fd)
+        sync_filesystem(self.path)
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> None:
         """Ask the operating system to start reading these chunks' files into memory, on one of
@@ -1471,7 +991,7 @@ class DiskStore(StoreBase, LruPinning):
         if not paths or not hasattr(os, "posix_fadvise"):
             return
         try:
-            _HELPERS.submit(_advise_willneed, paths)
+            HELPERS.submit(advise_willneed, paths)
         except RuntimeError:  # interpreter shutting down
             pass
 

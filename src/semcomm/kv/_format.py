@@ -478,10 +478,6 @@ def withdraw(value: object) -> None:
     _HANDOVER.withdraw(value)
 
 
-def _np_dtype(name: str) -> np.dtype:
-    return np.dtype("<u2") if name == "bfloat16" else np.dtype(name)
-
-
 def encode_chunk(
     *,
     namespace: bytes,

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from ._keys import ChunkKey
 from ._lru import EVICTION_POLICIES, Incoming, LruPinning, make_lru
-from ._store import PrefixMatch, StoreBase, StoreStats, check_key, validate_chunk
+from ._store import ChunkStoreBase, PrefixMatch, StoreStats, check_key, validate_chunk
 
 __all__ = ["DEFAULT_MEMORY_CAPACITY", "MemoryStore"]
 
@@ -17,7 +17,7 @@ logger = logging.getLogger("semcomm.kv")
 DEFAULT_MEMORY_CAPACITY = 1 << 30  # 1 GiB
 
 
-class MemoryStore(StoreBase, LruPinning):
+class MemoryStore(ChunkStoreBase, LruPinning):
     """Chunks in process memory, bounded by ``capacity_bytes`` of encoded chunk bytes.
 
     * ``put`` validates the whole chunk (header, key, checksum) and raises
@@ -36,6 +36,7 @@ class MemoryStore(StoreBase, LruPinning):
     """
 
     name = "memory"
+    verified_reads = True  # put validated every value; process memory is trusted
 
     def __init__(self, capacity_bytes: int = DEFAULT_MEMORY_CAPACITY, *, name: str = "memory",
                  eviction: str = "lru"):

@@ -31,9 +31,9 @@ from ._keys import ChunkKey
 from ._store import (
     KEY_SIZE,
     ChunkSealer,
+    ChunkStoreBase,
     Fetched,
     PrefixMatch,
-    StoreBase,
     StoreStats,
     check_key,
     open_stored,
@@ -140,7 +140,7 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-class RedisStore(StoreBase):
+class RedisStore(ChunkStoreBase):
     """Chunks in redis-server (binary values), shared by all processes that use the same prefix.
 
     * ``get`` verifies header, key and checksum; a bad value is counted in ``stats().corrupt``,
@@ -158,6 +158,7 @@ class RedisStore(StoreBase):
     """
 
     name = "redis"
+    verified_reads = True  # every value read is checked (checksum, key) before it is served
 
     def __init__(
         self,
@@ -459,7 +460,8 @@ class RedisStore(StoreBase):
         return not self._down
 
     def ping(self) -> bool:
-        """One round trip; True if Redis answered (also ends an outage)."""
+        """One round trip; True if Redis answered (also ends an outage). The server's health
+        probe (``ChunkStore.ping``: None from stores without a backend to probe)."""
         return bool(self._run(self._client.ping, False))
 
     def close(self) -> None:

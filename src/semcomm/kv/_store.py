@@ -10,8 +10,9 @@ A store maps a :data:`ChunkKey` (32-byte hash-chain key) to the bytes of one enc
 * reports ``store``/``evict`` events with a per-store, strictly increasing sequence number
   (the routing package's precise prefix index follows them).
 
-``StoreBase`` holds the shared machinery (events, default ``lookup``/``fetch``);
-concrete stores implement ``get``, ``put``, ``contains``, ``delete``, ``scan`` and ``stats``.
+:class:`ChunkStore` is the interface callers use (every member, no probing);
+:class:`ChunkStoreBase` implements all of it on top of six primitives a concrete store writes
+(``get``, ``put``, ``contains``, ``delete``, ``scan``, ``stats``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ __all__ = [
     "KEY_SIZE",
     "ChunkSealer",
     "ChunkStore",
+    "ChunkStoreBase",
     "EventKind",
     "Fetched",
     "PrefixMatch",
     "StoreBase",
     "StoreEvent",
     "StoreStats",
+    "byte_view",
     "check_key",
     "check_stored",
     "open_stored",
@@ -101,10 +104,32 @@ class StoreEvent:
 
 @runtime_checkable
 class ChunkStore(Protocol):
-    """What the engine, fusion, routing and security packages rely on from any store."""
+    """The store interface: what the engine, the vLLM connector, fusion, routing and the server
+    call, every member on every store (callers never probe with ``getattr``/``hasattr``).
+
+    **Required** of an implementation (abstract in :class:`ChunkStoreBase`): ``get``, ``put``,
+    ``contains``, ``delete``, ``scan`` and ``stats``. **Provided** by :class:`ChunkStoreBase`
+    on top of those (override where the backend does better, as semcomm's stores do): ``name``
+    (a class attribute, ``"store"``), ``lookup``, ``fetch``, ``fetch_many``, ``contains_many``,
+    ``put_many``, ``get_into``, ``prefetch``, ``flush``, ``close``, ``ping``, ``tiers``,
+    ``namespace_bytes``, ``subscribe``/``unsubscribe``, ``verified_reads`` and ``reads_into``.
+
+    A store of your own inherits :class:`ChunkStoreBase` and implements the six required
+    methods; it is then a ``ChunkStore`` (``isinstance`` checks that every member is present)
+    and works wherever semcomm's stores do, a ``TieredStore`` tier included.
+
+    Reads serve verified bytes only: ``fetch``, ``fetch_many`` and ``get_into`` return bytes
+    whose checksum and key were checked (the engine and the vLLM connector decode them without
+    hashing again). semcomm's stores verify in ``get`` itself (``verified_reads = True``); for a
+    store whose ``get`` does not (``verified_reads = False``, the default), the base class's
+    ``fetch`` checks what ``get`` returned and treats a bad value as a miss (and deletes it).
+    """
 
     name: str
+    verified_reads: bool  # True: get itself returns only verified bytes (semcomm's stores)
+    reads_into: bool  # True: get_into reads into the caller's buffer (DiskStore), no copy
 
+    # ---- required ---------------------------------------------------------------------------
     def get(self, key: ChunkKey) -> bytes | None: ...
 
     def put(self, key: ChunkKey, value: bytes) -> None: ...
@@ -117,20 +142,36 @@ class ChunkStore(Protocol):
 
     def stats(self) -> StoreStats: ...
 
+    # ---- provided by ChunkStoreBase -------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch: ...
 
     def fetch(self, key: ChunkKey) -> Fetched | None: ...
 
     def subscribe(self, callback: Callable[[StoreEvent], None]) -> None: ...
 
-    # batch calls: one round trip where the backend allows (defaults in BaseChunkStore)
+    def unsubscribe(self, callback: Callable[[StoreEvent], None]) -> None: ...
+
+    # batch calls: one round trip where the backend allows
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]: ...
 
     def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None: ...
 
+    def get_into(self, key: ChunkKey, buffer: bytearray | memoryview) -> memoryview | None: ...
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
+
+    def ping(self) -> bool | None: ...
+
+    @property
+    def tiers(self) -> tuple[ChunkStore, ...]: ...
+
+    def namespace_bytes(self) -> dict[bytes, int] | None: ...
 
 
 def check_key(key: object) -> ChunkKey:
@@ -230,15 +271,38 @@ def parent_of(header: ChunkHeader) -> ChunkKey | None:
     return _parent(raw)
 
 
-class StoreBase(ABC):
-    """Shared machinery: event fan-out, default ``lookup``/``fetch``.
+def byte_view(buffer: bytearray | memoryview, caller: str) -> memoryview:
+    """A flat byte view of a caller's read buffer; ``TypeError`` unless writable and contiguous."""
+    out = memoryview(buffer)
+    if out.readonly or not out.contiguous:
+        raise TypeError(f"{caller} needs a writable, contiguous buffer (a bytearray)")
+    if out.format != "B" or out.ndim != 1:
+        out = out.cast("B")
+    return out
 
-    Subclasses call :meth:`_emit` *after* releasing their own locks, so a subscriber may call
-    back into the store. Subscribers run synchronously in the thread that changed the store;
-    an exception in one is logged and does not disturb the store or the other subscribers.
+
+class ChunkStoreBase(ABC):
+    """Everything of :class:`ChunkStore` on top of six primitives (what a store implements).
+
+    Subclasses implement ``get``, ``put``, ``contains``, ``delete``, ``scan`` and ``stats``
+    (and set ``name``); every other member has a default here, built on those: batch calls
+    are loops of the single ones, ``get_into`` copies a fetched chunk into the buffer,
+    ``prefetch``/``flush``/``close`` do nothing, ``ping`` says None (no backend to probe),
+    ``tiers`` is the store itself and ``namespace_bytes`` None (not accounted).
+
+    Events: subclasses call :meth:`_emit` *after* releasing their own locks, so a subscriber
+    may call back into the store. Subscribers run synchronously in the thread that changed the
+    store; an exception in one is logged and does not disturb the store or the other
+    subscribers.
     """
 
     name: str = "store"
+    verified_reads: bool = False
+    """True when ``get`` returns only bytes it verified (checksum and key, or a value validated
+    by ``put`` and held in trusted memory); False: ``fetch`` verifies what ``get`` returned."""
+    reads_into: bool = False
+    """True when ``get_into`` reads the chunk into the caller's buffer itself (``DiskStore``);
+    False: it copies a fetched chunk into it (an extra copy: callers then prefer ``fetch``)."""
 
     def __init__(self) -> None:
         self._subscribers: list[Callable[[StoreEvent], None]] = []
@@ -297,7 +361,7 @@ class StoreBase(ABC):
                 except Exception:  # a broken subscriber must not break the store
                     logger.exception("store event subscriber %r failed", cb)
 
-    # ---- defaults built on the five primitives -------------------------------------------
+    # ---- defaults built on the primitives ------------------------------------------------
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Presence of each key (one round trip where the backend allows)."""
         return [self.contains(k) for k in keys]
@@ -312,8 +376,29 @@ class StoreBase(ABC):
         return PrefixMatch(n, (self.name,) * n)
 
     def fetch(self, key: ChunkKey) -> Fetched | None:
+        """``get`` plus the tier that served it; verified bytes only (see ``verified_reads``)."""
         value = self.get(key)
-        return None if value is None else Fetched(value, self.name)
+        if value is None:
+            return None
+        if not self.verified_reads and not self._verified(key, value):
+            return None
+        return Fetched(value, self.name)
+
+    def _verified(self, key: ChunkKey, value: bytes) -> bool:
+        """Whether ``value`` (from a ``get`` that does not verify) is an intact chunk of ``key``;
+        a bad one is deleted (best effort) and logged: it must never be served."""
+        try:
+            check_stored(check_key(key), value)
+            return True
+        except CorruptEntryError as exc:
+            logger.warning("%s: dropping corrupt chunk %s: %s", self.name,
+                           bytes(key).hex()[:16], exc)
+        try:
+            self.delete(key)
+        except Exception:  # the read is a miss either way
+            logger.exception("%s: deleting corrupt chunk %s failed", self.name,
+                             bytes(key).hex()[:16])
+        return False
 
     def fetch_many(self, keys: Sequence[ChunkKey]) -> list[Fetched | None]:
         """``fetch`` of each key, in order (one round trip for Redis; per tier for tiered)."""
@@ -324,6 +409,47 @@ class StoreBase(ABC):
         for key, value in items:
             self.put(key, value)
 
+    def get_into(self, key: ChunkKey, buffer: bytearray | memoryview) -> memoryview | None:
+        """The verified chunk as a view: of ``buffer`` when it fits (copied in), else of the
+        fetched bytes; None for a miss. Valid until ``buffer`` is reused. ``DiskStore`` reads
+        the file straight into ``buffer`` instead (``reads_into``)."""
+        out = byte_view(buffer, "get_into")
+        got = self.fetch(key)
+        if got is None:
+            return None
+        value = got.value
+        if len(value) > len(out):
+            return memoryview(value)
+        out[: len(value)] = value
+        return out[: len(value)]
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - a hint, optional
+        """Start bringing these chunks closer before they are read (``DiskStore``: the files
+        into the page cache); a hint, nothing to do by default."""
+
+    def flush(self) -> None:  # noqa: B027 - optional, not abstract
+        """Wait until every accepted chunk is stored (``DiskStore`` write-behind); by default
+        ``put`` has stored it already."""
+
+    def close(self) -> None:  # noqa: B027 - optional, not abstract
+        """Release resources (nothing to do for most stores)."""
+
+    def ping(self) -> bool | None:
+        """Health probe of a remote backend: True if it answered, False if not; None for a
+        store without one (nothing to probe)."""
+        return None
+
+    @property
+    def tiers(self) -> tuple[ChunkStore, ...]:
+        """The tier stores, fastest first (a ``TieredStore``'s); a single store's is itself."""
+        return (self,)
+
+    def namespace_bytes(self) -> dict[bytes, int] | None:
+        """Bytes held per namespace digest (one per model and tenant), or None where the store
+        does not account them (``MemoryStore`` does; a ``TieredStore`` gives its first tier's
+        that does)."""
+        return None
+
     def __contains__(self, key: object) -> bool:
         return self.contains(check_key(key))
 
@@ -333,6 +459,6 @@ class StoreBase(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
-        """Release resources (nothing to do for most stores)."""
 
+StoreBase = ChunkStoreBase
+"""The former name of :class:`ChunkStoreBase` (kept for code written against it)."""

@@ -6,16 +6,13 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from ..errors import ConfigError
-from ._disk import DiskStore
 from ._format import hand_over, withdraw
 from ._keys import ChunkKey
-from ._memory import MemoryStore
-from ._redis import RedisStore
 from ._store import (
     ChunkStore,
+    ChunkStoreBase,
     Fetched,
     PrefixMatch,
-    StoreBase,
     StoreEvent,
     StoreStats,
     check_key,
@@ -24,10 +21,8 @@ from ._store import (
 
 __all__ = ["TieredStore"]
 
-_VERIFIED_READS = (MemoryStore, DiskStore, RedisStore)  # tiers whose get returns verified bytes
 
-
-class TieredStore(StoreBase):
+class TieredStore(ChunkStoreBase):
     """Tiers ordered fastest first, e.g. ``[MemoryStore(), DiskStore(path), RedisStore(url)]``.
 
     * **Write-through:** ``put`` validates once and writes the chunk to every tier.
@@ -41,9 +36,16 @@ class TieredStore(StoreBase):
       tier, and every tier's own stats in ``tiers``.
     * Events of every tier are forwarded with this store's own sequence numbers and
       ``StoreEvent.tier`` naming the tier where the change happened.
+    * ``tiers`` are the tier stores; ``prefetch``, ``flush`` and ``close`` go to every tier,
+      ``ping`` probes every tier (None when none has a backend to probe), ``namespace_bytes``
+      is the first tier's that accounts them.
+
+    Reads go through each tier's ``fetch``/``fetch_many``, which serve verified bytes only
+    (:class:`ChunkStore`), so this store's reads are verified too (``verified_reads``).
     """
 
     name = "tiered"
+    verified_reads = True  # every tier's fetch serves verified bytes only
 
     def __init__(self, tiers: Sequence[ChunkStore], *, name: str = "tiered"):
         super().__init__()
@@ -52,7 +54,8 @@ class TieredStore(StoreBase):
             raise ConfigError("TieredStore needs at least one tier")
         for t in tiers:
             if not isinstance(t, ChunkStore):
-                raise TypeError(f"TieredStore tiers must be ChunkStores, got {type(t).__name__}")
+                raise TypeError(f"TieredStore tiers must be ChunkStores (a store of your own: "
+                                f"inherit semcomm.kv.ChunkStoreBase), got {type(t).__name__}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"TieredStore tier names must be distinct, got {names} "
@@ -60,11 +63,16 @@ class TieredStore(StoreBase):
         if any(t is self for t in tiers):
             raise ConfigError("a TieredStore cannot contain itself")
         self.name = name
-        self.tiers: tuple[ChunkStore, ...] = tuple(tiers)
+        self._tiers: tuple[ChunkStore, ...] = tuple(tiers)
         self._lock = threading.Lock()
         self._hits = self._misses = self._promotions = 0
         for t in self.tiers:
             t.subscribe(self._forward)
+
+    @property
+    def tiers(self) -> tuple[ChunkStore, ...]:
+        """The tier stores, fastest first."""
+        return self._tiers
 
     def _forward(self, ev: StoreEvent) -> None:
         self._emit(ev.kind, ev.key, ev.reason, tier=ev.tier)
@@ -73,12 +81,12 @@ class TieredStore(StoreBase):
     def fetch(self, key: ChunkKey) -> Fetched | None:
         key = check_key(key)
         for i, tier in enumerate(self.tiers):
-            value = tier.get(key)
-            if value is not None:
-                self._promote(key, value, i)
+            got = tier.fetch(key)
+            if got is not None:
+                self._promote(key, got.value, i)
                 with self._lock:
                     self._hits += 1
-                return Fetched(value, tier.name)
+                return Fetched(got.value, tier.name)
         with self._lock:
             self._misses += 1
         return None
@@ -86,9 +94,10 @@ class TieredStore(StoreBase):
     def _promote(self, key: ChunkKey, value: bytes, found_at: int) -> None:
         if found_at == 0:
             return
-        # semcomm's own stores serve only bytes they verified (the checksum of what they read,
-        # or a value validated by their put): the faster tiers need not hash it again
-        verified = isinstance(self.tiers[found_at], _VERIFIED_READS)
+        # a tier whose get serves only bytes it verified (the checksum of what it read, or a
+        # value validated by its put; semcomm's own stores): the faster tiers need not hash it
+        # again. Any other tier's bytes are checked again by each faster tier's put.
+        verified = self.tiers[found_at].verified_reads
         for faster in self.tiers[:found_at]:
             if verified:
                 hand_over(value)
@@ -105,9 +114,7 @@ class TieredStore(StoreBase):
             todo = [j for j in range(len(ks)) if out[j] is None]
             if not todo:
                 break
-            many = getattr(tier, "fetch_many", None)
-            got = (many([ks[j] for j in todo]) if many is not None
-                   else [tier.fetch(ks[j]) for j in todo])
+            got = tier.fetch_many([ks[j] for j in todo])
             for j, f in zip(todo, got):
                 if f is not None:
                     out[j] = Fetched(f.value, tier.name)
@@ -126,12 +133,6 @@ class TieredStore(StoreBase):
         key = check_key(key)
         return any(t.contains(key) for t in self.tiers)
 
-    def _tier_contains_many(self, tier: ChunkStore, keys: Sequence[ChunkKey]) -> list[bool]:
-        many = getattr(tier, "contains_many", None)
-        if many is not None:
-            return list(many(keys))
-        return [tier.contains(k) for k in keys]
-
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixMatch:
         """Longest gap-free run from ``keys[0]`` across tiers (one batched query per tier)."""
         keys = [check_key(k) for k in keys]
@@ -141,7 +142,7 @@ class TieredStore(StoreBase):
             todo = [i for i in range(limit) if where[i] is None]
             if not todo:
                 break
-            flags = self._tier_contains_many(tier, [keys[i] for i in todo])
+            flags = tier.contains_many([keys[i] for i in todo])
             for i, present in zip(todo, flags):
                 if present:
                     where[i] = tier.name
@@ -157,7 +158,7 @@ class TieredStore(StoreBase):
             todo = [i for i, f in enumerate(found) if not f]
             if not todo:
                 break
-            for i, present in zip(todo, self._tier_contains_many(tier, [keys[i] for i in todo])):
+            for i, present in zip(todo, tier.contains_many([keys[i] for i in todo])):
                 found[i] = found[i] or present
         return found
 
@@ -171,7 +172,7 @@ class TieredStore(StoreBase):
         withdraw(value)
 
     def put_many(self, items: Sequence[tuple[ChunkKey, bytes]]) -> None:
-        """Write a batch through to every tier (each tier's own ``put_many`` where it has one).
+        """Write a batch through to every tier (with each tier's ``put_many``).
 
         Every value is validated first: a bad one raises before any tier is written."""
         batch = []
@@ -181,21 +182,14 @@ class TieredStore(StoreBase):
         for tier in self.tiers:
             for _, v in batch:
                 hand_over(v)
-            many = getattr(tier, "put_many", None)
-            if many is not None:
-                many(batch)
-            else:
-                for k, v in batch:
-                    tier.put(k, v)
+            tier.put_many(batch)
         for _, v in batch:
             withdraw(v)
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> None:
-        """``prefetch`` of every tier that has one (a disk tier: ``DiskStore.prefetch``)."""
+        """``prefetch`` of every tier (a disk tier: ``DiskStore.prefetch``; others: nothing)."""
         for tier in self.tiers:
-            fn = getattr(tier, "prefetch", None)
-            if fn is not None:
-                fn(keys)
+            tier.prefetch(keys)
 
     def delete(self, key: ChunkKey) -> bool:
         key = check_key(key)
@@ -231,12 +225,22 @@ class TieredStore(StoreBase):
     def flush(self) -> None:
         """Wait until every tier has written what it accepted (a write-behind DiskStore)."""
         for t in self.tiers:
-            flush = getattr(t, "flush", None)
-            if flush is not None:
-                flush()
+            t.flush()
 
     def close(self) -> None:
         for t in self.tiers:
-            close = getattr(t, "close", None)
-            if close is not None:
-                close()
+            t.close()
+
+    def ping(self) -> bool | None:
+        """Every tier's health probe: None when no tier has a backend to probe, else whether
+        all of those answered (the server probes ``tiers`` one by one to name the one down)."""
+        answers = [a for a in (t.ping() for t in self.tiers) if a is not None]
+        return all(answers) if answers else None
+
+    def namespace_bytes(self) -> dict[bytes, int] | None:
+        """The first tier's bytes per namespace that accounts them (the memory tier's)."""
+        for t in self.tiers:
+            held = t.namespace_bytes()
+            if held is not None:
+                return held
+        return None

@@ -1,22 +1,28 @@
-"""WriteQueue: chunks a store has accepted but not yet written, and the threads that write them.
+"""The threads that write a DiskStore's chunks besides the caller.
 
-``DiskStore(durability="write-behind")`` hands each validated chunk to a ``WriteQueue`` and
-returns (the store itself keeps the chunk readable until it is written). The queue is bounded
-in bytes: a producer that runs ahead of the disk waits in ``submit`` (backpressure) instead of
-growing the queue.
+* :class:`WriteQueue`: chunks a store has accepted but not yet written, and the threads that
+  write them. ``DiskStore(durability="write-behind")`` hands each validated chunk to a
+  ``WriteQueue`` and returns (the store itself keeps the chunk readable until it is written).
+  The queue is bounded in bytes: a producer that runs ahead of the disk waits in ``submit``
+  (backpressure) instead of growing the queue.
+* :class:`WriteBatch` and :data:`HELPERS`: one ``put_many``'s writes, shared out between the
+  caller and the process's helper threads (which also run ``DiskStore.prefetch``'s reads).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["WriteQueue"]
+__all__ = ["HELPERS", "Helpers", "WriteBatch", "WriteQueue"]
 
 logger = logging.getLogger("semcomm.kv")
 
@@ -218,3 +224,108 @@ def _flush_open_queues() -> None:
             q.close()
         except Exception:  # pragma: no cover - best effort at exit
             logger.exception("semcomm KV write-behind: flushing at exit failed")
+
+
+class WriteBatch(Generic[J]):
+    """One ``put_many``'s writes, taken one job at a time by its caller and by helper threads.
+
+    The caller writes too and waits only for jobs a helper has already taken, never for a
+    helper to be scheduled (a woken thread can get a CPU milliseconds later on a loaded
+    machine): a helper that starts after the caller took the last job finds nothing to do.
+    """
+
+    __slots__ = ("_done", "_fn", "_jobs", "_left", "_lock", "_next", "results")
+
+    def __init__(self, fn: Callable[[J], str | None], jobs: Sequence[J]) -> None:
+        self._fn = fn  # writes one job: its temporary (or final) path, None on failure
+        self._jobs = jobs
+        self.results: list[str | None] = [None] * len(jobs)  # one writer per index
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._next = 0  # the next job to take; guarded by _lock
+        self._left = len(jobs)  # jobs not yet written (taken or not); guarded by _lock
+
+    def drain(self) -> None:
+        """Write jobs until none is left to take (the caller's and each helper's loop)."""
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self._jobs):
+                    return
+                self._next = i + 1
+            try:
+                self.results[i] = self._fn(self._jobs[i])
+            except Exception:  # _stage reports OSErrors itself; anything else: a failed write
+                logger.exception("DiskStore: writing chunk %s failed",
+                                 self._jobs[i].key.hex()[:16])
+            finally:
+                with self._lock:
+                    self._left -= 1
+                    if not self._left:
+                        self._done.notify_all()
+
+    def wait(self) -> None:
+        """Return once every job has been written (by whichever thread took it)."""
+        with self._lock:
+            while self._left:
+                self._done.wait()
+
+
+class Helpers:
+    """The process's helper threads of batched writes (``DiskStore.put_many``), started once.
+
+    Shared by every store of the process; a helper runs ``WriteBatch.drain`` of whatever batch it
+    is handed. ``warm`` starts them ahead of the first batch (a thread start waits for the new
+    thread to run); a forked child starts its own again (``after_fork``).
+    """
+
+    MAX = 8  # helper threads at most, whatever the stores ask for
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._started = 0  # threads asked for so far (the pool starts one per idle-less submit)
+
+    def _get(self, n: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.MAX,
+                                                thread_name_prefix="semcomm-kv-put")
+            pool = self._pool
+            start = max(0, min(n, self.MAX) - self._started)
+            self._started += start
+        for _ in range(start):  # each submit with no idle thread starts one
+            pool.submit(time.sleep, 0.005)
+        return pool
+
+    def warm(self, n: int) -> None:
+        if n > 0:
+            self._get(n)
+
+    def run(self, batch: WriteBatch[Any], helpers: int) -> None:
+        """Write ``batch`` with the caller and up to ``helpers`` helper threads; wait for all."""
+        if helpers > 0:
+            pool = self._get(helpers)
+            for _ in range(helpers):
+                try:
+                    pool.submit(batch.drain)
+                except RuntimeError:  # interpreter shutting down: the caller writes it all
+                    break
+        batch.drain()
+        batch.wait()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on a helper thread; nothing waits for it."""
+        self._get(1).submit(fn, *args)
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None  # the parent's threads do not exist here
+        self._started = 0
+
+
+HELPERS = Helpers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=HELPERS.after_fork)
