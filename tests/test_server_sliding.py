@@ -9,8 +9,8 @@ import httpx
 import torch
 import transformers as T
 
-from semcomm.server import create_app, load_config
 from semcomm.reference import build_byte_tokenizer
+from semcomm.server import create_app, load_config
 
 
 def _mistral_dir(tmp: Path) -> Path:

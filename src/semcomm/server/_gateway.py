@@ -15,7 +15,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,34 +73,77 @@ class _PrefixUse:
 
 
 class DashboardStats:
-    """Running totals for the dashboard (no texts, no tenant ids; bounded)."""
+    """The traffic counters of a gateway (every tenant) or of one tenant: the one record of
+    what happened, read by the dashboard and, for every tenant, by ``/metrics`` (the
+    ``semcomm_requests``, ``_errors``, ``_cache_hits``, ``_cache_misses``, ``_tokens_saved``,
+    ``_seconds_saved``, ``_prompt_tokens``, ``_completion_tokens``, ``_routing_decisions`` and
+    ``_pipeline_handoffs`` families). No texts, no tenant ids; bounded."""
 
     MAX_PREFIXES = 512
 
     def __init__(self) -> None:
         self.started = time.time()
-        self.requests = 0
-        self.errors = 0
-        self.layer_hits: dict[str, int] = {}
-        self.layer_tokens: dict[str, int] = {}
-        self.layer_ms: dict[str, float] = {}
-        self.lookups: dict[str, int] = {}
-        self.routing: dict[str, int] = {}
-        self.handoffs: dict[str, int] = {}
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
+        self.requests = 0  # requests admitted to the path
+        self.failed = 0  # of those, ended by an error
+        self.finished: Counter[tuple[str, str, str]] = Counter()  # (endpoint, model, status)
+        self.error_types: Counter[str] = Counter()
+        self.layer_hits: Counter[str] = Counter()
+        self.layer_tokens: Counter[str] = Counter()
+        self.layer_ms: defaultdict[str, float] = defaultdict(float)  # milliseconds saved
+        self.lookups: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.routing: Counter[str] = Counter()
+        self.handoffs_by: Counter[tuple[str, str]] = Counter()  # (pipeline, mode)
+        self.prompt_by_model: Counter[str] = Counter()
+        self.completion_by_model: Counter[str] = Counter()
         self.prefixes: OrderedDict[str, _PrefixUse] = OrderedDict()
         self.history: list[dict[str, float]] = []  # one point per second-ish, bounded
         self._ms_per_prompt_token = 0.0  # EWMA of prefill cost, to price KV hits
         self._ms_per_request = 0.0  # EWMA of a full generation, to price semantic hits
 
+    @property
+    def errors(self) -> int:
+        return self.failed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_by_model.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion_by_model.values())
+
+    @property
+    def handoffs(self) -> dict[str, int]:
+        """Pipeline handoffs by mode, every pipeline together."""
+        out: Counter[str] = Counter()
+        for (_pipeline, mode), n in self.handoffs_by.items():
+            out[mode] += n
+        return dict(out)
+
     def record(self, layer: str, tokens: int, ms: float) -> None:
-        self.layer_hits[layer] = self.layer_hits.get(layer, 0) + 1
-        self.layer_tokens[layer] = self.layer_tokens.get(layer, 0) + tokens
-        self.layer_ms[layer] = self.layer_ms.get(layer, 0.0) + ms
+        """A request served (partly) from ``layer``: ``tokens`` not computed, ``ms`` saved."""
+        self.layer_hits[layer] += 1
+        self.layer_tokens[layer] += tokens
+        self.layer_ms[layer] += ms
 
     def lookup(self, layer: str) -> None:
-        self.lookups[layer] = self.lookups.get(layer, 0) + 1
+        self.lookups[layer] += 1
+
+    def miss(self, layer: str) -> None:
+        self.misses[layer] += 1
+
+    def fail(self, error_type: str) -> None:
+        """A request ended by an error of this type."""
+        self.failed += 1
+        self.error_types[error_type] += 1
+
+    def finish(self, endpoint: str, model: str, status: str) -> None:
+        self.finished[(endpoint, model, status)] += 1
+
+    def tokens(self, model: str, prompt: int, completion: int) -> None:
+        self.prompt_by_model[model] += prompt
+        self.completion_by_model[model] += completion
 
     def prefix(self, fingerprint: str, tokens: int, saved: int) -> None:
         p = self.prefixes.get(fingerprint)
@@ -167,7 +210,7 @@ class Gateway:
         self.stats = DashboardStats()  # every tenant's traffic (the admin's dashboard)
         # each tenant's own traffic (a tenant's dashboard); bounded by the configured tenants
         self._tenant_stats: dict[str | None, DashboardStats] = {}
-        self.metrics = Metrics(self.store_stats)
+        self.metrics = Metrics(self.store_stats, traffic=lambda: self.stats)
         self.memory = memory  # the process's memory plan and live KV (None: not planned)
         if memory is not None:
             self.metrics.register_memory(memory.snapshot)
@@ -335,9 +378,8 @@ class Gateway:
             if chosen is None:
                 raise ModelNotFound(model, names)
             chosen = self._with_headroom(chosen, names, req)
-            self.metrics.routed.labels(chosen).inc()
             for st in self._both(tenant):
-                st.routing[chosen] = st.routing.get(chosen, 0) + 1
+                st.routing[chosen] += 1
             model = chosen
         if model not in names:
             raise ModelNotFound(model, names)
@@ -429,7 +471,8 @@ class Gateway:
                 prep = req.prepared.get(model)  # usage counts this request's prompt
                 return self._semantic_hit(req, hit, endpoint, t0, fp, fp_len,
                                           None if prep is None else len(prep.ids))
-            self.metrics.misses.labels("semantic").inc()
+            for st in self._both(req.tenant):
+                st.miss("semantic")
 
         # 3. the model (in-process engine, upstream, or pipeline)
         self.metrics.overhead.observe(time.perf_counter() - t0)
@@ -473,10 +516,7 @@ class Gateway:
         prompt_tokens = int(prompt_tokens if prompt_tokens is not None else hit.prompt_tokens)
         tokens = prompt_tokens + hit.completion_tokens
         saved_ms = self.stats._ms_per_request
-        self.metrics.hits.labels("semantic").inc()
         self.metrics.similarity.observe(hit.similarity)
-        self.metrics.tokens_saved.labels("semantic").inc(tokens)
-        self.metrics.seconds_saved.labels("semantic").inc(saved_ms / 1000)
         for st in self._both(req.tenant):
             st.record("semantic", tokens, saved_ms)
             st.prefix(fp, fp_len, tokens)
@@ -526,13 +566,13 @@ class Gateway:
         except BaseException as exc:
             status = "error"
             for st in self._both(req.tenant):
-                st.errors += 1
-            self.metrics.errors.labels(type(exc).__name__).inc()
+                st.fail(type(exc).__name__)
             raise
         finally:
             if final is None and status == "200":
                 status = "cancelled"
-            self.metrics.requests.labels(endpoint, req.model, status).inc()
+            for st in self._both(req.tenant):
+                st.finish(endpoint, req.model, status)
             self.metrics.backend_up.labels(req.model).set(1 if backend.status().up else 0)
         assert final is not None
         self._account(req.model, endpoint, final, t0, status="200", count=False,
@@ -542,18 +582,15 @@ class Gateway:
             ms = final.hit_tokens * self.stats._ms_per_prompt_token
             layer_tokens = final.meta.get("saved_tokens_by_layer") or {"kv": final.hit_tokens}
             for layer, tok in layer_tokens.items():
-                self.metrics.hits.labels(layer).inc()
-                self.metrics.tokens_saved.labels(layer).inc(tok)
                 share = tok / final.hit_tokens if final.hit_tokens else 0
-                self.metrics.seconds_saved.labels(layer).inc(ms * share / 1000)
                 for st in self._both(req.tenant):
                     st.record(layer, tok, ms * share)
         elif backend.kind == "hf":
-            self.metrics.misses.labels("kv").inc()
-        for mode, n in (final.meta.get("handoffs") or {}).items():
-            self.metrics.handoffs.labels(req.model, mode).inc(n)
             for st in self._both(req.tenant):
-                st.handoffs[mode] = st.handoffs.get(mode, 0) + n
+                st.miss("kv")
+        for mode, n in (final.meta.get("handoffs") or {}).items():
+            for st in self._both(req.tenant):
+                st.handoffs_by[(req.model, mode)] += n
         for st in self._both(req.tenant):
             st.prefix(fp, fp_len, final.hit_tokens)
             st.learn_cost(final.prompt_tokens, final.hit_tokens, final.ttft_s,
@@ -564,20 +601,18 @@ class Gateway:
                 await self.semantic.store(req, ctx, final)
             except Exception as exc:  # a cache write must never fail the request
                 log.warning("semantic store failed: %s", exc)
-                self.metrics.errors.labels("SemanticStoreError").inc()
+                for st in self._both(req.tenant):
+                    st.error_types["SemanticStoreError"] += 1
 
     def _account(self, model: str, endpoint: str, comp: Completion, t0: float, *, status: str,
                  count: bool = True, tenant: str | None = None) -> None:
-        if count:
-            self.metrics.requests.labels(endpoint, model, status).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
         if comp.ttft_s:
             self.metrics.ttft.labels(model).observe(comp.ttft_s)
-        self.metrics.prompt_tokens.labels(model).inc(comp.prompt_tokens)
-        self.metrics.completion_tokens.labels(model).inc(comp.completion_tokens)
         for st in self._both(tenant):
-            st.prompt_tokens += comp.prompt_tokens
-            st.completion_tokens += comp.completion_tokens
+            if count:
+                st.finish(endpoint, model, status)
+            st.tokens(model, comp.prompt_tokens, comp.completion_tokens)
 
     async def complete(self, req: GenRequest, **kw: Any) -> tuple[Served, Completion]:
         served = await self.serve(req, endpoint=kw.pop("endpoint", "internal"), **kw)

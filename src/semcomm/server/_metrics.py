@@ -7,8 +7,8 @@ Store sizes and evictions are read from the stores at scrape time by a custom co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -155,24 +155,84 @@ class _MemoryCollector(Collector):
                                     value=snap["limit_bytes"])
 
 
+class Traffic(Protocol):
+    """The traffic counters ``/metrics`` reads (``_gateway.DashboardStats``)."""
+
+    @property
+    def finished(self) -> Mapping[tuple[str, str, str], int]: ...
+
+    @property
+    def error_types(self) -> Mapping[str, int]: ...
+
+    @property
+    def layer_hits(self) -> Mapping[str, int]: ...
+
+    @property
+    def misses(self) -> Mapping[str, int]: ...
+
+    @property
+    def layer_tokens(self) -> Mapping[str, int]: ...
+
+    @property
+    def layer_ms(self) -> Mapping[str, float]: ...
+
+    @property
+    def prompt_by_model(self) -> Mapping[str, int]: ...
+
+    @property
+    def completion_by_model(self) -> Mapping[str, int]: ...
+
+    @property
+    def routing(self) -> Mapping[str, int]: ...
+
+    @property
+    def handoffs_by(self) -> Mapping[tuple[str, str], int]: ...
+
+class _TrafficCollector:
+    """``semcomm_requests``, ``_errors``, ``_cache_hits``, ... from the gateway's traffic
+    counters at each scrape: the dashboard and ``/metrics`` read the same record."""
+
+    _FAMILIES: tuple[tuple[Callable[[Traffic], Mapping[Any, float]], str, str, tuple[str, ...],
+                           float], ...] = (
+        (lambda t: t.finished, "semcomm_requests", "Requests by endpoint, model and status",
+         ("endpoint", "model", "status"), 1.0),
+        (lambda t: t.error_types, "semcomm_errors", "Errors by type", ("type",), 1.0),
+        (lambda t: t.layer_hits, "semcomm_cache_hits", "Requests served (partly) from cache, per layer",
+         ("layer",), 1.0),
+        (lambda t: t.misses, "semcomm_cache_misses", "Lookups that missed, per layer", ("layer",), 1.0),
+        (lambda t: t.layer_tokens, "semcomm_tokens_saved", "Tokens not computed thanks to a layer (prompt "
+         "tokens not recomputed; prompt and completion tokens for semantic hits)", ("layer",),
+         1.0),
+        (lambda t: t.layer_ms, "semcomm_seconds_saved", "Estimated wall time saved per layer", ("layer",),
+         1e-3),
+        (lambda t: t.prompt_by_model, "semcomm_prompt_tokens", "Prompt tokens received", ("model",), 1.0),
+        (lambda t: t.completion_by_model, "semcomm_completion_tokens", "Completion tokens returned",
+         ("model",), 1.0),
+        (lambda t: t.routing, "semcomm_routing_decisions", "Model router decisions", ("model",), 1.0),
+        (lambda t: t.handoffs_by, "semcomm_pipeline_handoffs", "Pipeline handoffs by mode",
+         ("pipeline", "mode"), 1.0),
+    )
+
+    def __init__(self, source: Callable[[], Traffic]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        traffic = self.source()
+        for read, name, doc, labels, scale in self._FAMILIES:
+            fam = CounterMetricFamily(name, doc, labels=list(labels))
+            for key, value in dict(read(traffic)).items():
+                fam.add_metric(list(key) if isinstance(key, tuple) else [key], value * scale)
+            yield fam
+
+
 class Metrics:
     """All metric families of one gateway."""
 
-    def __init__(self, store_source: Callable[[], dict[str, dict[str, Any]]] | None = None):
+    def __init__(self, store_source: Callable[[], dict[str, dict[str, Any]]] | None = None, *,
+                 traffic: Callable[[], Traffic] | None = None):
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("semcomm_requests", "Requests by endpoint, model and status",
-                                ["endpoint", "model", "status"], registry=r)
-        self.errors = Counter("semcomm_errors", "Errors by type", ["type"], registry=r)
-        self.hits = Counter("semcomm_cache_hits", "Requests served (partly) from cache, per layer",
-                            ["layer"], registry=r)
-        self.misses = Counter("semcomm_cache_misses", "Lookups that missed, per layer",
-                              ["layer"], registry=r)
-        self.tokens_saved = Counter("semcomm_tokens_saved",
-                                    "Tokens not computed thanks to a layer (prompt tokens not "
-                                    "recomputed; prompt and completion tokens for semantic hits)",
-                                    ["layer"], registry=r)
-        self.seconds_saved = Counter("semcomm_seconds_saved",
-                                     "Estimated wall time saved per layer", ["layer"], registry=r)
+        if traffic is not None:  # the gateway's traffic counters, read at scrape
+            r.register(_TrafficCollector(traffic))
         self.similarity = Histogram("semcomm_semantic_similarity",
                                     "Cosine similarity of served semantic hits",
                                     buckets=_SIM_BUCKETS, registry=r)
@@ -192,10 +252,6 @@ class Metrics:
                                   "Time spent in the gateway outside the model backend",
                                   buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                                            0.025, 0.05, 0.1), registry=r)
-        self.prompt_tokens = Counter("semcomm_prompt_tokens", "Prompt tokens received", ["model"],
-                                     registry=r)
-        self.completion_tokens = Counter("semcomm_completion_tokens", "Completion tokens returned",
-                                         ["model"], registry=r)
         self.backend_up = Gauge("semcomm_backend_up", "1 when a model backend is up", ["model"],
                                 registry=r)
         self.queue_depth = Gauge("semcomm_queue_depth", "Requests queued per model", ["model"],
@@ -203,10 +259,6 @@ class Metrics:
         self.rejected = Counter("semcomm_overload_rejections",
                                 "Requests refused with 429/503 because a queue was full",
                                 ["model"], registry=r)
-        self.handoffs = Counter("semcomm_pipeline_handoffs", "Pipeline handoffs by mode",
-                                ["pipeline", "mode"], registry=r)
-        self.routed = Counter("semcomm_routing_decisions", "Model router decisions", ["model"],
-                              registry=r)
         self.upstream_retries = Counter("semcomm_upstream_failures",
                                         "Upstream calls that failed, by model", ["model"],
                                         registry=r)
