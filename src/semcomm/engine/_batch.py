@@ -42,6 +42,7 @@ from ._types import GenerationStats
 
 if TYPE_CHECKING:
     from ..kv import ChunkKey
+    from ._documents import SegmentedPrompt
     from ._engine import HFEngine
 
 __all__ = ["BatchDecoder", "BatchRequest", "BatchResult"]
@@ -65,6 +66,11 @@ class BatchRequest:
     on_text: Callable[[str], None] | None = None  # each released piece, on the decoding thread
     cancelled: Callable[[], bool] | None = None  # polled every step; True ends the request
     keys: Sequence[ChunkKey] | None = None  # the engine's chunk keys of the prompt, if known
+    # a prompt with documents (``prompt_ids`` are its ids): run alone through
+    # HFEngine.generate, its documents' KV reused at their positions (engine/_documents.py)
+    segments: SegmentedPrompt | None = None
+    selector: str | None = None  # with segments: which tokens to recompute (None: default)
+    recompute: float | None = None  # with segments: the share recomputed (None: default)
 
 
 @dataclass(slots=True)
@@ -164,16 +170,34 @@ class BatchDecoder:
         engines = [r.engine for r in requests if r.engine is not None]
         if len(requests) == 1 or any(e.layout.sliding for e in engines):
             return [self._one(r, e) for r, e in zip(requests, engines)]
+        if any(r.segments is not None for r in requests):  # those run alone, the rest batched
+            alone = {i for i, r in enumerate(requests) if r.segments is not None}
+            rest = [i for i in range(len(requests)) if i not in alone]
+            out: dict[int, BatchResult] = {i: self._one(requests[i], engines[i]) for i in alone}
+            if len(rest) == 1:
+                out[rest[0]] = self._one(requests[rest[0]], engines[rest[0]])
+            elif rest:
+                out.update(zip(rest, self._batched([requests[i] for i in rest],
+                                                   [engines[i] for i in rest])))
+            return [out[i] for i in range(len(requests))]
         return self._batched(requests, engines)
 
     # ------------------------------------------------------------ one request
     def _one(self, req: BatchRequest, eng: HFEngine) -> BatchResult:
         """A request alone: exactly :meth:`HFEngine.generate`, streamed."""
-        stream = eng.generate(list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
-                              temperature=req.params.temperature, top_p=req.params.top_p,
-                              top_k=req.params.top_k, seed=req.params.seed,
-                              stop=list(req.stop) or None, stream=True, snapshot=req.snapshot,
-                              on_prefill=req.on_start, keys=req.keys)
+        if req.segments is not None:
+            stream = eng.generate(req.segments, max_new_tokens=req.max_new_tokens,
+                                  temperature=req.params.temperature, top_p=req.params.top_p,
+                                  top_k=req.params.top_k, seed=req.params.seed,
+                                  stop=list(req.stop) or None, stream=True,
+                                  on_prefill=req.on_start, selector=req.selector,
+                                  recompute=req.recompute)
+        else:
+            stream = eng.generate(list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                                  temperature=req.params.temperature, top_p=req.params.top_p,
+                                  top_k=req.params.top_k, seed=req.params.seed,
+                                  stop=list(req.stop) or None, stream=True,
+                                  snapshot=req.snapshot, on_prefill=req.on_start, keys=req.keys)
         for piece in stream:
             if req.cancelled is not None and req.cancelled():
                 stream.close()

@@ -1117,10 +1117,13 @@ class DocumentReuse:
                       recompute: float = DEFAULT_RECOMPUTE,
                       stop: Sequence[str | int] | str | None = None, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                      t_start: float | None = None) -> Generator[Any, None, BlendResult]:
+                      t_start: float | None = None,
+                      on_prefill: Callable[[BlendStats], None] | None = None,
+                      ) -> Generator[Any, None, BlendResult]:
         """:meth:`generate` as a generator of released text pieces (token ids without a
         tokenizer) whose return value is the :class:`BlendResult`; the prompt's KV is stored
-        after the first token is chosen, before its text is released."""
+        after the first token is chosen, before its text is released. ``on_prefill`` gets the
+        stats once the prompt is in cache, before the first token is chosen."""
         t0 = time.perf_counter() if t_start is None else t_start
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -1134,12 +1137,13 @@ class DocumentReuse:
         self._validate(list(prompt.ids), max_new_tokens)
         return self._generate_iter(prompt, max_new_tokens, params, stop_strs,
                                    {int(s) for s in stops if isinstance(s, int)}, selector,
-                                   recompute, t0)
+                                   recompute, t0, on_prefill)
 
     def _generate_iter(self, prompt: SegmentedPrompt, max_new_tokens: int,
                        params: SamplingParams, stop_strs: list[str], stop_ids: set[int],
-                       selector: str, recompute: float,
-                       t0: float) -> Generator[Any, None, BlendResult]:
+                       selector: str, recompute: float, t0: float,
+                       on_prefill: Callable[[BlendStats], None] | None = None,
+                       ) -> Generator[Any, None, BlendResult]:
         eng = self.engine
         pre = self.prefill(prompt, selector=selector, recompute=recompute,
                            capacity=len(prompt.ids) + max_new_tokens, store=False)
@@ -1149,6 +1153,8 @@ class DocumentReuse:
         cache = pre.cache
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         stats = pre.stats
+        if on_prefill is not None:
+            on_prefill(stats)
 
         def forward(nxt: list[int]) -> torch.Tensor:
             step.fill_(nxt[0])
@@ -1183,9 +1189,17 @@ def is_segmented(prompt: Any) -> bool:
 def generation_result(res: BlendResult, codec: str) -> Any:
     """A :class:`BlendResult` as the engine's ``GenerationResult`` (``stats.documents`` holds
     what was reused and recomputed)."""
-    from ._types import GenerationResult, GenerationStats
+    from ._types import GenerationResult
 
-    st = res.stats
+    return GenerationResult(token_ids=res.token_ids, text=res.text,
+                            stats=generation_stats(res.stats, codec), prompt_ids=res.prompt_ids)
+
+
+def generation_stats(st: BlendStats, codec: str) -> Any:
+    """:class:`BlendStats` as the engine's ``GenerationStats``: every prompt token not run
+    through the model in context counts as hit; ``documents`` holds the blend's own figures."""
+    from ._types import GenerationStats
+
     gs = GenerationStats(
         prompt_tokens=st.prompt_tokens,
         hit_tokens=st.prompt_tokens - st.recomputed_tokens,
@@ -1195,7 +1209,5 @@ def generation_result(res: BlendResult, codec: str) -> Any:
         store_ms=st.store_ms, ttft_s=st.ttft_s, new_tokens=st.new_tokens, total_s=st.total_s,
         codec=codec, finish_reason=st.finish_reason)
     gs.hit_tiers = ("documents",) if gs.hit_tokens else ()
-    if hasattr(gs, "documents"):
-        gs.documents = st.to_dict()
-    return GenerationResult(token_ids=res.token_ids, text=res.text, stats=gs,
-                            prompt_ids=res.prompt_ids)
+    gs.documents = st.to_dict()
+    return gs

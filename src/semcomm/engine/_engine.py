@@ -23,7 +23,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 import torch
@@ -56,7 +56,10 @@ from ._documents import (
     DEFAULT_SELECTOR,
     Document,
     DocumentReuse,
+    Segment,
+    SegmentedPrompt,
     generation_result,
+    generation_stats,
     is_segmented,
 )
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -91,6 +94,8 @@ _LOGITS_CODEC = "logits"  # the codec name in the header of a stored last-positi
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | np.ndarray | torch.Tensor
+# what generate takes: a prompt, or one with documents (engine/_documents.py)
+GenPrompt = Prompt | SegmentedPrompt | Sequence[Segment]
 
 
 
@@ -701,7 +706,7 @@ class HFEngine:
     # --------------------------------------------------------------- generate
     @overload
     def generate(
-        self, prompt: Prompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
+        self, prompt: GenPrompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
         top_p: float = ..., top_k: int = ..., seed: int | None = ...,
         stop: Sequence[str | int] | str | None = ..., stream: Literal[False] = ...,
         snapshot: KVSnapshot | None = ...,
@@ -712,7 +717,7 @@ class HFEngine:
 
     @overload
     def generate(
-        self, prompt: Prompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
+        self, prompt: GenPrompt | None, max_new_tokens: int = ..., *, temperature: float = ...,
         top_p: float = ..., top_k: int = ..., seed: int | None = ...,
         stop: Sequence[str | int] | str | None = ..., stream: Literal[True],
         snapshot: KVSnapshot | None = ...,
@@ -723,7 +728,7 @@ class HFEngine:
 
     def generate(
         self,
-        prompt: Prompt | None,
+        prompt: GenPrompt | None,
         max_new_tokens: int = 32,
         *,
         temperature: float = 0.0,
@@ -767,7 +772,9 @@ class HFEngine:
                 max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
                 top_k=top_k, seed=seed, t_start=t_start,
                 selector=selector or DEFAULT_SELECTOR,
-                recompute=DEFAULT_RECOMPUTE if recompute is None else recompute)
+                recompute=DEFAULT_RECOMPUTE if recompute is None else recompute,
+                on_prefill=None if on_prefill is None else (
+                    lambda st: on_prefill(generation_stats(st, self.codec.spec))))
             gen = _as_generation(dgen, self.codec.spec)
         elif selector is not None or recompute is not None:
             raise InvalidInputError("selector and recompute apply to a prompt with documents")
@@ -784,7 +791,7 @@ class HFEngine:
             if snapshot is None:
                 raise InvalidInputError("the prompt is empty (None) and no snapshot was given")
             prompt = list(snapshot.token_ids)
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(cast(Prompt, prompt))  # is_segmented ruled the others out
         self._validate_ids(ids, max_new_tokens)
         stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
         stop_strs = [s for s in stops if isinstance(s, str) and s]

@@ -52,6 +52,11 @@ class Job:
     digest: str | None = None  # the admitted tenant's salt digest (None: derive from tenant)
     isolate: bool = False  # no KV reuse: nothing read from or written to the shared store
     keys: list[ChunkKey] | None = None  # the prompt's chunk keys in the engine's namespace
+    # a prompt with documents (a semcomm.engine.SegmentedPrompt whose ids are prompt_ids): its
+    # documents' KV is reused at their positions; selector and recompute as the engine takes
+    segments: Any = None
+    selector: str | None = None
+    recompute: float | None = None
 
 
 class Runner(Protocol):

@@ -68,9 +68,16 @@ def _request(job: Job, engine: HFEngine | None = None) -> BatchRequest:
     """The engine's request for ``job``: its events go to ``job.emit``."""
     def started(st: GenerationStats) -> None:
         # a whole hit with its stored logits restores every prompt token (docs/architecture.md,
-        # invariant 3)
-        job.emit(Started(prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens,
-                         hit_tiers=st.hit_tiers))
+        # invariant 3); a prompt with documents reports its exact prefix as KV and the reused
+        # document tokens as a layer of their own
+        doc = st.documents
+        if doc is None:
+            job.emit(Started(prompt_tokens=st.prompt_tokens, hit_tokens=st.hit_tokens,
+                             hit_tiers=st.hit_tiers))
+        else:
+            job.emit(Started(prompt_tokens=st.prompt_tokens,
+                             hit_tokens=int(doc["prefix_hit_tokens"]),
+                             layers=(f"docs:{doc['reused_tokens']}",)))
 
     def text(piece: str) -> None:
         job.emit(Delta(piece))
@@ -80,23 +87,30 @@ def _request(job: Job, engine: HFEngine | None = None) -> BatchRequest:
         params=SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
         stop=tuple(job.stop), engine=engine, snapshot=job.snapshot, on_start=started,
         on_text=text, cancelled=job.cancelled.is_set,
-        keys=job.keys if engine is not None and not job.isolate else None)
+        keys=job.keys if engine is not None and not job.isolate else None,
+        segments=job.segments if engine is not None else None, selector=job.selector,
+        recompute=job.recompute)
 
 
 def _completion(res: BatchResult, *, kv: bool) -> Completion:
     st = res.stats
     meta: dict[str, Any] = {}
+    hits = [f"kv:{st.hit_tokens}"] if st.hit_tokens else []
     if kv:
         meta["kv"] = _kv_extra(st)
         if res.batch > 1:
             meta["batch"] = res.batch
         if st.hit_tiers:
             meta["kv_tiers"] = sorted(set(st.hit_tiers))
+        if st.documents is not None:  # what the documents reused and recomputed
+            doc = meta["documents"] = dict(st.documents)
+            prefix = int(doc["prefix_hit_tokens"])
+            hits = [f"kv:{prefix}"] if prefix else []
+            hits.append(f"docs:{doc['reused_tokens']}")
     return Completion(
         text=res.text, finish_reason="length" if res.finish_reason == "length" else "stop",
         prompt_tokens=st.prompt_tokens, completion_tokens=len(res.token_ids),
-        hits=[f"kv:{st.hit_tokens}"] if st.hit_tokens else [], hit_tokens=st.hit_tokens,
-        ttft_s=st.ttft_s, meta=meta)
+        hits=hits, hit_tokens=st.hit_tokens, ttft_s=st.ttft_s, meta=meta)
 
 
 def _emit_all(jobs: Sequence[Job], results: Sequence[BatchResult], *, kv: bool) -> None:

@@ -49,7 +49,7 @@ from ..errors import (
     UpstreamError,
 )
 from ..runtime import Completion, Delta
-from ._backends import GenRequest, collect
+from ._backends import GenRequest, Piece, collect
 from ._body import BadBody, BodyLimit, BodyTooLarge, StrictJSONRoute, default_body_limit
 from ._config import ServerConfig, load_config
 from ._dashboard import dashboard_data
@@ -296,7 +296,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                 final = await collect(served.items)
         headers = _headers(served, rid)
         if not body.stream:
-            usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens)
+            usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens,
+                               final.meta.get("documents"))
             meta = {**final.meta, "hits": final.hits or ["none"]}
             shape = chat_response if chat else completion_response
             return JSONResponse(shape(rid, served.model, final.text, final.finish_reason, usage,
@@ -325,7 +326,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
                                         finish=item.finish_reason, meta=meta)
                             if include_usage:
                                 yield chunk(empty=True, usage=usage_dict(
-                                    item.prompt_tokens, item.completion_tokens, item.hit_tokens))
+                                    item.prompt_tokens, item.completion_tokens, item.hit_tokens,
+                                    item.meta.get("documents")))
             except Exception as exc:
                 log.warning("stream %s failed: %s", rid, exc)
                 yield _sse(json.loads(bytes(_error_response(exc).body)))
@@ -337,12 +339,18 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI-compatible)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        roles = ["system" if m.role == "developer" else m.role for m in body.messages]
+        docs = body.semcomm_documents
         req = GenRequest(
             model=body.model, tenant=_auth(request),
-            messages=[{"role": "system" if m.role == "developer" else m.role,
-                       "content": m.text()} for m in body.messages],
+            messages=[{"role": r, "content": m.text()} for r, m in zip(roles, body.messages)],
             prompt=None, max_tokens=_max_tokens(body.max_completion_tokens or body.max_tokens),
-            request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **_sampling(body))
+            request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}", **_sampling(body),
+            documents=[Piece(r, text, doc) for r, m in zip(roles, body.messages)
+                       for text, doc in m.pieces()]
+            if any(m.has_documents() for m in body.messages) else None,
+            selector=docs.selector if docs else None,
+            recompute=docs.recompute if docs else None)
         return await _generate(request, body, req, "chat")
 
     @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")

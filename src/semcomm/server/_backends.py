@@ -69,6 +69,16 @@ class PreparedPrompt:
     keys: list[ChunkKey] | None = None  # chunk keys in the tenant's KV namespace (None: the
     # model reuses no KV for this request, or its weights are unloaded: the engine hashes)
     kv_tokens: int = 0  # tokens of KV the request reserves: prompt + max_tokens (capped)
+    segments: Any = None  # with documents: the engine's SegmentedPrompt (its ids are ``ids``)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One piece of a chat with documents: a message's content part, in order."""
+
+    role: str  # "system" | "user" | "assistant"
+    text: str
+    document: bool = False  # a passage whose KV is reused at any position (docs/rag.md)
 
 
 @dataclass(slots=True)
@@ -93,6 +103,11 @@ class GenRequest:
     stream: bool = True  # the client reads a stream (upstreams then stream too)
     ctx: TenantContext | None = None  # set by admission; None only outside the gateway
     prepared: dict[str, PreparedPrompt] = field(default_factory=dict)
+    # a chat whose content parts mark documents (None: none marked): an in-process model with
+    # KV reuse reuses their KV at any position; everything else reads ``messages``
+    documents: list[Piece] | None = None
+    selector: str | None = None  # with documents: which tokens are recomputed (engine default)
+    recompute: float | None = None  # with documents: the share recomputed (engine default)
 
     @property
     def tenant_ctx(self) -> TenantContext:
@@ -392,7 +407,9 @@ class LocalBackend:
         length in characters first (nothing tokenized), then by its tokens. Tokenizing a long
         prompt takes a while: callers on the event loop run this in a thread."""
         self.check_prompt_chars(req)
-        ids = render_prompt(self.tokenizer, req)
+        return self._check_length(req, render_prompt(self.tokenizer, req))
+
+    def _check_length(self, req: GenRequest, ids: list[int]) -> list[int]:
         if not ids:
             raise InvalidInputError("the prompt is empty after rendering")
         limit = self.max_positions
@@ -428,13 +445,49 @@ class LocalBackend:
         when the loaded runner reuses KV (an unloaded model is not brought back for them)."""
         prep = req.prepared.get(self.name)
         if prep is None:
-            ids = self.prompt_ids(req)
-            runner = self.loaded_runner if self.kv_reuse else None
-            keys = runner.keys(ids, req.tenant_ctx) if runner is not None else None
+            segments = None
+            if (req.documents is not None and self.kv_reuse and not req.tenant_ctx.isolate
+                    and self._moves_documents()):
+                segments = self._segments(req)
+                ids = self._check_length(req, list(segments.ids))
+                keys = None  # documents are keyed by their own tokens, in the engine
+            else:
+                ids = self.prompt_ids(req)
+                runner = self.loaded_runner if self.kv_reuse else None
+                keys = runner.keys(ids, req.tenant_ctx) if runner is not None else None
             n = len(ids)
             prep = req.prepared[self.name] = PreparedPrompt(
-                ids, keys, kv_tokens=n + min(req.max_tokens, self.max_positions - n))
+                ids, keys, kv_tokens=n + min(req.max_tokens, self.max_positions - n),
+                segments=segments)
         return prep
+
+    def _moves_documents(self) -> bool:
+        """Whether this model's documents can be reused at another position (not for ALiBi,
+        learned absolute positions, ...: then a chat with documents is served as plain text,
+        every token computed, never a wrong position)."""
+        from ..errors import UnsupportedModelError
+
+        runner = self.loaded_runner
+        engine = runner.engine(None) if runner is not None else None
+        if engine is None:
+            return False
+        try:
+            engine.documents()
+        except UnsupportedModelError as exc:
+            log.info("model %s serves documents as plain text: %s", self.name, exc)
+            return False
+        return True
+
+    def _segments(self, req: GenRequest) -> Any:
+        """The engine's prompt with documents: system, user and assistant pieces in order,
+        each marked passage a ``Document`` (tokenized alone, its KV reused where it lands)."""
+        from ..engine import Assistant, Document, System, User, build_prompt
+
+        self.check_prompt_chars(req)
+        kinds = {"system": System, "assistant": Assistant}
+        segs = [Document(p.text) if p.document else kinds.get(p.role, User)(p.text)
+                for p in req.documents or () if p.text]
+        return build_prompt(self.tokenizer, segs)
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         worker = await self._acquire_loaded()
@@ -474,7 +527,8 @@ class LocalBackend:
                   top_p=req.top_p, seed=req.seed, stop=list(req.stop), tenant=ctx.tenant,
                   emit=emit,
                   snapshot=req.snapshot, digest=ctx.digest or None, isolate=ctx.isolate,
-                  keys=prep.keys)
+                  keys=prep.keys, segments=prep.segments, selector=req.selector,
+                  recompute=req.recompute)
         try:
             worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:

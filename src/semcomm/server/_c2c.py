@@ -17,7 +17,7 @@ from typing import Any
 
 from ..runtime import Completion, Delta, Started, StreamItem
 from ..security import TenantContext
-from ._backends import GenRequest, LocalBackend
+from ._backends import GenRequest, LocalBackend, messages_text
 
 __all__ = ["C2CHandoff", "FusionRegistry", "cut_at_stop", "find_fuser"]
 
@@ -124,10 +124,6 @@ _STARTED = object()  # the worker's "prompt prepared" marker (with the stats so 
 _END = object()
 
 
-def _render(messages: list[dict[str, str]]) -> str:
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-
-
 class C2CHandoff:
     """A loaded fuser for one (sharer, receiver) pair; ``generate`` runs one fused answer."""
 
@@ -165,7 +161,7 @@ class C2CHandoff:
         system = ""
         if msgs and msgs[-1]["role"] == "system":  # the receiver stage's own instruction
             system = msgs.pop()["content"]
-        return system, _render(msgs) or (sreq.prompt or "")
+        return system, messages_text(msgs).rstrip("\n") or (sreq.prompt or "")
 
     async def stream(self, sreq: GenRequest) -> AsyncIterator[StreamItem]:
         """The fused answer as the one stream contract: ``Started``, ``Delta`` per piece as the

@@ -42,9 +42,14 @@ class _Lenient(BaseModel):
 
 
 class TextPart(BaseModel):
+    """A text content part. ``"document": true`` marks a retrieved passage (or any text several
+    prompts share): an in-process model reuses its KV at whatever position it appears
+    (docs/rag.md); every other server reads it as plain text."""
+
     model_config = ConfigDict(extra="allow")
     type: Literal["text"]
     text: str
+    document: StrictBool = False
 
 
 class ChatMessage(_Lenient):
@@ -58,6 +63,23 @@ class ChatMessage(_Lenient):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def has_documents(self) -> bool:
+        return isinstance(self.content, list) and any(p.document for p in self.content)
+
+    def pieces(self) -> list[tuple[str, bool]]:
+        """``(text, is_document)`` of each content part, in order."""
+        if isinstance(self.content, list):
+            return [(p.text, p.document) for p in self.content]
+        return [(self.text(), False)]
+
+
+class DocumentOptions(_Lenient):
+    """``semcomm_documents`` in a chat request with documents: how much of them is
+    recomputed in context (defaults: the engine's, docs/rag.md)."""
+
+    selector: Literal["cacheblend", "epic", "prophet", "concat", "full"] | None = None
+    recompute: float | None = Field(None, ge=0, le=1)
 
 
 class StreamOptions(_Lenient):
@@ -152,6 +174,8 @@ class ChatCompletionRequest(_GenFields):
     modalities: Any = Field(None, description='only ["text"] or null')
     audio: Any = Field(None, description="not supported")
     prediction: Any = Field(None, description="not supported")
+    semcomm_documents: DocumentOptions | None = Field(
+        None, description="for content parts marked as documents: selector and recompute share")
 
     @field_validator("tools", "functions")
     @classmethod
@@ -205,12 +229,24 @@ class CompletionRequest(_GenFields):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               documents: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's usage block; ``cached_tokens`` counts every prompt token not recomputed. A
+    request with documents adds what they reused and recomputed."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if documents is not None:
+        details.update(
+            document_tokens=documents.get("document_tokens", 0),
+            document_tokens_reused=documents.get("reused_tokens", 0),
+            document_tokens_recomputed=documents.get("recomputed_document_tokens", 0),
+            recomputed_tokens=documents.get("recomputed_tokens", 0),
+            selector=documents.get("selector", ""),
+            recompute=documents.get("recompute", 0.0))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

@@ -1,0 +1,122 @@
+"""Documents in a chat (content parts marked ``"document": true``) through the gateway.
+
+An in-process model reuses each passage's KV at whatever position it lands; the response says
+what was reused and recomputed (``x-semcomm-hits``: ``docs:<tokens>``, the usage block). The
+official ``openai`` client sends the marker unchanged. Tiny config-built model (byte-level
+tokenizer: a passage tokenized alone is the same tokens as inside the prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from semcomm.server import create_app, load_config
+
+from .test_server_support import live_server
+
+PASSAGES = [f"(Title: Place {i}) Place {i} lies on river {i} and trades in item-{i}; " * 3
+            for i in range(4)]
+SYSTEM = {"role": "system", "content": "Answer from the passages."}
+
+
+def _config(tmp: Path, **models: Any) -> Any:
+    return load_config(None, environ={}, defaults=False, overrides={
+        "server": {"state_dir": str(tmp), "max_tokens_limit": 16},
+        "models": models or {"tiny": {"path": "tiny", "max_batch": 4}},
+        "kv": {"tiers": ["memory"], "chunk_size": 32}, "semantic": {"enabled": False}})
+
+
+def _messages(order: list[int], question: str, *, marked: bool = True) -> list[dict[str, Any]]:
+    parts = [{"type": "text", "text": PASSAGES[i] + "\n", **({"document": True} if marked else {})}
+             for i in order]
+    return [SYSTEM, {"role": "user", "content": [*parts,
+                                                 {"type": "text", "text": question}]}]
+
+
+async def _chat(c: httpx.AsyncClient, messages: list[dict[str, Any]], **extra: Any
+                ) -> httpx.Response:
+    r = await c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 8,
+                                                   "messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_documents_are_reused_in_any_order_and_reported(tmp_path: Path) -> None:
+    app = create_app(_config(tmp_path))
+
+    async def main() -> None:
+        gw = app.state.gateway
+        await gw.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t", timeout=120) as c:
+                first = await _chat(c, _messages([0, 1, 2], "Where is item-1 traded?"))
+                again = await _chat(c, _messages([2, 0, 1], "Which river has place 2?"))
+                plain = await _chat(c, _messages([2, 0, 1], "Which river has place 2?",
+                                                 marked=False))
+                full = await _chat(c, _messages([2, 0, 1], "Which river has place 2?"),
+                                   semcomm_documents={"selector": "full"})
+        finally:
+            await gw.shutdown()
+        # the first request computed each passage alone and stored it; the second, the same
+        # passages in another order, reuses all three
+        for r in (first, again):
+            assert "docs:" in r.headers["x-semcomm-hits"], r.headers["x-semcomm-hits"]
+        doc = again.json()["semcomm"]["documents"]
+        assert doc["documents"] == 3 and doc["documents_hit"] == 3
+        usage = again.json()["usage"]["prompt_tokens_details"]
+        assert usage["document_tokens_reused"] > 0 and usage["selector"] == doc["selector"]
+        assert usage["document_tokens_reused"] + usage["document_tokens_recomputed"] == \
+            usage["document_tokens"] == doc["document_tokens"]
+        assert usage["cached_tokens"] == again.json()["usage"]["prompt_tokens"] - \
+            usage["recomputed_tokens"]
+        # unmarked text is an ordinary prompt; recomputing every document token gives its answer
+        assert "docs:" not in plain.headers["x-semcomm-hits"]
+        assert "documents" not in plain.json()["semcomm"]
+        assert full.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+        assert full.json()["choices"][0]["message"]["content"] == \
+            plain.json()["choices"][0]["message"]["content"]
+        assert full.json()["usage"]["prompt_tokens_details"]["selector"] == "full"
+
+    asyncio.run(main())
+
+
+def test_bad_document_options_are_refused(tmp_path: Path) -> None:
+    app = create_app(_config(tmp_path))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            for bad, param in (({"selector": "nope"}, "selector"), ({"recompute": 1.5},
+                                                                     "recompute")):
+                r = await c.post("/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 2, "messages": _messages([0], "q"),
+                    "semcomm_documents": bad})
+                assert r.status_code == 400 and param in r.json()["error"]["param"], r.text
+            r = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "x", "document": "yes"}]}]})
+            assert r.status_code == 400, r.text  # a marker that is not a boolean
+            assert r.json()["error"]["param"].startswith("messages.0.content")
+
+    asyncio.run(main())
+
+
+def test_the_openai_client_sends_documents_unchanged(tmp_path: Path) -> None:
+    with live_server(_config(tmp_path)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        for order in ([0, 3], [3, 0]):
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", max_tokens=4, messages=_messages(order, "Where is item-3?"),
+                extra_body={"semcomm_documents": {"selector": "epic", "recompute": 0.2}})
+            out = raw.parse()
+        assert "docs:" in raw.headers["x-semcomm-hits"]
+        details = out.usage.prompt_tokens_details
+        assert details is not None and details.model_extra["selector"] == "epic"
+        assert details.model_extra["document_tokens_reused"] > 0
