@@ -20,6 +20,10 @@ Policies (registry :data:`POLICIES`, chosen by name or passed as objects):
 - ``"error_bounded"`` :class:`ErrorBoundedPolicy`: the user sets ``max_error``; thresholds are
   learned online from verifier calls (vCache-style), see the class docstring.
 
+A policy object meets :class:`HitPolicy`: ``decide`` and ``forget`` and the members the cache
+reads (``name``, ``min_similarity``, ``scorer``, ``uses_centroids``, ``intent_metric``);
+:class:`PolicyBase` gives them defaults, and the shipped policies subclass it.
+
 A verifier is any ``f(query, cached_query) -> bool`` ("would the model answer both the same?"):
 a cross-encoder, a rule, or the model itself.
 """
@@ -29,9 +33,10 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,6 +55,8 @@ __all__ = [
     "Decision",
     "ErrorBoundedPolicy",
     "HitPolicy",
+    "IntentCheck",
+    "PolicyBase",
     "ScoredCut",
     "Scorer",
     "ThresholdPolicy",
@@ -104,6 +111,10 @@ class Decision:
     reason: str = ""  # "threshold" | "centroid" | "vote" | "verified" | "scored-hit" | "scored" |
     # "exploit" | "below" | "centroid-rejected" | "intent-rejected" | "rejected" | "budget"
     score: float = 0.0  # the evidence the decision rests on (similarity, or a vote margin)
+    # a miss the centroid rule refused for the rival margin alone (floor and spread met): its
+    # nearest-centroid candidate. The cache may then join the rival's cluster into this one,
+    # when their answers mean the same, and decide again (SemanticCache.lookup)
+    rival_blocked: Candidate | None = None
 
 
 VERIFIED_THRESHOLD = 0.91
@@ -145,13 +156,124 @@ def lead_score(p: float, best: Candidate, candidates: Sequence[Candidate], weigh
     return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
 
+class IntentCheck(Protocol):
+    """A learned check of centroid hits (:class:`~semcomm.semantic.IntentMetric`): the cache
+    fills in ``score(query, centroid, best)`` as ``Candidate.intent``; a hit needs ``cut``."""
+
+    cut: float
+
+    def score(self, query: np.ndarray, centroid: np.ndarray, best: float) -> float: ...
+
+
+@runtime_checkable
 class HitPolicy(Protocol):
-    name: str
+    """Everything :class:`~semcomm.semantic.SemanticCache` reads of a hit policy.
+
+    :class:`PolicyBase` gives every member but :meth:`decide` a default; a policy object that
+    has only some of them is adopted by :func:`make_policy` (the others take those defaults).
+    """
+
+    name: str  # reported as ``stats().policy``
+
+    @property
+    def scorer(self) -> Scorer | None:
+        """A score that reads the runner-up next to the best candidate: the cache then offers
+        one candidate below :attr:`min_similarity` as that runner-up."""
+        ...
+
+    @property
+    def intent_metric(self) -> IntentCheck | None:
+        """The intent check of centroid hits: the cache fills in ``Candidate.intent`` with its
+        score of the query against each candidate's cluster."""
+        ...
+
+    @property
+    def min_similarity(self) -> float:
+        """No candidate below this cosine can be served: the cache neither guards nor offers
+        it (except one runner-up for a ``scorer``). ``-inf``: no floor."""
+        ...
+
+    @property
+    def uses_centroids(self) -> bool:
+        """The cache fills in the candidates' cluster figures (``centroid``, ``cohesion``,
+        ``rival``) only for a policy that reads them."""
+        ...
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
-               threshold: float | None = None) -> Decision: ...
+               threshold: float | None = None) -> Decision:
+        """The verdict for one lookup; ``threshold`` overrides the policy's for this call."""
+        ...
 
-    def forget(self, entry_ids: Sequence[str]) -> None: ...
+    def forget(self, entry_ids: Sequence[str]) -> None:
+        """These entries left the cache (evicted, expired, invalidated)."""
+        ...
+
+
+class PolicyBase:
+    """Defaults of the :class:`HitPolicy` members: no floor, no runner-up scorer, no intent
+    check, no centroid figures, nothing to forget. Subclass it to write a policy of your own
+    (:meth:`decide` is then all that is needed); the shipped policies do."""
+
+    name: str = "custom"
+    scorer: Scorer | None = None
+    intent_metric: IntentCheck | None = None
+
+    @property
+    def min_similarity(self) -> float:
+        return -math.inf
+
+    @property
+    def uses_centroids(self) -> bool:
+        return False
+
+    def decide(self, query: str, candidates: Sequence[Candidate], *,
+               threshold: float | None = None) -> Decision:
+        raise NotImplementedError
+
+    def forget(self, entry_ids: Sequence[str]) -> None:
+        return None
+
+
+_MEMBERS = ("name", "scorer", "intent_metric", "min_similarity", "uses_centroids", "forget")
+
+
+class _Adopted(PolicyBase):
+    """A policy object with ``decide`` but not every :class:`HitPolicy` member (written
+    before the protocol named them): the members it has are read from it, the others take
+    :class:`PolicyBase`'s defaults. ``inner`` is the object itself. Which members it has is
+    looked at once, here."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._has = frozenset(m for m in _MEMBERS if hasattr(inner, m))
+        self.name = str(inner.name) if "name" in self._has else type(inner).__name__
+
+    @property
+    def scorer(self) -> Scorer | None:  # type: ignore[override]
+        return self.inner.scorer if "scorer" in self._has else None
+
+    @property
+    def intent_metric(self) -> IntentCheck | None:  # type: ignore[override]
+        return self.inner.intent_metric if "intent_metric" in self._has else None
+
+    @property
+    def min_similarity(self) -> float:
+        return float(self.inner.min_similarity) if "min_similarity" in self._has else -math.inf
+
+    @property
+    def uses_centroids(self) -> bool:
+        return bool(self.inner.uses_centroids) if "uses_centroids" in self._has else False
+
+    def decide(self, query: str, candidates: Sequence[Candidate], *,
+               threshold: float | None = None) -> Decision:
+        return self.inner.decide(query, candidates, threshold=threshold)
+
+    def forget(self, entry_ids: Sequence[str]) -> None:
+        if "forget" in self._has:
+            self.inner.forget(entry_ids)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
 
 
 def _check_threshold(t: float) -> float:
@@ -160,7 +282,7 @@ def _check_threshold(t: float) -> float:
     return float(t)
 
 
-class ThresholdPolicy:
+class ThresholdPolicy(PolicyBase):
     """Hit when the best candidate's cosine similarity is at least ``threshold``.
 
     With a ``scorer`` (e.g. :class:`~semcomm.semantic.LexicalVerifier` or the cross-encoder),
@@ -384,34 +506,33 @@ class ClusterVotePolicy(ThresholdPolicy):
 
     def _centroid_decision(self, candidates: Sequence[Candidate]) -> Decision | None:
         """The centroid rule: a cluster hit, a cluster miss, or None (the rule does not apply:
-        no candidate carries centroid figures), see the class docstring."""
+        no candidate carries centroid figures), see the class docstring. A miss for the rival
+        margin alone carries its nearest-centroid candidate as ``rival_blocked``."""
         case = self._centroid_case(candidates)
         if case is None:
             return None
         win, best, cen, coh, rival = case
         margin = cen - rival
-        if (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
-                and cen >= coh - self.spread and margin >= self.rival_margin):
+        near = (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
+                and cen >= coh - self.spread)
+        if near and margin >= self.rival_margin:
             if (self.intent_metric is not None and win.intent is not None
                     and win.intent < self.intent_metric.cut):
                 return Decision(None, reason="intent-rejected", score=margin)
             return Decision(best, reason="centroid", score=margin)
-        return Decision(None, reason="centroid-rejected", score=margin)
+        return Decision(None, reason="centroid-rejected", score=margin,
+                        rival_blocked=win if near and rival > -1.0 else None)
 
     def rival_blocked(self, candidates: Sequence[Candidate]) -> Candidate | None:
         """The nearest-centroid candidate when the centroid rule refuses it for the rival margin
-        alone (floor and spread are met): the cache then asks whether the rival's answer means
-        the same as this one's, and if so joins the two clusters (answer-equivalence learning)
-        and decides again."""
+        alone (floor and spread are met); None otherwise. :meth:`decide` reports the same as
+        ``Decision.rival_blocked`` on a miss: the cache then asks whether the rival's answer
+        means the same as this one's, and if so joins the two clusters (answer-equivalence
+        learning) and decides again."""
         if self.rule != "centroid":
             return None
-        case = self._centroid_case(candidates)
-        if case is None:
-            return None
-        win, best, cen, coh, rival = case
-        ok = (best.similarity >= self.centroid_floor and cen >= self.centroid_floor
-              and cen >= coh - self.spread)
-        return win if ok and cen - rival < self.rival_margin and rival > -1.0 else None
+        d = self._centroid_decision(candidates)
+        return None if d is None else d.rival_blocked
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
@@ -435,10 +556,12 @@ class ClusterVotePolicy(ThresholdPolicy):
             if p >= self.judge_min:
                 return Decision(best, verified=True, verifications=d.verifications + 1,
                                 reason="judged", score=p)
-            return Decision(None, verifications=d.verifications + 1, reason="judge-rejected",
-                            score=p)
-        if cluster is not None and d.reason == "below":
+            d = Decision(None, verifications=d.verifications + 1, reason="judge-rejected",
+                         score=p)
+        elif cluster is not None and d.reason == "below":
             return cluster  # the nearer miss: the cluster rule's, with its margin
+        if cluster is not None:
+            d.rival_blocked = cluster.rival_blocked
         return d
 
     @property
@@ -467,13 +590,11 @@ def _wilson_upper(wrong: int, n: int, z: float) -> float:
     return min(1.0, (centre + rad) / denom)
 
 
-@dataclass(slots=True)
-class _Obs:
-    sims: list[float] = field(default_factory=list)
-    wrong: list[bool] = field(default_factory=list)
+_PENDING = 4096
+"""Observations :class:`ErrorBoundedPolicy` records before it adds them to its bin counters."""
 
 
-class ErrorBoundedPolicy:
+class ErrorBoundedPolicy(PolicyBase):
     """Serve a hit only where the learned error rate of hits is at most ``max_error``.
 
     How it works (after vCache, simplified to a form whose bound is easy to state):
@@ -492,8 +613,26 @@ class ErrorBoundedPolicy:
       the budget allows; a confirmed candidate is served as a verified hit.
     - **Budget**: verifier calls are limited to ``budget`` x lookups (+ ``burst``).
 
-    The bound holds for the share of wrong answers among unverified hits (and so for the share
-    of wrong answers among all lookups, which vCache bounds), provided verification is right.
+    **Bounded memory.** Observations are not kept one by one: the policy counts them, and the
+    wrong ones among them, per similarity bin of width ``resolution`` (default 0.001: 2,001
+    bins over [-1, 1], two counters each), and a refresh of the threshold is one pass over the
+    bins whatever the number of observations. The counts are exact, so the Wilson bound of a
+    region ``similarity >= t`` is the same statistic as over the raw observations; only the
+    candidate thresholds are the bins' lower edges (a bin's edge is a candidate only when the
+    bin holds observations, so a served region reaches at most one bin width below the
+    observations that certify it). The entries' highest wrong similarities are kept for at
+    most ``max_entries`` entries (the cache calls :meth:`forget` for entries that leave it; an
+    entry beyond the cap, the one wrong longest ago first, falls back to the global
+    threshold, which the bound is about).
+
+    **What is bounded.** With confidence about ``1 - alpha`` the error rate of the traffic in
+    the served region (``similarity >= threshold``) is at most ``max_error``: the bound holds
+    for the share of wrong answers among unverified hits (and so for the share of wrong answers
+    among all lookups, which vCache bounds), provided verification is right and the traffic
+    does not drift. The share measured on ``m`` served hits may exceed ``max_error`` by its own
+    sampling noise, about ``z * sqrt(max_error * (1 - max_error) / m)`` at the same
+    confidence; the lowest passing threshold is taken without correcting for the scan over
+    thresholds, so the confidence is nominal.
     """
 
     name = "error_bounded"
@@ -501,11 +640,18 @@ class ErrorBoundedPolicy:
     def __init__(self, max_error: float = 0.02, *, verifier: Verifier | None = None,
                  budget: float = 1.0, burst: int = 50, floor: float = 0.5,
                  explore_rate: float = 0.02, alpha: float = 0.05, min_obs: int = 30,
-                 seed: int | None = 0) -> None:
+                 seed: int | None = 0, resolution: float = 0.001,
+                 max_entries: int = 100_000) -> None:
         if not 0.0 < max_error < 1.0:
             raise ConfigError(f"max_error must be in (0, 1), got {max_error!r}")
         if budget < 0:
             raise ConfigError(f"budget must be >= 0, got {budget!r}")
+        if not isinstance(resolution, (int, float)) or isinstance(resolution, bool) or \
+                not 1e-6 <= float(resolution) <= 0.1:
+            raise ConfigError(f"resolution must be a cosine width in [1e-6, 0.1], "
+                              f"got {resolution!r}")
+        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
+            raise ConfigError(f"max_entries must be a positive integer, got {max_entries!r}")
         self.max_error = max_error
         self.verifier = verifier
         self.budget = budget
@@ -514,10 +660,21 @@ class ErrorBoundedPolicy:
         self.explore_rate = explore_rate
         self._z = float(_norm_ppf(1 - alpha))
         self.min_obs = min_obs
+        self.max_entries = max_entries
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._global = _Obs()
-        self._entry_neg: dict[str, float] = {}
+        nbins = int(round(2.0 / float(resolution))) + 1
+        # bin i holds similarities in [_edges[i], _edges[i + 1]); the last one, 1.0 (and above)
+        self._edges = [round(-1.0 + 2.0 * i / (nbins - 1), 9) for i in range(nbins)]
+        self._per_unit = (nbins - 1) / 2.0
+        # per bin: observations (row 0) and the wrong ones among them (row 1); float64 counts
+        # are exact up to 2**53
+        self._counts = np.zeros((2, nbins), dtype=np.float64)
+        # bins of the observations not yet counted (at most _PENDING: counted in one go)
+        self._pending: list[int] = []
+        self._pending_wrong: list[int] = []
+        # entry -> highest similarity it was found wrong at (least recently wrong first)
+        self._entry_neg: OrderedDict[str, float] = OrderedDict()
         self._lookups = 0
         self.verifications = 0
         self._threshold = 1.0
@@ -529,6 +686,12 @@ class ErrorBoundedPolicy:
         with self._lock:
             return self._refresh()
 
+    @property
+    def observations(self) -> int:
+        """Verified outcomes recorded so far."""
+        with self._lock:
+            return int(self._counts[0].sum()) + len(self._pending)
+
     def entry_threshold(self, entry_id: str) -> float:
         with self._lock:
             t = self._refresh()
@@ -537,31 +700,52 @@ class ErrorBoundedPolicy:
 
     def observe(self, entry_id: str, similarity: float, correct: bool) -> None:
         """Record one verified outcome (also usable with outcomes learned elsewhere)."""
+        sim = float(similarity)
+        if not math.isfinite(sim):
+            raise InvalidInputError(f"similarity must be a finite cosine, got {similarity!r}")
+        edges = self._edges
+        b = min(max(int((sim + 1.0) * self._per_unit), 0), len(edges) - 1)
+        if edges[b] > sim and b > 0:  # rounding at a bin edge
+            b -= 1
+        elif b + 1 < len(edges) and edges[b + 1] <= sim:
+            b += 1
         with self._lock:
-            self._global.sims.append(float(similarity))
-            self._global.wrong.append(not correct)
+            self._pending.append(b)
             if not correct:
-                self._entry_neg[entry_id] = max(self._entry_neg.get(entry_id, -2.0), similarity)
+                self._pending_wrong.append(b)
+                neg = self._entry_neg.pop(entry_id, -2.0)
+                self._entry_neg[entry_id] = max(neg, sim)
+                if len(self._entry_neg) > self.max_entries:
+                    self._entry_neg.popitem(last=False)
+            if len(self._pending) >= _PENDING:
+                self._count_pending()
             self._dirty = True
 
+    def _count_pending(self) -> None:
+        """Add the observations recorded since the last count to the bin counters."""
+        n = self._counts.shape[1]
+        for row, pending in enumerate((self._pending, self._pending_wrong)):
+            if pending:
+                self._counts[row] += np.bincount(pending, minlength=n)
+                pending.clear()
+
     def _refresh(self) -> float:
+        """The global threshold from the bin counts (under the lock): O(bins)."""
         if not self._dirty:
             return self._threshold
         self._dirty = False
-        sims = np.asarray(self._global.sims, dtype=np.float64)
-        wrong = np.asarray(self._global.wrong, dtype=np.int64)
-        order = np.argsort(-sims, kind="stable")
-        s, w = sims[order], np.cumsum(wrong[order]).astype(np.float64)
-        n = np.arange(1, len(s) + 1, dtype=np.float64)
-        last_of_equal = np.r_[s[1:] != s[:-1], True]  # evaluate at the last of equal sims
-        z2 = self._z * self._z
+        self._count_pending()
+        # observations at or above each bin's edge, and the wrong ones among them
+        at_or_above = np.cumsum(self._counts[:, ::-1], axis=1)[:, ::-1]
+        cand = np.flatnonzero((self._counts[0] > 0) & (at_or_above[0] >= self.min_obs))
+        n, w = at_or_above[0, cand], at_or_above[1, cand]
+        z, z2 = self._z, self._z * self._z
         p = w / n
-        upper = (p + z2 / (2 * n) + self._z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (
+        upper = (p + z2 / (2 * n) + z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (
             1 + z2 / n)
-        ok = last_of_equal & (n >= self.min_obs) & (upper <= self.max_error)
-        best = float(s[ok].min()) if ok.any() else 1.0
-        self._threshold = best
-        return best
+        ok = cand[upper <= self.max_error]
+        self._threshold = self._edges[int(ok[0])] if len(ok) else 1.0
+        return self._threshold
 
     @property
     def min_similarity(self) -> float:
@@ -602,6 +786,10 @@ class ErrorBoundedPolicy:
         with self._lock:
             for i in entry_ids:
                 self._entry_neg.pop(i, None)
+
+    def __repr__(self) -> str:
+        return (f"ErrorBoundedPolicy(max_error={self.max_error}, budget={self.budget}, "
+                f"floor={self.floor}, verifier={self.verifier!r})")
 
 
 def _norm_ppf(p: float) -> float:
@@ -785,7 +973,9 @@ def make_policy(spec: Any = None, **kwargs: Any) -> HitPolicy:
             raise ConfigError(f"unknown hit policy {spec!r}; choose one of {sorted(POLICIES)}") \
                 from None
         return factory(**kwargs)  # type: ignore[no-any-return]
+    if isinstance(spec, HitPolicy):
+        return spec
     if hasattr(spec, "decide"):
-        return spec  # type: ignore[no-any-return]
+        return _Adopted(spec)
     raise ConfigError(f"policy must be a name from {sorted(POLICIES)} or a policy object, "
                       f"got {type(spec).__name__}")
