@@ -159,7 +159,7 @@ def test_eviction_really_removes_vectors(toy, eviction, expected_gone) -> None:
     cache.store("q4 damson", "q4")
     assert len(cache) == 3 and cache.stats().evictions == 1
     assert cache.lookup(expected_gone) is None
-    (idx,) = cache._indexes.values()
+    (idx,) = cache._table.indexes.values()
     assert isinstance(idx, FlatIndex) and len(idx) == 3 and idx.vectors().shape == (3, 64)
     gone_vec = toy.embed([expected_gone])[0]
     assert not np.any(np.all(np.isclose(idx.vectors(), gone_vec), axis=1))
@@ -463,7 +463,7 @@ def test_hnsw_options_reach_the_graph_and_bad_ones_are_refused() -> None:
     cache = SemanticCache(embedder=emb, index="hnsw", guard=False, threshold=0.99,
                           hnsw={"connectivity": 8, "expansion_search": 24})
     cache.store_many([f"q {i}" for i in range(120)], [f"a {i}" for i in range(120)])
-    idx = next(iter(cache._indexes.values()))
+    idx = next(iter(cache._table.indexes.values()))
     assert isinstance(idx, HNSWIndex)
     assert idx._index.connectivity == 8 and idx.expansion_search == 24
     hit = cache.lookup("q 17")
@@ -564,7 +564,7 @@ def test_cache_uses_ivf_by_default_when_large_and_evicts_its_vectors(tmp_path) -
     cache = SemanticCache(embedder=emb, guard=False, threshold=0.99, max_entries=350,
                           ivf={"min_train": 200, "background": False})
     cache.store_many([f"q {i}" for i in range(300)], [f"a {i}" for i in range(300)])
-    idx = next(iter(cache._indexes.values()))._impl
+    idx = next(iter(cache._table.indexes.values()))._impl
     assert isinstance(idx, IVFIndex) and cache.stats().index == "ivf"
     hit = cache.lookup("q 123")
     assert hit is not None and hit.answer == "a 123" and hit.similarity == pytest.approx(1.0, 1e-5)
@@ -577,7 +577,7 @@ def test_cache_uses_ivf_by_default_when_large_and_evicts_its_vectors(tmp_path) -
     pinned = SemanticCache(embedder=emb, index="ivf", ivf={"nlist": 16, "nprobe": 4,
                                                            "min_train": 100, "background": False})
     pinned.store_many([f"q {i}" for i in range(150)], [f"a {i}" for i in range(150)])
-    pidx = next(iter(pinned._indexes.values()))
+    pidx = next(iter(pinned._table.indexes.values()))
     assert pinned.lookup("q 77") is not None
     assert isinstance(pidx, IVFIndex) and pidx.cells == 16 and pidx._ivf.nprobe == 4
     for bad, msg in (({"nprobes": 8}, "unknown ivf option"), ({"nlist": 0}, "nlist"),
@@ -666,9 +666,9 @@ def test_ivf_cache_stays_consistent_under_threads_during_background_builds() -> 
         t.join(60)
     assert not errors, errors
     assert cache.wait_index(30)
-    idx = next(iter(cache._indexes.values()))._impl
+    idx = next(iter(cache._table.indexes.values()))._impl
     st = cache.stats()
     assert st.index == "ivf" and idx.builds >= 2
     assert st.entries == 2500 == len(idx) == idx._ivf.ntotal  # evictions reached the lists
-    live = [int(s.query.split()[-1]) for s in cache._slots.values()]
+    live = [int(s.query.split()[-1]) for s in cache._table.slots.values()]
     assert all(cache.lookup(f"q {i}").answer == f"a {i}" for i in live[::50])  # type: ignore[union-attr]

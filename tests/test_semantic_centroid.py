@@ -143,7 +143,7 @@ def test_centroids_follow_deletes_and_reloads(emb, tmp_path) -> None:
     again = SemanticCache(embedder=emb, path=tmp_path / "c.db", policy=ClusterVotePolicy(),
                           guard=False)
     assert again.lookup("query", embedding=Q) is None  # rebuilt from the file: the same
-    assert len(again._centroids[next(iter(again._centroids))]) == 2
+    assert len(next(iter(again._table.clusters.centroids.values()))) == 2
     again.close()
 
 
@@ -246,7 +246,7 @@ def test_a_contradicted_member_leaves_its_cluster_centroid(emb) -> None:
         c.store(f"a{i}", "answer A", embedding=at(Q, E[k], 0.80))
     hit = c.lookup("query", embedding=Q)
     assert hit is not None and hit.reason == "centroid"
-    (cc,) = c._centroids.values()
+    (cc,) = c._table.clusters.centroids.values()
     assert len(cc) == 1
     c.feedback(hit, correct=False)  # trust 0.5: neither a candidate nor part of the centroid
     other = c.lookup("query", embedding=Q)  # the one trusted member alone: a lone entry
@@ -258,9 +258,9 @@ def test_a_contradicted_member_leaves_its_cluster_centroid(emb) -> None:
 def test_clear_drops_the_centroids(emb) -> None:
     c = cache(emb)
     between_two(c, None)
-    assert c.lookup("query", embedding=Q) is not None and c._centroids
+    assert c.lookup("query", embedding=Q) is not None and c._table.clusters.centroids
     c.clear()
-    assert not c._centroids and c.lookup("query", embedding=Q) is None
+    assert not c._table.clusters.centroids and c.lookup("query", embedding=Q) is None
     between_two(c, 0.75)  # built again from the new entries: B is a rival again
     assert c.lookup("query", embedding=Q) is None
 
@@ -276,7 +276,7 @@ def test_many_clusters_take_rivals_from_a_wider_neighbourhood(emb, monkeypatch, 
     wide = SemanticCache(embedder=emb, policy=ClusterVotePolicy(), guard=False, candidates=3)
     between_two(wide, b_cos)
     wide.lookup("query", embedding=Q)  # recounts the clusters the stores left dirty
-    assert len(next(iter(wide._centroids.values()))) == 2  # from now on: "many" clusters
+    assert len(next(iter(wide._table.clusters.centroids.values()))) == 2  # from now on: "many" clusters
     a, b = full.lookup("query", embedding=Q), wide.lookup("query", embedding=Q)
     assert (a.answer if a else None) == (b.answer if b else None)
     assert (b is None) == (b_cos == 0.75)  # B's centroid is found among the neighbours

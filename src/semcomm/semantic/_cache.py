@@ -1,21 +1,34 @@
-"""The semantic answer cache (:class:`SemanticCache`)."""
+"""The semantic answer cache (:class:`SemanticCache`): the lookup and store paths.
+
+A lookup resolves its partition (:mod:`._context`), catches up with the entry store
+(:class:`~._sync.StoreSync`), embeds the query and gathers the candidates: the partition's
+nearest entries (:class:`~._table.EntryTable`) that are unexpired (:class:`~._ttl.Expiry`),
+readable with the reader's tags, trusted and passed by the lexical guard (:mod:`._guard`),
+with their answer clusters' figures when the policy reads them
+(:class:`~._clusters.AnswerClusters`). The hit policy (:mod:`._policy`) decides; a miss it
+refused for a rival answer alone is decided once more after the two clusters join, when their
+answers mean the same (:class:`~._clusters.AnswerLinker`). A sensitive scope's verifier has the
+last word; the hit is read from the store and served, or in shadow mode recorded instead
+(:class:`~._shadow.ShadowTracker`).
+
+A store validates, embeds, links each entry to an answer cluster, writes the rows, indexes
+them and keeps the entry and byte budgets (evicting by the ``eviction`` policy).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 
 from ..errors import ConfigError, InvalidInputError
-from ._centroids import ClusterCentroids
+from ._clusters import MIN_TRUST, AnswerLinker
 from ._context import ContextLike, Scope, context_window, entry_id, partition_key
 from ._embed import DEFAULT_EMBEDDER_NAME, Embedder, as_embedder
 from ._entry import Entry
@@ -35,16 +48,18 @@ from ._policy import (
     VERIFIED_THRESHOLD,
     Candidate,
     ClusterVotePolicy,
+    Decision,
     HitPolicy,
     ThresholdPolicy,
     make_policy,
 )
-from ._shadow import MIN_EMBED_WORDS, MODES, ShadowLog, ShadowRecord, answers_agree
-from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore, Sync
+from ._shadow import MODES, ShadowLog, ShadowTracker
+from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore
+from ._sync import StoreSync
+from ._table import EVICTION_POLICIES, EntryTable, Slot
+from ._ttl import Expiry
 
 __all__ = ["EVICTION_POLICIES", "CacheStats", "Hit", "SemanticCache", "open_store"]
-
-log = logging.getLogger(__name__)
 
 ScopeLike = str | Scope
 
@@ -108,32 +123,9 @@ class CacheStats:
         return d
 
 
-@dataclass(slots=True)
-class _Slot:
-    """In-process metadata for one indexed entry (mutated only under the cache lock)."""
-
-    label: int
-    partition: str
-    query: str
-    scope: str
-    tenant: str
-    model: str
-    tags: frozenset[str]
-    created_at: float
-    expires_at: float | None
-    ttl_s: float | None
-    nbytes: int
-    hits: int = 0
-    last_access: float = 0.0
-    cluster: str = ""  # answer cluster key (an entry id)
-    answer_key: str = ""  # digest of the normalised answer text
-    trust: float = 1.0
-
-
-# an entry whose trust fell below this is neither served nor part of its cluster's centroid
-_MIN_TRUST = 0.75
-# clusters a lookup may join into its nearest one when their answers agree (each join costs an
-# answer comparison: one embedding of two answers, once per cluster pair)
+# a lookup refused for a rival cluster alone may join at most this many clusters into its
+# nearest one when their answers agree (each join costs an answer comparison: one embedding of
+# two answers, once per cluster pair)
 _MAX_MERGES = 2
 # above this many cluster centroids in a partition (a product of about 0.35 ms on the loaded box
 # of docs/BENCHMARKS.md), a lookup's rival is the best centroid among the clusters of its
@@ -141,38 +133,10 @@ _MAX_MERGES = 2
 # agree on every margin decision from 16 neighbours on (the sets of bench_semantic_rule.py, in git history)
 _RIVAL_SCAN_ROWS = 8192
 _RIVAL_NEIGHBOURS = 32
-# differing cluster pairs remembered (cleared when full)
-_MAX_DISTINCT_PAIRS = 65_536
 # one contradiction costs this much trust; an agreement gives back half of it
 _CONTRADICTION = 0.5
 # an entry at or below this trust is deleted
 _DROP_TRUST = 0.0
-# a stored query links to a neighbour's cluster only when it is at least this similar to it
-_LINK_FLOOR = 0.5
-# guard checks waived for a cluster whose own members already differ in that respect
-_WAIVABLE = frozenset({"number", "entity", "date", "question"})
-
-
-def _answer_key(answer: str) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(" ".join(answer.lower().split()).encode())
-
-
-def _lru_victims(slots: OrderedDict[str, _Slot], n: int) -> list[str]:
-    return [k for k, _ in zip(slots, range(n), strict=False)]
-
-
-def _lfu_victims(slots: OrderedDict[str, _Slot], n: int) -> list[str]:
-    # fewest hits first, ties by least recent (OrderedDict order is recency)
-    order = sorted(enumerate(slots.items()), key=lambda kv: (kv[1][1].hits, kv[0]))
-    return [k for _, (k, _) in order[:n]]
-
-
-EVICTION_POLICIES: dict[str, Callable[[OrderedDict[str, _Slot], int], list[str]]] = {
-    "lru": _lru_victims,
-    "lfu": _lfu_victims,
-}
 
 
 def open_store(store: Any = None, path: str | os.PathLike[str] | None = None) -> EntryStore:
@@ -203,6 +167,29 @@ _INDEX_KINDS: dict[str, Callable[[int], VectorIndex]] = {
     "ivf": IVFIndex,
     "auto": AutoIndex,
 }
+
+
+_T = TypeVar("_T")
+
+
+class _Kept(Generic[_T]):
+    """A :class:`SemanticCache` setting that one of its collaborators keeps: read and set
+    through it (``cache.max_entries = 10`` takes effect at the next store)."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Kept[_T]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> _T: ...
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.owner), self.name)
+
+    def __set__(self, obj: object, value: _T) -> None:
+        setattr(getattr(obj, self.owner), self.name, value)
 
 
 class SemanticCache:
@@ -273,6 +260,14 @@ class SemanticCache:
     compares the real answer with it (see :mod:`semcomm.semantic._shadow`, ``shadow_log`` a
     JSONL file for ``semcomm cache report``).
     """
+
+    max_entries = _Kept[int | None]("_table", "max_entries")
+    max_bytes = _Kept[int | None]("_table", "max_bytes")
+    eviction = _Kept[str]("_table", "eviction")
+    default_ttl = _Kept[float | None]("_expiry", "default")
+    refresh_on_hit = _Kept[bool]("_expiry", "refresh_on_hit")
+    sync_interval_s = _Kept[float]("_sync", "interval_s")
+    answer_match = _Kept[Any]("_linker", "match")
 
     def __init__(
         self,
@@ -346,8 +341,7 @@ class SemanticCache:
         for name, v in (("max_entries", max_entries), ("max_bytes", max_bytes)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
-        if ttl is not None and ttl <= 0:
-            raise ConfigError(f"ttl must be positive seconds or None, got {ttl!r}")
+        self._expiry = Expiry(ttl, refresh_on_hit)
         if context_turns < 0:
             raise ConfigError(f"context_turns must be >= 0, got {context_turns!r}")
         self.verify_scopes = frozenset(verify_scopes)
@@ -363,46 +357,60 @@ class SemanticCache:
                 and 0.0 < float(answer_match) <= 1.0):
             raise ConfigError("answer_match must be a cosine in (0, 1], a callable "
                               f"f(answer_a, answer_b) -> bool or None, got {answer_match!r}")
-        self.answer_match = answer_match
         self.mode = mode
         self.shadow = ShadowLog(shadow_log)
-        self._pending: OrderedDict[tuple[str, str], ShadowRecord] = OrderedDict()
         self.backend: EntryStore = open_store(store, path)
         self.guard: LexicalGuard | None = (LexicalGuard() if guard is True or guard is None
                                            else (guard or None))
         self.context_turns = context_turns
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.eviction = eviction
-        self.default_ttl = ttl
-        self.refresh_on_hit = refresh_on_hit
         self.index_kind = index
         self.k = max(1, candidates)
-        self.sync_interval_s = sync_interval_s
         self._salter = salter
         self._clock = clock
-        self._lock = threading.RLock()
-        self._slots: OrderedDict[str, _Slot] = OrderedDict()  # recency order (LRU first)
-        self._labels: dict[int, str] = {}
-        self._next_label = 1
-        self._indexes: dict[str, VectorIndex] = {}
-        self._bytes = 0
         self._dim: int | None = None
+        self._lock = threading.RLock()
         self._stats = CacheStats()
-        # answer clusters (under the lock): (partition, answer key) -> cluster, how many indexed
-        # entries carry that answer, the members of each cluster and which guard checks each
-        # cluster waives (computed on demand, dropped when its members change)
-        self._answer_cluster: dict[tuple[str, str], str] = {}
-        self._answer_refs: dict[tuple[str, str], int] = {}
-        self._members: dict[str, set[str]] = {}
-        # cluster -> answer text digest -> guard checks waived (see _waived_checks)
-        self._waived: dict[str, dict[str, frozenset[str]]] = {}
-        # partition -> centroids of its multi-member answer clusters (the centroid rule's view)
-        self._centroids: dict[str, ClusterCentroids] = {}
-        # cluster pairs whose answers were compared and differ (not compared again)
-        self._distinct_answers: set[tuple[str, str]] = set()
-        self._last_sync = 0.0
-        self._loaded = False
+        # the collaborators (each mutated under self._lock)
+        self._table = EntryTable(lambda: self.dim, self._new_index,
+                                 forget=lambda ids: self.policy.forget(ids), stats=self._stats,
+                                 max_entries=max_entries, max_bytes=max_bytes,
+                                 eviction=eviction)
+        self._linker = AnswerLinker(self._table, self._lock, self._stats,
+                                    entry=self.backend.get, match=answer_match,
+                                    embed=lambda texts: self.embedder.embed(texts),
+                                    k=lambda: self.k)
+        self._sync = StoreSync(self.backend, self._table, self._lock,
+                               embedder_name=self.embedder.name, dim=lambda: self.dim,
+                               clock=clock, interval_s=sync_interval_s)
+        self._shadow = ShadowTracker(self.shadow, self._lock, self._stats,
+                                     entry=self.backend.get, agree=self._linker.agree,
+                                     feedback=self._feedback_entry)
+
+    def _set_intent_check(self, intent_check: Any, built_here: bool) -> None:
+        """``intent_check``: "auto" (the shipped metric when the policy is the default's
+        cluster policy with the default embedder), True (the shipped metric; the default
+        embedder only), False (none) or an :class:`~semcomm.semantic.IntentMetric`."""
+        if isinstance(intent_check, str) and intent_check == "auto":
+            intent_check = (built_here and isinstance(self.policy, ClusterVotePolicy)
+                            and getattr(self.embedder, "name", "") == DEFAULT_EMBEDDER_NAME)
+            if not intent_check:
+                return
+        if intent_check is False or intent_check is None:
+            if isinstance(self.policy, ClusterVotePolicy) and built_here:
+                self.policy.intent_metric = None
+            return
+        if not isinstance(self.policy, ClusterVotePolicy):
+            raise ConfigError("intent_check applies to the answer-cluster policy "
+                              f"(ClusterVotePolicy), not {type(self.policy).__name__}")
+        if intent_check is True:
+            from ._intent import default_intent_metric
+
+            intent_check = default_intent_metric()
+        name = getattr(intent_check, "embedder", None)
+        if name is not None and name != getattr(self.embedder, "name", name):
+            raise ConfigError(f"intent_check was fitted on {name!r} vectors, this cache embeds "
+                              f"with {getattr(self.embedder, 'name', '?')!r}")
+        self.policy.intent_metric = intent_check
 
     # -- setup -----------------------------------------------------------------------------
     @property
@@ -411,41 +419,14 @@ class SemanticCache:
             self._dim = int(self.embedder.dim)
         return self._dim
 
-    def _ensure_loaded(self) -> None:
-        if self._loaded:
-            return
-        with self._lock:
-            if self._loaded:
-                return
-            meta = self.backend.read_meta()
-            dim = self.dim
-            if meta.get("dim") and int(meta["dim"]) != dim:
-                raise ConfigError(
-                    f"this cache holds {meta['dim']}-dimensional embeddings "
-                    f"(embedder {meta.get('embedder', '?')!r}) but embedder "
-                    f"{self.embedder.name!r} gives {dim}; open it with the same embedder or "
-                    "use a new cache path")
-            if meta.get("embedder") and meta["embedder"] != self.embedder.name:
-                log.warning("semantic cache was written by embedder %r, now read with %r",
-                            meta["embedder"], self.embedder.name)
-            if not meta.get("dim"):
-                self.backend.write_meta({"dim": str(dim), "embedder": self.embedder.name})
-            self._rebuild()
-            self._loaded = True
-
-    def _rebuild(self) -> None:
-        self._slots.clear()
-        self._labels.clear()
-        self._indexes.clear()
-        for d in (self._answer_cluster, self._answer_refs, self._members, self._waived,
-                  self._centroids, self._distinct_answers):
-            d.clear()
-        self._bytes = 0
-        now = self._clock()
-        live = [e for e in self.backend.load_all() if not e.expired(now)]
-        live.sort(key=lambda e: e.last_hit or e.created_at)
-        self._index_entries(live)
-        self._enforce_budget()
+    def _new_index(self) -> VectorIndex:
+        if self.index_kind == "hnsw":
+            return HNSWIndex(self.dim, **self.hnsw_options)
+        if self.index_kind == "ivf":
+            return IVFIndex(self.dim, **self.ivf_options)
+        if self.index_kind == "auto":
+            return AutoIndex(self.dim, hnsw=self.hnsw_options, ivf=self.ivf_options)
+        return _INDEX_KINDS[self.index_kind](self.dim)
 
     def _tenant_digest(self, tenant: str | None) -> str:
         if tenant is None:
@@ -496,331 +477,11 @@ class SemanticCache:
                                     f"uses {self.dim}")
         return vec.astype(np.float32, copy=False)
 
-    # -- index maintenance (under lock) ---------------------------------------------------------
-    def _new_index(self) -> VectorIndex:
-        if self.index_kind == "hnsw":
-            return HNSWIndex(self.dim, **self.hnsw_options)
-        if self.index_kind == "ivf":
-            return IVFIndex(self.dim, **self.ivf_options)
-        if self.index_kind == "auto":
-            return AutoIndex(self.dim, hnsw=self.hnsw_options, ivf=self.ivf_options)
-        return _INDEX_KINDS[self.index_kind](self.dim)
-
-    def _index_entry(self, e: Entry) -> None:
-        self._index_entries([e])
-
-    def _index_entries(self, entries: Sequence[Entry]) -> None:
-        """Add entries to their partitions' indexes, one batched add per partition."""
-        batches: dict[str, tuple[list[int], list[np.ndarray]]] = {}
-        for e in entries:
-            if e.vector.shape[0] != self.dim:
-                log.warning("skipping entry %s with dimension %d", e.id, e.vector.shape[0])
-                continue
-            old = self._slots.pop(e.id, None)
-            if old is not None:
-                label = old.label
-                self._bytes -= old.nbytes
-                if old.partition != e.partition:  # pragma: no cover - id collision
-                    self._indexes[old.partition].remove([label])
-            else:
-                label = self._next_label
-                self._next_label += 1
-                self._labels[label] = e.id
-            if old is not None:
-                self._drop_member(e.id, old)
-            labs, vecs = batches.setdefault(e.partition, ([], []))
-            labs.append(label)
-            vecs.append(e.vector)
-            nb = e.nbytes()
-            akey = _answer_key(e.answer)
-            cluster = e.cluster or self._answer_cluster.get((e.partition, akey)) or e.id
-            slot = _Slot(label, e.partition, e.query, e.scope, e.tenant, e.model,
-                         frozenset(e.tags), e.created_at, e.expires_at, e.ttl_s,
-                         nb, e.hits, e.last_hit or e.created_at, cluster, akey, e.trust)
-            self._slots[e.id] = slot
-            self._add_member(e.id, slot, e.vector)
-            self._bytes += nb
-        for part, (labs, vecs) in batches.items():
-            idx = self._indexes.get(part)
-            if idx is None:
-                idx = self._indexes[part] = self._new_index()
-            idx.add(labs, np.stack(vecs))
-
-    def _add_member(self, eid: str, s: _Slot, vector: np.ndarray) -> None:
-        ak = (s.partition, s.answer_key)
-        self._answer_cluster.setdefault(ak, s.cluster)
-        self._answer_refs[ak] = self._answer_refs.get(ak, 0) + 1
-        members = self._members.setdefault(s.cluster, set())
-        members.add(eid)
-        self._waived.pop(s.cluster, None)
-        if len(members) >= 2:
-            cc = self._centroids.get(s.partition)
-            if cc is None:
-                cc = self._centroids[s.partition] = ClusterCentroids(self.dim)
-            if s.trust < _MIN_TRUST or cc.counted(s.cluster) != len(members) - 1:
-                cc.discard(s.cluster)  # recounted from its trusted members before a lookup
-            else:
-                cc.add(s.cluster, vector, len(members))
-
-    def _drop_member(self, eid: str, s: _Slot) -> None:
-        ak = (s.partition, s.answer_key)
-        n = self._answer_refs.get(ak, 0) - 1
-        if n <= 0:
-            self._answer_refs.pop(ak, None)
-            self._answer_cluster.pop(ak, None)
-        else:
-            self._answer_refs[ak] = n
-        m = self._members.get(s.cluster)
-        if m is not None:
-            m.discard(eid)
-            if not m:
-                del self._members[s.cluster]
-        self._waived.pop(s.cluster, None)
-        cc = self._centroids.get(s.partition)
-        if cc is not None:
-            cc.discard(s.cluster)
-
-    def _merge_rival(self, part: str, vec: np.ndarray, cands: list[Candidate],
-                     win: Candidate, among: list[str] | None) -> bool:
-        """Join the cluster that blocked ``win`` (the nearest other centroid, or a nearer lone
-        candidate) into ``win``'s when their answers agree (``answer_match``); refresh the
-        candidates' cluster figures. False: no rival, or answers that differ (remembered)."""
-        if self.answer_match is None:
-            return False
-        keep = win.cluster_key
-        with self._lock:
-            cc = self._centroids.get(part)
-            other = cc.nearest_other(vec, keep, among) if cc is not None else None
-        lone = max((c for c in cands if c.centroid is None and c.cluster_key != keep),
-                   key=lambda c: c.similarity, default=None)
-        if lone is not None and (other is None or lone.similarity >= other[1]):
-            gone, gone_entry = lone.cluster_key, lone.entry_id
-        elif other is not None:
-            gone = other[0]
-            with self._lock:
-                gone_entry = next(iter(self._members.get(gone, ())), "")
-        else:
-            return False
-        pair = (min(keep, gone), max(keep, gone))
-        if not gone_entry or pair in self._distinct_answers:
-            return False
-        a, b = self.backend.get(win.entry_id), self.backend.get(gone_entry)
-        if a is None or b is None:
-            return False
-        if not answers_agree(a.answer, b.answer, self.answer_match, self.embedder.embed):
-            if len(self._distinct_answers) >= _MAX_DISTINCT_PAIRS:
-                self._distinct_answers.clear()
-            self._distinct_answers.add(pair)
-            return False
-        with self._lock:
-            moved = self._merge_clusters(part, keep, gone)
-            if not moved:
-                return False
-            for c in cands:
-                if c.cluster_key == gone:
-                    c.cluster = keep
-                c.centroid = c.cohesion = c.rival = c.intent = None
-            self._cluster_views(part, vec, cands, among)
-        log.debug("joined answer cluster %s (%d entries) into %s", gone, moved, keep)
-        return True
-
-    def _merge_clusters(self, part: str, keep: str, gone: str) -> int:
-        """Move every member of cluster ``gone`` into ``keep`` (in memory; a reload links them
-        again when a lookup meets them). Returns the number moved."""
-        moved = self._members.pop(gone, set())
-        if not moved:
-            return 0
-        members = self._members.setdefault(keep, set())
-        for eid in moved:
-            s = self._slots.get(eid)
-            if s is None:
-                continue
-            s.cluster = keep
-            members.add(eid)
-            ak = (s.partition, s.answer_key)
-            if self._answer_cluster.get(ak) == gone:
-                self._answer_cluster[ak] = keep
-        self._waived.pop(keep, None)
-        self._waived.pop(gone, None)
-        cc = self._centroids.get(part)
-        if cc is None:
-            cc = self._centroids[part] = ClusterCentroids(self.dim)
-        cc.recount(gone, np.zeros((0, self.dim)))
-        cc.discard(keep)
-        self._stats.linked += len(moved)
-        return len(moved)
-
-    def _set_intent_check(self, intent_check: Any, built_here: bool) -> None:
-        """``intent_check``: "auto" (the shipped metric when the policy is the default's
-        cluster policy with the default embedder), True (the shipped metric; the default
-        embedder only), False (none) or an :class:`~semcomm.semantic.IntentMetric`."""
-        if isinstance(intent_check, str) and intent_check == "auto":
-            intent_check = (built_here and isinstance(self.policy, ClusterVotePolicy)
-                            and getattr(self.embedder, "name", "") == DEFAULT_EMBEDDER_NAME)
-            if not intent_check:
-                return
-        if intent_check is False or intent_check is None:
-            if isinstance(self.policy, ClusterVotePolicy) and built_here:
-                self.policy.intent_metric = None
-            return
-        if not isinstance(self.policy, ClusterVotePolicy):
-            raise ConfigError("intent_check applies to the answer-cluster policy "
-                              f"(ClusterVotePolicy), not {type(self.policy).__name__}")
-        if intent_check is True:
-            from ._intent import default_intent_metric
-
-            intent_check = default_intent_metric()
-        name = getattr(intent_check, "embedder", None)
-        if name is not None and name != getattr(self.embedder, "name", name):
-            raise ConfigError(f"intent_check was fitted on {name!r} vectors, this cache embeds "
-                              f"with {getattr(self.embedder, 'name', '?')!r}")
-        self.policy.intent_metric = intent_check
-
-    def _cluster_views(self, part: str, vec: np.ndarray, cands: list[Candidate],
-                       among: list[str] | None = None) -> None:
-        """Fill in each candidate's cluster centroid, cohesion and rival (see
-        :mod:`._centroids`): the centroid rule of the default policy reads them."""
-        cc = self._centroids.get(part)
-        if cc is None or not cands:
-            return
-        idx = self._indexes.get(part)
-        vectors_of = getattr(idx, "vectors_of", None)
-        for cluster in cc.dirty:
-            if vectors_of is None:
-                break  # an index that cannot give vectors back: those clusters stay out
-            # distrusted members (trust below _MIN_TRUST) are no candidates and no part of the
-            # centroid either
-            labels = [self._slots[m].label for m in self._members.get(cluster, ())
-                      if m in self._slots and self._slots[m].partition == part
-                      and self._slots[m].trust >= _MIN_TRUST]
-            cc.recount(cluster, vectors_of(labels) if labels else np.zeros((0, self.dim)))
-        views = cc.view(vec, [c.cluster_key for c in cands], among)
-        for c in cands:
-            v = views.get(c.cluster_key)
-            if v is not None:
-                c.centroid, c.cohesion, c.rival = v.centroid, v.cohesion, v.rival
-        metric = getattr(self.policy, "intent_metric", None)
-        if metric is not None and views:
-            # the intent check's score of the query against each cluster met (semantic._intent)
-            best: dict[str, float] = {}
-            for c in cands:
-                if c.cluster_key in views:
-                    best[c.cluster_key] = max(best.get(c.cluster_key, -1.0), c.similarity)
-            score = {k: metric.score(vec, cc.centroid_vector(k), b) for k, b in best.items()}
-            for c in cands:
-                if c.cluster_key in score:
-                    c.intent = score[c.cluster_key]
-
-    def _waived_checks(self, cluster: str, answer_key: str) -> frozenset[str]:
-        """Guard checks waived for a candidate of ``cluster`` whose answer text is
-        ``answer_key``: those the cluster's members with that same answer text already disagree
-        on (the answer evidently does not depend on them). Members whose answers only resemble
-        it (``answer_match``) do not count: a generated answer that names its own number ("The
-        number 96033 is ...") resembles the one about 96034 without being it."""
-        per = self._waived.get(cluster)
-        if per is None:
-            from ._guard import text_features
-
-            by_answer: dict[str, list[Any]] = {}
-            for m in self._members.get(cluster, ()):
-                slot = self._slots.get(m)
-                if slot is not None:
-                    by_answer.setdefault(slot.answer_key, []).append(text_features(slot.query))
-            per = {}
-            for key, feats in by_answer.items():
-                kinds = set()
-                if len(feats) > 1:
-                    for kind, attr in (("number", "numbers"), ("entity", "entities"),
-                                       ("date", "dates"), ("question", "qwords")):
-                        if len({getattr(f, attr) for f in feats}) > 1:
-                            kinds.add(kind)
-                per[key] = frozenset(kinds & _WAIVABLE)
-            self._waived[cluster] = per
-        return per.get(answer_key, frozenset())
-
-    def _guard_ok(self, query: str, s: _Slot) -> bool:
-        g = self.guard
-        if g is None:
-            return True
-        check = getattr(g, "check", None)
-        if check is None:
-            return bool(g(query, s.query))
-        r = check(query, s.query)
-        if r.ok:
-            return True
-        return len(self._members.get(s.cluster, ())) > 1 and r.reason in self._waived_checks(
-            s.cluster, s.answer_key)
-
-    def _unindex(self, ids: Iterable[str]) -> list[str]:
-        gone = []
-        for i in ids:
-            s = self._slots.pop(i, None)
-            if s is None:
-                continue
-            self._drop_member(i, s)
-            idx = self._indexes.get(s.partition)
-            if idx is not None:
-                idx.remove([s.label])
-                if len(idx) == 0:
-                    del self._indexes[s.partition]
-            self._labels.pop(s.label, None)
-            self._bytes -= s.nbytes
-            gone.append(i)
-        if gone:
-            self.policy.forget(gone)
-        return gone
-
-    def _over_budget(self) -> int:
-        n = 0
-        if self.max_entries is not None and len(self._slots) > self.max_entries:
-            n = len(self._slots) - self.max_entries
-        if self.max_bytes is not None and self._bytes > self.max_bytes:
-            n = max(n, 1)
-        return n
-
-    def _enforce_budget(self) -> list[str]:
-        victims: list[str] = []
-        pick = EVICTION_POLICIES[self.eviction]
-        while (n := self._over_budget()) > 0:
-            if self.max_bytes is not None and self._bytes > self.max_bytes:
-                # evict enough for the byte budget too (average entry size estimate)
-                avg = max(1, self._bytes // max(1, len(self._slots)))
-                n = max(n, -(-(self._bytes - self.max_bytes) // avg))
-            chosen = pick(self._slots, n)
-            if not chosen:
-                break
-            victims.extend(self._unindex(chosen))
-        if victims:
-            self._stats.evictions += len(victims)
-        return victims
-
-    def _apply_sync(self, sync: Sync) -> None:
-        if sync.reset:
-            self._rebuild()
-            return
-        if sync.deletes:
-            self._unindex(sync.deletes)
-        now = self._clock()
-        self._index_entries([e for e in sync.upserts if not e.expired(now)])
-        if sync.upserts:
-            victims = self._enforce_budget()
-            if victims:
-                self.backend.delete(victims)
-
     def sync(self) -> None:
         """Apply inserts and deletes made by other processes (lookups do this themselves)."""
-        self._ensure_loaded()
-        with self._lock:
-            self._apply_sync(self.backend.poll())
-            self._last_sync = time.monotonic()
+        self._sync.sync()
 
-    def _maybe_sync(self) -> None:
-        if isinstance(self.backend, MemoryEntryStore):
-            return
-        if time.monotonic() - self._last_sync >= self.sync_interval_s:
-            self.sync()
-
-    # -- public API ------------------------------------------------------------------------
+    # -- lookup ----------------------------------------------------------------------------
     def lookup(self, query: str, *, scope: ScopeLike = "default", context: ContextLike = None,
                model: str | None = None, tenant: str | None = None,
                tags: Iterable[str] = (), threshold: float | None = None,
@@ -834,79 +495,120 @@ class SemanticCache:
         self._check_query(query)
         part, scope_name, _, _ = self._resolve(scope, context, model, tenant)
         reader = frozenset(tags)
-        self._ensure_loaded()
-        self._maybe_sync()
+        self._sync.ensure_loaded()
+        self._sync.maybe_sync()
         vec = self._embed(query, embedding)
         now = self._clock()
+        cands, among = self._candidates(query, part, vec, reader, threshold, now)
+        decision = self._decide(query, part, vec, cands, among, threshold)
+        c, verified = self._verify_scope(query, scope_name, decision)
+        if self.mode == "shadow":
+            self._shadow.record(query, part, scope_name, c or (cands[0] if cands else None),
+                                c is not None, decision.reason, now)
+            return None
+        return self._serve(c, decision.reason, verified, now)
+
+    def _candidates(self, query: str, part: str, vec: np.ndarray, reader: frozenset[str],
+                    threshold: float | None, now: float
+                    ) -> tuple[list[Candidate], list[str] | None]:
+        """The partition's nearest entries the policy is offered, best first, and the
+        clusters whose centroids are the rivals (None: all of the partition's).
+
+        A candidate is unexpired (an expired entry is removed on the way), readable with the
+        ``reader``'s tags, trusted and passed by the guard; it carries its cluster's figures
+        when the policy uses centroids. Entries below the policy's ``min_similarity`` can never
+        be served: one is looked at only as the runner-up a ``scorer`` reads next to a servable
+        best, otherwise they are not guarded or offered at all."""
+        policy, table = self.policy, self._table
+        cands: list[Candidate] = []
+        expired: list[str] = []
+        among: list[str] | None = None
         with self._lock:
             self._stats.lookups += 1
-            idx = self._indexes.get(part)
-            cands: list[Candidate] = []
-            expired: list[str] = []
-            among: list[str] | None = None  # rival clusters (None: all of the partition)
+            idx = table.indexes.get(part)
             if idx is not None and len(idx):
-                cc = self._centroids.get(part) if getattr(self.policy, "uses_centroids",
-                                                          False) else None
+                cc = table.clusters.centroids.get(part) if policy.uses_centroids else None
                 wide = cc is not None and len(cc) > _RIVAL_SCAN_ROWS
-                labels, sims = idx.search(vec, max(self.k, _RIVAL_NEIGHBOURS) if wide
-                                          else self.k)
+                labels, sims = table.search(part, vec, max(self.k, _RIVAL_NEIGHBOURS) if wide
+                                            else self.k)
                 if wide:  # many clusters: rivals among a wider neighbourhood's clusters
-                    among = [self._slots[e].cluster for e in
-                             (self._labels.get(int(x)) for x in labels.tolist())
-                             if e is not None and e in self._slots]
+                    among = [table.slots[e].cluster for e in
+                             (table.labels.get(int(x)) for x in labels)
+                             if e is not None and e in table.slots]
                     labels, sims = labels[: self.k], sims[: self.k]
-                # candidates below the policy's floor can never be served; one is looked at only
-                # as the runner-up a scorer reads next to a servable best, otherwise they are
-                # not guarded or offered at all
-                floor = getattr(self.policy, "min_similarity", None)
-                if floor is not None and threshold is not None:
+                floor = policy.min_similarity
+                if threshold is not None:
                     floor = min(float(floor), float(threshold))
-                scored = getattr(self.policy, "scorer", None) is not None
-                for lab, sim in zip(labels.tolist(), sims.tolist(), strict=True):
-                    if floor is not None and sim < floor and (
-                            len(cands) >= 2 or not cands or not scored):
+                scored = policy.scorer is not None
+                for lab, sim in zip(labels, sims, strict=True):
+                    if sim < floor and (len(cands) >= 2 or not cands or not scored):
                         break
-                    eid = self._labels.get(int(lab))
-                    s = self._slots.get(eid) if eid is not None else None
-                    if s is None:
+                    found = table.at_label(lab)
+                    if found is None:
                         continue
-                    if s.expires_at is not None and now >= s.expires_at:
-                        expired.append(eid)  # type: ignore[arg-type]
+                    eid, s = found
+                    if Expiry.slot_expired(s, now):
+                        expired.append(eid)
                         continue
                     if not s.tags <= reader:
                         continue
-                    if s.trust < _MIN_TRUST:
+                    if s.trust < MIN_TRUST:
                         self._stats.distrusted += 1
                         continue
                     if not self._guard_ok(query, s):
                         self._stats.guarded += 1
                         continue
-                    cands.append(Candidate(eid, s.query, float(sim),  # type: ignore[arg-type]
-                                           s.cluster))
+                    cands.append(Candidate(eid, s.query, float(sim), s.cluster))
             if expired:
-                self._unindex(expired)
+                table.remove(expired)
                 self._stats.expired += len(expired)
-            if getattr(self.policy, "uses_centroids", False):
-                self._cluster_views(part, vec, cands, among)
+            if policy.uses_centroids:
+                table.clusters.views(part, vec, cands, table.indexes.get(part), among,
+                                     policy.intent_metric)
         if expired:
             self.backend.delete(expired)
+        return cands, among
+
+    def _guard_ok(self, query: str, s: Slot) -> bool:
+        g = self.guard
+        if g is None:
+            return True
+        check = getattr(g, "check", None)
+        if check is None:
+            return bool(g(query, s.query))
+        r = check(query, s.query)
+        if r.ok:
+            return True
+        clusters = self._table.clusters
+        return clusters.size(s.cluster) > 1 and r.reason in clusters.waived_checks(
+            s.cluster, s.answer_key)
+
+    def _decide(self, query: str, part: str, vec: np.ndarray, cands: list[Candidate],
+                among: list[str] | None, threshold: float | None) -> Decision:
+        """The policy's decision on ``cands``. A miss refused for a rival answer alone
+        (``Decision.rival_blocked``) may be one answer the store did not link (e.g. a bulk
+        load of answers worded differently): when the rival's answer means the same, its
+        cluster joins the blocked one and the policy decides on the joined candidates (at
+        most :data:`_MAX_MERGES` joins)."""
         decision = self.policy.decide(query, cands, threshold=threshold)
-        blocked = getattr(self.policy, "rival_blocked", None)
-        for _ in range(_MAX_MERGES):
-            # refused for a rival cluster alone: if the rival's answer means the same, the two
-            # are one answer cluster the store did not link (e.g. a bulk load of answers worded
-            # differently); join them and decide again
-            win = blocked(cands) if blocked is not None and decision.candidate is None else None
-            if win is None or not self._merge_rival(part, vec, cands, win, among):
-                break
+        joins = 0
+        while (decision.candidate is None and decision.rival_blocked is not None
+               and joins < _MAX_MERGES
+               and self._linker.join_rival(part, vec, cands, decision.rival_blocked, among,
+                                           self.policy.intent_metric)):
+            joins += 1
             decision = self.policy.decide(query, cands, threshold=threshold)
         self._stats.verifications += decision.verifications
         if decision.reason == "intent-rejected":
             self._stats.intent_rejected += 1
-        c = decision.candidate
-        verified = decision.verified
-        if c is not None and scope_name in self.verify_scopes and not verified:
-            # sensitive scope: nothing is served that the verifier has not confirmed
+        return decision
+
+    def _verify_scope(self, query: str, scope: str,
+                      decision: Decision) -> tuple[Candidate | None, bool]:
+        """A sensitive scope (``verify_scopes``) serves nothing the verifier has not
+        confirmed: (the candidate to serve or None, whether it is verified)."""
+        c, verified = decision.candidate, decision.verified
+        if c is not None and scope in self.verify_scopes and not verified:
             assert self.verifier is not None
             with self._lock:
                 self._stats.verifications += 1
@@ -916,10 +618,10 @@ class SemanticCache:
                 with self._lock:
                     self._stats.verifier_rejections += 1
                 c = None
-        if self.mode == "shadow":
-            self._shadow_lookup(query, part, scope_name, c or (cands[0] if cands else None),
-                                c is not None, decision.reason, now)
-            return None
+        return c, verified
+
+    def _serve(self, c: Candidate | None, reason: str, verified: bool, now: float) -> Hit | None:
+        """The hit for ``c``, read from the store (None: a miss, or the row is gone)."""
         if c is None:
             with self._lock:
                 self._stats.misses += 1
@@ -927,68 +629,29 @@ class SemanticCache:
         entry = self.backend.get(c.entry_id)
         with self._lock:
             if entry is None or entry.expired(now):
-                self._unindex([c.entry_id])
+                self._table.remove([c.entry_id])
                 self._stats.misses += 1
                 self._stats.corrupt = self.backend.corrupt
                 return None
-            s = self._slots.get(c.entry_id)
+            s = self._table.slots.get(c.entry_id)
             if s is not None:
                 s.hits += 1
                 s.last_access = now
-                self._slots.move_to_end(c.entry_id)
+                self._table.slots.move_to_end(c.entry_id)
             self._stats.hits += 1
-            refresh = self.refresh_on_hit and entry.ttl_s is not None
-            if refresh:
-                entry.expires_at = now + float(entry.ttl_s)  # type: ignore[arg-type]
-                entry.hits += 1
-                entry.last_hit = now
-                if s is not None:
-                    s.expires_at = entry.expires_at
+            refresh = self._expiry.on_hit(entry, s, now)
         if refresh:
             self.backend.put(entry)
         return Hit(answer=entry.answer, similarity=c.similarity, entry_id=entry.id,
                    age_s=max(0.0, now - entry.created_at), query=entry.query, scope=entry.scope,
                    model=entry.model, tags=entry.tags, metadata=dict(entry.metadata),
-                   verified=verified, cluster=c.cluster_key, reason=decision.reason)
+                   verified=verified, cluster=c.cluster_key, reason=reason)
 
-    def _shadow_lookup(self, query: str, part: str, scope: str, c: Candidate | None,
-                       would_serve: bool, reason: str, now: float) -> None:
-        """Shadow mode: remember what would have been served until the real answer is stored."""
-        entry = self.backend.get(c.entry_id) if c is not None else None
-        rec = ShadowRecord(t=now, scope=scope, similarity=None if c is None else c.similarity,
-                           would_serve=would_serve and entry is not None,
-                           reason=reason if entry is not None or c is None else "gone",
-                           entry_id="" if c is None else c.entry_id,
-                           cluster="" if c is None else c.cluster_key, query=query,
-                           cached_answer="" if entry is None else entry.answer)
-        with self._lock:
-            self._stats.misses += 1
-            self._stats.shadow_lookups += 1
-            self._stats.shadow_would_hit += rec.would_serve
-            key = (part, " ".join(query.split()))
-            self._pending.pop(key, None)
-            self._pending[key] = rec
-            while len(self._pending) > self.shadow.records.maxlen:  # type: ignore[operator]
-                _, old = self._pending.popitem(last=False)
-                self.shadow.add(old)  # never compared: logged with agree=None
-
-    def _finish_shadow(self, part: str, query: str, answer: str) -> None:
-        with self._lock:
-            rec = self._pending.pop((part, " ".join(query.split())), None)
-        if rec is None:
-            return
-        if rec.entry_id:
-            rec.agree = answers_agree(answer, rec.cached_answer, self.answer_match,
-                                      self.embedder.embed)
-            if rec.would_serve:
-                self._feedback_entry(rec.entry_id, rec.agree)
-        self.shadow.add(rec)
-
+    # -- shadow mode and feedback -----------------------------------------------------------
     @property
     def shadow_pending(self) -> int:
         """Shadowed lookups still waiting for the model's real answer to be stored."""
-        with self._lock:
-            return len(self._pending)
+        return len(self._shadow)
 
     def shadow_report(self, *, target_precision: float = 0.95, **kw: Any) -> Any:
         """:func:`~semcomm.semantic.shadow_report` over this cache's finished shadow records."""
@@ -1006,12 +669,12 @@ class SemanticCache:
         eid = hit.entry_id if isinstance(hit, Hit) else hit
         if not isinstance(eid, str) or not eid:
             raise InvalidInputError("feedback() needs a Hit or an entry id")
-        self._ensure_loaded()
+        self._sync.ensure_loaded()
         return self._feedback_entry(eid, bool(correct))
 
     def _feedback_entry(self, eid: str, correct: bool) -> float:
         with self._lock:
-            s = self._slots.get(eid)
+            s = self._table.slots.get(eid)
             if s is None:
                 return 0.0
             if correct:
@@ -1021,12 +684,12 @@ class SemanticCache:
                 self._stats.contradicted += 1
             if trust == s.trust:
                 return trust
-            if (s.trust < _MIN_TRUST) != (trust < _MIN_TRUST) and s.partition in self._centroids:
-                self._centroids[s.partition].discard(s.cluster)  # it leaves or rejoins the sum
+            if (s.trust < MIN_TRUST) != (trust < MIN_TRUST):
+                self._table.clusters.trust_moved(s)  # it leaves or rejoins the centroid's sum
             s.trust = trust
             drop = trust <= _DROP_TRUST
             if drop:
-                self._unindex([eid])
+                self._table.remove([eid])
                 self._stats.invalidated += 1
         if drop:
             self.backend.delete([eid])
@@ -1037,6 +700,7 @@ class SemanticCache:
             self.backend.put(entry)
         return trust
 
+    # -- store -----------------------------------------------------------------------------
     def store(self, query: str, answer: str, *, scope: ScopeLike = "default",
               context: ContextLike = None, model: str | None = None, tenant: str | None = None,
               ttl: float | None = None, tags: Iterable[str] = (),
@@ -1064,15 +728,13 @@ class SemanticCache:
             if not isinstance(a, str):
                 raise InvalidInputError(f"answer must be a string, got {type(a).__name__} "
                                         "(serialise structured answers to JSON)")
-        ttl = self.default_ttl if ttl is None else ttl
-        if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
-            raise InvalidInputError(f"ttl must be positive seconds, got {ttl!r}")
+        ttl = self._expiry.ttl_for(ttl)
         tag_t = tuple(sorted(set(tags)))
         if any(not isinstance(t, str) or not t for t in tag_t):
             raise InvalidInputError("tags must be non-empty strings")
         meta = dict(metadata or {})
         part, sc, td, mdl = self._resolve(scope, context, model, tenant)
-        self._ensure_loaded()
+        self._sync.ensure_loaded()
         if embeddings is None:
             vecs = self.embedder.embed(list(queries))
         else:
@@ -1084,14 +746,14 @@ class SemanticCache:
         entries = [
             Entry(id=entry_id(part, q), partition=part, query=q, answer=a, vector=v, model=mdl,
                   scope=sc, tenant=td, tags=tag_t, created_at=now, ttl_s=ttl,
-                  expires_at=None if ttl is None else now + ttl, embedder=self.embedder.name,
+                  expires_at=Expiry.expires_at(now, ttl), embedder=self.embedder.name,
                   metadata=meta)
             for q, a, v in zip(queries, answers, vecs, strict=True)
         ]
-        if self._pending:
+        if self.shadow_pending:
             for q, a in zip(queries, answers, strict=True):
-                self._finish_shadow(part, q, a)
-        self._link_clusters(part, entries)
+                self._shadow.finish(part, q, a)
+        self._linker.link(part, entries)
         put_many = getattr(self.backend, "put_many", None)
         if put_many is not None:
             put_many(entries)
@@ -1099,58 +761,14 @@ class SemanticCache:
             for e in entries:
                 self.backend.put(e)
         with self._lock:
-            self._index_entries(entries)
+            self._table.add(entries)
             self._stats.stores += len(entries)
-            victims = self._enforce_budget()
+            victims = self._table.enforce_budget()
         if victims:
             self.backend.delete(victims)
         return [e.id for e in entries]
 
-    def _link_clusters(self, part: str, entries: Sequence[Entry]) -> None:
-        """Answer-equivalence learning: a new entry joins the cluster of an entry with the same
-        answer text, or (a single store) of a near neighbour (query similarity >= 0.5) whose
-        answer means the same (``answer_match``). Entries of one batch with equal answers share
-        a cluster."""
-        batch: dict[str, str] = {}
-        for e in entries:
-            ak = _answer_key(e.answer)
-            with self._lock:
-                old = self._slots.get(e.id)
-                if old is not None and old.answer_key == ak:
-                    e.cluster, e.trust = old.cluster, old.trust  # same answer re-stored
-                    continue
-                e.cluster = self._answer_cluster.get((part, ak)) or batch.get(ak, "")
-            # by meaning only for one answer at a time (a miss the model just answered): bulk
-            # loads link by text, without a neighbour search per entry
-            if not e.cluster and self.answer_match is not None and len(entries) == 1 and (
-                    callable(self.answer_match) or len(e.answer.split()) >= MIN_EMBED_WORDS):
-                e.cluster = self._match_neighbour(part, e)
-            if e.cluster:
-                with self._lock:
-                    self._stats.linked += 1
-            batch.setdefault(ak, e.cluster or e.id)
-
-    def _match_neighbour(self, part: str, e: Entry) -> str:
-        with self._lock:
-            idx = self._indexes.get(part)
-            if idx is None or not len(idx):
-                return ""
-            labels, sims = idx.search(e.vector, self.k)
-            near = []
-            for lab, sim in zip(labels.tolist(), sims.tolist(), strict=True):
-                if sim < _LINK_FLOOR:
-                    break
-                eid = self._labels.get(int(lab))
-                s = self._slots.get(eid) if eid is not None else None
-                if s is not None and eid is not None and eid != e.id and s.trust >= _MIN_TRUST:
-                    near.append((eid, s.cluster))
-        for eid, cluster in near:
-            other = self.backend.get(eid)
-            if other is not None and answers_agree(e.answer, other.answer, self.answer_match,
-                                                   self.embedder.embed):
-                return cluster
-        return ""
-
+    # -- maintenance -------------------------------------------------------------------------
     def invalidate(self, entry_id: str | None = None, *, tag: str | None = None,
                    scope: ScopeLike | None = None, tenant: str | None = None,
                    model: str | None = None) -> int:
@@ -1159,8 +777,8 @@ class SemanticCache:
         if entry_id is None and tag is None and scope is None:
             raise InvalidInputError("invalidate() needs an entry id, a tag or a scope "
                                     "(use clear() to drop everything)")
-        self._ensure_loaded()
-        self._maybe_sync()
+        self._sync.ensure_loaded()
+        self._sync.maybe_sync()
         sname: str | None = None
         td: str | None = None
         if scope is not None:
@@ -1172,7 +790,7 @@ class SemanticCache:
                 td = self._tenant_digest(tenant) if tenant is not None else None
         with self._lock:
             ids = []
-            for i, s in self._slots.items():
+            for i, s in self._table.slots.items():
                 if entry_id is not None and i != entry_id:
                     continue
                 if tag is not None and tag not in s.tags:
@@ -1184,7 +802,7 @@ class SemanticCache:
                 if model is not None and s.model != model:
                     continue
                 ids.append(i)
-            gone = self._unindex(ids)
+            gone = self._table.remove(ids)
             self._stats.invalidated += len(gone)
         if gone:
             self.backend.delete(gone)
@@ -1192,40 +810,28 @@ class SemanticCache:
 
     def clear(self) -> None:
         """Drop every entry (in this store: other processes sharing it see the clear)."""
-        self.backend.clear()
-        with self._lock:
-            self._slots.clear()
-            self._labels.clear()
-            self._indexes.clear()
-            self._answer_cluster.clear()
-            self._answer_refs.clear()
-            self._members.clear()
-            self._waived.clear()
-            self._centroids.clear()
-            self._distinct_answers.clear()
-            self._bytes = 0
-            if hasattr(self.backend, "poll"):
-                self.backend.poll()  # consume our own clear
+        self._sync.clear()
 
     def stats(self) -> CacheStats:
         """Counters and sizes (reads a persistent store's index first; never loads a model
         for an empty in-memory cache)."""
         if not isinstance(self.backend, MemoryEntryStore):
-            self._ensure_loaded()
+            self._sync.ensure_loaded()
         with self._lock:
             st = CacheStats(**{k: getattr(self._stats, k) for k in CacheStats.__slots__})  # type: ignore[attr-defined]
-            st.entries = len(self._slots)
-            st.bytes = self._bytes
+            st.entries = len(self._table)
+            st.bytes = self._table.bytes
             st.corrupt = self.backend.corrupt
             st.errors = int(getattr(self.backend, "errors", 0))
             st.store = self.backend.name
-            kinds = {getattr(i, "kind", type(i).__name__) for i in self._indexes.values()}
+            indexes = self._table.indexes.values()
+            kinds = {getattr(i, "kind", type(i).__name__) for i in indexes}
             st.index = ",".join(sorted(kinds)) or self.index_kind
-            st.policy = getattr(self.policy, "name", type(self.policy).__name__)
+            st.policy = self.policy.name
             st.max_entries = self.max_entries
             st.max_bytes = self.max_bytes
-            st.extra = {"partitions": len(self._indexes),
-                        "index_vectors": sum(len(i) for i in self._indexes.values())}
+            st.extra = {"partitions": len(indexes),
+                        "index_vectors": sum(len(i) for i in indexes)}
             return st
 
     def wait_index(self, timeout: float | None = None) -> bool:
@@ -1233,12 +839,12 @@ class SemanticCache:
         background thread while the previous index serves) is in use; True when none is left
         pending. Lookups and stores go on meanwhile."""
         with self._lock:
-            indexes = list(self._indexes.values())
+            indexes = list(self._table.indexes.values())
         return all([idx.wait(timeout, lock=self._lock) for idx in indexes if hasattr(idx, "wait")])
 
     def entries(self) -> list[Entry]:
         """All live entries (validated rows from the store), for export."""
-        self._ensure_loaded()
+        self._sync.ensure_loaded()
         now = self._clock()
         return [e for e in self.backend.load_all() if not e.expired(now)]
 
@@ -1252,8 +858,8 @@ class SemanticCache:
         self.close()
 
     def __len__(self) -> int:
-        self._ensure_loaded()
-        return len(self._slots)
+        self._sync.ensure_loaded()
+        return len(self._table)
 
     # -- async twins -----------------------------------------------------------------------
     # Embedding is CPU-bound and store I/O may block: both run in a worker thread so the event

@@ -8,6 +8,7 @@ gateway does after every miss), the record learns whether the cached answer agre
 real one (:func:`answers_agree`: the same text, or answer embeddings at least ``answer_match``
 similar, or a caller's judge). Each finished record goes to a bounded in-memory log and, with
 ``shadow_log=PATH``, one JSON line per record to a file that ``semcomm cache report`` reads.
+:class:`ShadowTracker` is the cache's collaborator that keeps the open records.
 
 :func:`shadow_report` turns records into the deployment checklist's numbers: the would-be hit
 rate, the estimated precision of would-be hits overall and by similarity band, and the lowest
@@ -22,15 +23,20 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ConfigError, InvalidInputError
+
+if TYPE_CHECKING:
+    from ._cache import CacheStats
+    from ._entry import Entry
+    from ._policy import Candidate
 
 __all__ = [
     "DEFAULT_BANDS",
@@ -39,6 +45,7 @@ __all__ = [
     "ShadowLog",
     "ShadowRecord",
     "ShadowReport",
+    "ShadowTracker",
     "answers_agree",
     "plot_shadow_report",
     "read_shadow_log",
@@ -102,6 +109,67 @@ class ShadowLog:
 
     def __len__(self) -> int:
         return len(self.records)
+
+
+class ShadowTracker:
+    """Shadow mode inside :class:`~semcomm.semantic.SemanticCache`: the lookups whose real
+    answer is not stored yet.
+
+    :meth:`record` keeps what a lookup would have served (counted as a miss: the model
+    answers); :meth:`finish`, called when the model's answer for the same query and partition
+    is stored, compares the two (``agree``), tells the entry's trust (``feedback``) when it
+    would have been served, and logs the record to ``log``. At most ``log.records.maxlen``
+    lookups wait; the oldest beyond that is logged uncompared (``agree=None``). Reads the
+    would-be answer from the store (``entry``); state and ``stats`` change under ``lock``.
+    """
+
+    def __init__(self, log: ShadowLog, lock: threading.RLock, stats: CacheStats, *,
+                 entry: Callable[[str], Entry | None], agree: Callable[[str, str], bool],
+                 feedback: Callable[[str, bool], float]) -> None:
+        self.log = log
+        self._lock = lock
+        self._stats = stats
+        self._entry = entry
+        self._agree = agree
+        self._feedback = feedback
+        self._open: OrderedDict[tuple[str, str], ShadowRecord] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def record(self, query: str, partition: str, scope: str, c: Candidate | None,
+               would_serve: bool, reason: str, now: float) -> None:
+        """Remember what would have been served (``c``) until the real answer is stored."""
+        entry = self._entry(c.entry_id) if c is not None else None
+        rec = ShadowRecord(t=now, scope=scope, similarity=None if c is None else c.similarity,
+                           would_serve=would_serve and entry is not None,
+                           reason=reason if entry is not None or c is None else "gone",
+                           entry_id="" if c is None else c.entry_id,
+                           cluster="" if c is None else c.cluster_key, query=query,
+                           cached_answer="" if entry is None else entry.answer)
+        with self._lock:
+            self._stats.misses += 1
+            self._stats.shadow_lookups += 1
+            self._stats.shadow_would_hit += rec.would_serve
+            key = (partition, " ".join(query.split()))
+            self._open.pop(key, None)
+            self._open[key] = rec
+            while len(self._open) > self.log.records.maxlen:  # type: ignore[operator]
+                _, old = self._open.popitem(last=False)
+                self.log.add(old)  # never compared: logged with agree=None
+
+    def finish(self, partition: str, query: str, answer: str) -> None:
+        """The model's ``answer`` for ``query`` was stored: compare and log its record."""
+        with self._lock:
+            rec = self._open.pop((partition, " ".join(query.split())), None)
+        if rec is None:
+            return
+        if rec.entry_id:
+            rec.agree = self._agree(answer, rec.cached_answer)
+            if rec.would_serve:
+                self._feedback(rec.entry_id, rec.agree)
+        self.log.add(rec)
 
 
 def read_shadow_log(path: str | os.PathLike[str]) -> list[ShadowRecord]:
