@@ -9,6 +9,7 @@ tokenizer: a passage tokenized alone is the same tokens as inside the prompt).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,88 @@ def test_the_openai_client_sends_documents_unchanged(tmp_path: Path) -> None:
         details = out.usage.prompt_tokens_details
         assert details is not None and details.model_extra["selector"] == "epic"
         assert details.model_extra["document_tokens_reused"] > 0
+
+
+# --- pipelines whose stages share text under their own role prompts ---------------------
+
+def _team_config(tmp: Path, pattern: str, layout: str | None = None, **over: Any) -> Any:
+    roles = [("solver", "You solve it."), ("checker", "You check the answers."),
+             ("skeptic", "You look for mistakes."), ("judge", "Pick the best answer.")]
+    pipe: dict[str, Any] = {"pattern": pattern, "stages": [
+        {"model": "tiny", "role": r, "system": s, "max_tokens": 6} for r, s in roles], **over}
+    if layout:
+        pipe["layout"] = layout
+    return load_config(None, environ={}, defaults=False, overrides={
+        "server": {"state_dir": str(tmp), "max_tokens_limit": 16},
+        "models": {"tiny": {"path": "tiny", "max_batch": 4}},
+        "pipelines": {"team": pipe},
+        "kv": {"tiers": ["memory"], "chunk_size": 32}, "semantic": {"enabled": False}})
+
+
+@pytest.mark.parametrize("pattern", ["fanout", "chain"])
+def test_agents_reuse_the_text_they_share_under_their_own_role(tmp_path: Path,
+                                                              pattern: str) -> None:
+    """Each stage puts its own role prompt first, so a prefix cache never hits on the request
+    or the earlier answers; as documents their KV is reused under every stage. Streamed and
+    not, the final answer is the last stage's; text handoff (no reuse) gives the same stages."""
+    question = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(12))
+
+    async def ask(app: Any, stream: bool) -> tuple[httpx.Response, str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=120) as c:
+            r = await c.post("/v1/chat/completions", json={
+                "model": "team", "max_tokens": 6, "stream": stream,
+                "messages": [{"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+            if not stream:
+                return r, r.json()["choices"][0]["message"]["content"]
+            text = ""
+            for line in r.text.splitlines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:]).get("choices", []):
+                        text += ch.get("delta", {}).get("content") or ""
+            return r, text
+
+    async def main(app: Any) -> list[tuple[httpx.Response, str]]:
+        gw = app.state.gateway
+        await gw.startup()
+        try:
+            return [await ask(app, False), await ask(app, True)]
+        finally:
+            await gw.shutdown()
+
+    shared = asyncio.run(main(create_app(_team_config(tmp_path / "a", pattern, "shared"))))
+    (first, text), (_, streamed) = shared
+    meta = first.json()["semcomm"]
+    assert meta["pattern"] == pattern and meta["layout"] == "shared"
+    assert meta["handoffs"] == {"shared": 3}
+    assert len(meta["stages"]) == 4 and len(meta["intermediate"]) == 3
+    assert text == streamed  # the last stage's answer, streamed or not
+    # the judge reads every earlier answer; all four stages read the request as a document
+    judge = meta["stages"][-1]["documents"]
+    assert judge["documents"] == 4 and judge["documents_hit"] >= 1
+    assert meta["saved_tokens_by_layer"]["docs"] > 0
+    assert "docs:" in first.headers["x-semcomm-hits"]
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # a fan-out's specialists read the request only
+    if pattern == "fanout":
+        assert all(s["documents"]["documents"] == 1 for s in meta["stages"][:-1])
+    else:
+        assert [s["documents"]["documents"] for s in meta["stages"]] == [1, 2, 3, 4]
+    # with text handoff nothing is reused across stages, and the stages still answer
+    plain = asyncio.run(main(create_app(_team_config(tmp_path / "b", pattern, "shared",
+                                                     handoff="text"))))
+    pmeta = plain[0][0].json()["semcomm"]
+    assert pmeta["handoffs"] == {"text": 3} and "docs" not in pmeta["saved_tokens_by_layer"]
+    assert "docs:" not in plain[0][0].headers["x-semcomm-hits"]
+
+
+def test_a_fanout_needs_the_shared_layout_and_two_stages(tmp_path: Path) -> None:
+    from semcomm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="layout"):
+        _team_config(tmp_path, "fanout", layout="prefix")
+    with pytest.raises(ConfigError, match="two or more stages"):
+        load_config(None, environ={}, defaults=False, overrides={
+            "models": {"tiny": {"path": "tiny"}},
+            "pipelines": {"solo": {"pattern": "fanout", "stages": [{"model": "tiny"}]}}})

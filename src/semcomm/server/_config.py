@@ -340,6 +340,27 @@ class PipelineConfig(_Section):
     handoff: Literal["auto", "kv", "c2c", "text"] = "auto"
     description: str = ""
     fuser: str | None = None  # path of a trained fuser for c2c handoff (default: shipped one)
+    # "chain": each stage reads every earlier stage's answer; "fanout": every stage but the
+    # last reads only the request (specialists), the last reads all their answers (a
+    # synthesizer or a judge)
+    pattern: Literal["chain", "fanout"] = "chain"
+    # "prefix": each stage's prompt extends the previous one's (kv / c2c / text handoff);
+    # "shared": each stage's own system prompt first, then the request and earlier answers as
+    # documents, whose KV an in-process model reuses under every stage's prompt (docs/rag.md).
+    # Default: prefix for a chain, shared for a fan-out (which needs it)
+    layout: Literal["prefix", "shared"] | None = None
+
+    @model_validator(mode="after")
+    def _layout(self) -> PipelineConfig:
+        if self.layout is None:
+            self.layout = "shared" if self.pattern == "fanout" else "prefix"
+        if self.pattern == "fanout" and self.layout != "shared":
+            raise ValueError("a fanout pipeline needs layout = \"shared\" (its specialists "
+                             "do not extend each other's prompts)")
+        if self.pattern == "fanout" and len(self.stages) < 2:
+            raise ValueError("a fanout pipeline needs two or more stages (specialists, then "
+                             "the stage that reads their answers)")
+        return self
 
 
 class RayConfig(_Section):

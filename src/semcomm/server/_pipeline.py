@@ -17,18 +17,31 @@ chosen automatically (``handoff = "auto"``) from what is available:
   sharer's KV of the shared context through the fuser; the sharer writes no text.
 * ``text``: the fallback; the previous output is passed as text and prefilled again.
 
+With ``layout = "shared"`` a stage's prompt starts with its own system prompt (a role), then
+the request and the earlier answers it reads, each a document::
+
+    stage i: [system: s_i] + [user: "Request:" <request> "Answer 1 (role):" <out_0> ...]
+
+so the text the stages share follows a different prefix in each, and an exact prefix cache
+never hits on it; an in-process model with KV reuse reuses each document's KV under every
+stage's prompt instead (``shared`` handoff, engine/_documents.py: stored once, re-rotated,
+a share recomputed in context). ``pattern = "fanout"`` runs every stage but the last on the
+request alone (specialists, concurrently) and the last on all their answers (a synthesizer or
+a judge); a chain's stage reads every earlier answer.
+
 The modes used are reported in ``response["semcomm"]["handoffs"]`` and the
 ``semcomm_pipeline_handoffs`` metric.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from ..runtime import Completion, Started, StreamItem
-from ._backends import BackendStatus, GenRequest, ModelBackend, collect
+from ._backends import BackendStatus, GenRequest, ModelBackend, Piece, collect, messages_text
 from ._c2c import C2CHandoff, FusionRegistry
 from ._config import PipelineConfig
 
@@ -47,6 +60,12 @@ def stage_messages(base: list[dict[str, str]], systems: list[str], outputs: list
         if j < stage and outputs[j]:
             msgs.append({"role": "assistant", "content": outputs[j]})
     return msgs
+
+
+def _reused(c: Completion) -> int:
+    """Document tokens a stage's completion reused (0 without documents)."""
+    doc = c.meta.get("documents")
+    return int(doc["reused_tokens"]) if doc else 0
 
 
 class PipelineBackend:
@@ -71,6 +90,8 @@ class PipelineBackend:
         """Mode of the handoff into stage ``i`` (i >= 1)."""
         prev, cur = self.cfg.stages[i - 1], self.cfg.stages[i]
         b = self._backend(i)
+        if self.cfg.layout == "shared":  # documents reused under each stage's own prompt
+            return "shared" if b.kv_reuse and self.cfg.handoff in ("auto", "kv") else "text"
         want = self.cfg.handoff
         same = prev.model == cur.model
         kv_ok = same and b.kv_reuse
@@ -91,8 +112,11 @@ class PipelineBackend:
             modes = [self.handoff_mode(i) for i in range(1, len(self.cfg.stages))]
         except KeyError:
             return "stages reference missing models"
-        chain = " -> ".join(s.model for s in self.cfg.stages)
-        return f"{chain}; handoffs {modes or ['none']}"
+        sep = " | " if self.cfg.pattern == "fanout" else " -> "
+        chain = sep.join(s.model for s in self.cfg.stages[:-1])
+        chain = (f"({chain}) -> " if self.cfg.pattern == "fanout" else
+                 (chain + " -> " if chain else "")) + self.cfg.stages[-1].model
+        return f"{chain}; {self.cfg.pattern}, {self.cfg.layout} layout; handoffs {modes or ['none']}"
 
     def prepare(self, req: GenRequest) -> None:
         return None  # each stage prepares its own request
@@ -114,7 +138,98 @@ class PipelineBackend:
                           request_id=f"{req.request_id}.{i}",
                           stream=req.stream and i == len(self.cfg.stages) - 1, ctx=req.ctx)
 
+    def _shared_req(self, req: GenRequest, i: int, request: str,
+                    answers: Sequence[tuple[int, str]]) -> GenRequest:
+        """Stage ``i``'s request in the shared layout: its system prompt, then the request and
+        the ``(stage, answer)`` pairs it reads, each a document (module docstring)."""
+        st = self.cfg.stages[i]
+        pieces = [Piece("system", st.system)] if st.system else []
+        pieces.append(Piece("user", "Request:\n"))
+        if request:
+            pieces.append(Piece("user", request, document=True))
+        for k, (j, text) in enumerate(answers, 1):
+            who = self.cfg.stages[j].role or self.cfg.stages[j].model
+            pieces.append(Piece("user", f"\n\nAnswer {k} ({who}):\n"))
+            if text:
+                pieces.append(Piece("user", text, document=True))
+        pieces.append(Piece("user", "\n\n"))
+        sreq = self._stage_req(req, i, [])
+        sreq.messages = ([{"role": "system", "content": st.system}] if st.system else []) + [
+            {"role": "user", "content": "".join(p.text for p in pieces if p.role == "user")}]
+        # text handoff: the same prompt, read as plain text (nothing reused across stages)
+        sreq.documents = pieces if self.cfg.handoff in ("auto", "kv") else None
+        return sreq
+
+    async def _stream_shared(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        request = (messages_text(req.messages).rstrip("\n") if req.messages is not None
+                   else req.prompt or "")
+        stages = self.cfg.stages
+        last = len(stages) - 1
+        outputs = [""] * len(stages)
+        comps: list[Completion | None] = [None] * len(stages)
+        handoffs: dict[str, int] = {}
+        for i in range(1, last + 1):
+            mode = self.handoff_mode(i)
+            handoffs[mode] = handoffs.get(mode, 0) + 1
+
+        async def run(i: int, reads: list[int]) -> None:
+            sreq = self._shared_req(req, i, request, [(j, outputs[j]) for j in reads])
+            comps[i] = c = await collect(self._backend(i).stream(sreq))
+            outputs[i] = c.text
+
+        if self.cfg.pattern == "fanout":  # specialists at once, each on the request alone
+            await asyncio.gather(*(run(i, []) for i in range(last)))
+        else:
+            for i in range(last):
+                await run(i, list(range(i)))
+        earlier = [c for c in comps[:last] if c is not None]
+        reused = [_reused(c) for c in earlier]
+        before_prompt = sum(c.prompt_tokens for c in earlier)
+        before_kv = sum(c.hit_tokens for c in earlier) - sum(reused)
+        sreq = self._shared_req(req, last, request, [(j, outputs[j]) for j in range(last)])
+        final: Completion | None = None
+        async for item in self._backend(last).stream(sreq):
+            if isinstance(item, Started):  # kv: exact prefixes; docs: documents reused
+                docs = sum(reused) + sum(int(x[5:]) for x in item.layers
+                                         if x.startswith("docs:"))
+                yield Started(prompt_tokens=before_prompt + item.prompt_tokens,
+                              hit_tokens=before_kv + item.hit_tokens,
+                              layers=(f"docs:{docs}",) if docs else ())
+            elif isinstance(item, Completion):
+                final = comps[last] = item
+            else:
+                yield item
+        if final is None:  # pragma: no cover - the backend broke the stream contract
+            raise RuntimeError(f"pipeline {self.name!r}: stage {last} ended without a result")
+        done = [c for c in comps if c is not None]
+        saved: dict[str, int] = {}
+        for c in done:
+            saved["docs"] = saved.get("docs", 0) + _reused(c)
+            saved["kv"] = saved.get("kv", 0) + c.hit_tokens - _reused(c)
+        saved = {k: v for k, v in saved.items() if v}
+        hits = [f"kv:{saved['kv']}"] if saved.get("kv") else []
+        hits += [f"docs:{saved['docs']}"] if saved.get("docs") else []
+        yield Completion(
+            text=final.text, finish_reason=final.finish_reason,
+            prompt_tokens=sum(c.prompt_tokens for c in done),
+            completion_tokens=sum(c.completion_tokens for c in done), hits=hits,
+            hit_tokens=sum(c.hit_tokens for c in done), ttft_s=final.ttft_s,
+            meta={"model": self.name, "pipeline": self.name, "pattern": self.cfg.pattern,
+                  "layout": "shared", "handoffs": handoffs, "saved_tokens_by_layer": saved,
+                  "stages": [{"stage": i, "model": stages[i].model, "role": stages[i].role,
+                              "prompt_tokens": c.prompt_tokens, "hit_tokens": c.hit_tokens,
+                              "completion_tokens": c.completion_tokens,
+                              "ttft_s": round(c.ttft_s, 6),
+                              **({"documents": c.meta["documents"]}
+                                 if "documents" in c.meta else {})}
+                             for i, c in enumerate(comps) if c is not None],
+                  "intermediate": outputs[:-1]})
+
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamItem]:
+        if self.cfg.layout == "shared":
+            async for item in self._stream_shared(req):
+                yield item
+            return
         base = req.messages if req.messages is not None else [
             {"role": "user", "content": req.prompt or ""}]
         systems = [s.system for s in self.cfg.stages]
