@@ -57,6 +57,9 @@ class EntryStore(Protocol):
     def poll(self) -> Sync: ...
     def clear(self) -> None: ...
     def close(self) -> None: ...
+    def ping(self) -> bool | None:
+        """One health probe of a remote backend (Redis: PING); None: nothing to probe."""
+        ...
 
 
 def keep_valid(store: EntryStore, decoded: Iterable[tuple[str, Entry | None]]) -> list[Entry]:
@@ -110,6 +113,9 @@ class MemoryEntryStore:
 
     def clear(self) -> None:
         self._rows.clear()
+
+    def ping(self) -> None:
+        return None  # in-process: nothing to probe
 
     def close(self) -> None:
         pass
@@ -297,6 +303,9 @@ class SQLiteEntryStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def ping(self) -> None:
+        return None  # a local file: nothing to probe
 
     def close(self) -> None:
         with self._lock:

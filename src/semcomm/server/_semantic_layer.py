@@ -20,7 +20,7 @@ from .._query import split_query
 from ..errors import TenantError
 from ..runtime import Completion
 from ..security import TenantContext
-from ..semantic import Scope
+from ..semantic import Scope, SemanticCache
 from ._backends import GenRequest
 
 __all__ = ["SCOPE_NAME", "SemanticHit", "SemanticLayer"]
@@ -54,9 +54,13 @@ class SemanticLayer:
 
     RETRY_DOWN_S = 5.0
 
-    def __init__(self, cache: Any, *, threshold: float | None = None,
+    def __init__(self, cache: SemanticCache, *, threshold: float | None = None,
                  ttl_s: float | None = None, backend: str = "memory", salter: Any = None) -> None:
         self.cache = cache
+        try:  # a remote store (Redis) answers a health probe; a local one says None
+            self._pingable = cache.backend.ping() is not None
+        except Exception:  # a remote store that is down right now
+            self._pingable = True
         self.salter = salter  # the TenantSalter the cache derives scope digests with
         self.threshold = threshold
         self.ttl_s = ttl_s
@@ -96,7 +100,7 @@ class SemanticLayer:
         """Load the embedder, the index and the policy's verifier now, so the first request does
         not pay for them."""
         try:
-            if getattr(self.cache, "mode", "serve") == "shadow":
+            if self.cache.mode == "shadow":
                 # a shadowed warm-up lookup would wait for an answer forever and count as traffic
                 self.cache.embedder.embed(["warm up"])
                 self.cache.stats()
@@ -112,11 +116,9 @@ class SemanticLayer:
 
         The server calls it before it measures the memory plan's baseline, so the plan counts
         them instead of warm-up adding them after the plan was made."""
-        embedder = getattr(self.cache, "embedder", None)
-        if embedder is not None:
-            embedder.embed(["warm up"])
-        scorer = getattr(getattr(self.cache, "policy", None), "scorer", None)
-        if scorer is not None and hasattr(scorer, "scores"):  # the cross-encoder
+        self.cache.embedder.embed(["warm up"])
+        scorer = self.cache.policy.scorer
+        if scorer is not None and hasattr(scorer, "scores"):  # a cross-encoder (not a function)
             scorer.scores("warm up", ["warm up"])
 
     def usable(self) -> bool:
@@ -129,18 +131,17 @@ class SemanticLayer:
     @property
     def pingable(self) -> bool:
         """The entry store answers a health probe (Redis)."""
-        return callable(getattr(getattr(self.cache, "backend", None), "ping", None))
+        return self._pingable
 
     def probe(self) -> bool:
         """One health probe of the entry store (Redis: a PING, at most its socket timeout);
         the gateway calls it every ``server.health_probe_s`` from a thread. Only a probe brings
         a pinged store back up, so the state follows the store and does not flap with the
         requests that happen to touch it. Returns whether the layer is up."""
-        ping = getattr(getattr(self.cache, "backend", None), "ping", None)
-        if ping is None:
+        if not self._pingable:
             return self.up
         try:
-            ok = bool(ping())
+            ok = bool(self.cache.backend.ping())
             why: Exception = ConnectionError("no answer to PING")
         except Exception as exc:  # a probe must never raise into the gateway
             ok, why = False, exc
@@ -155,7 +156,7 @@ class SemanticLayer:
 
     def _error_count(self) -> int:
         try:
-            return int(getattr(self.cache.stats(), "errors", 0) or 0)
+            return self.cache.stats().errors
         except Exception:
             return self._errors
 
@@ -166,8 +167,7 @@ class SemanticLayer:
         except Exception as exc:
             self._down(exc)
             return
-        errors = int(getattr(st, "errors", 0) or 0)
-        guarded = int(getattr(st, "guarded", 0) or 0)
+        errors, guarded = st.errors, st.guarded
         self.rejections_delta += max(0, guarded - self._guarded)
         self._guarded = guarded
         if errors > self._errors:
@@ -201,14 +201,11 @@ class SemanticLayer:
         self._check_counters()
         if hit is None:
             return None
-        meta = getattr(hit, "metadata", None) or {}
+        meta = hit.metadata or {}
         return SemanticHit(
-            answer=hit.answer, similarity=float(hit.similarity),
-            entry_id=str(getattr(hit, "entry_id", "")), age_s=float(getattr(hit, "age_s", 0.0)),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)) if isinstance(meta, dict) else 0,
-            completion_tokens=int(meta.get("completion_tokens", 0)) if isinstance(meta, dict)
-            else 0,
-        )
+            answer=hit.answer, similarity=float(hit.similarity), entry_id=hit.entry_id,
+            age_s=float(hit.age_s), prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", 0)))
 
     async def store(self, req: GenRequest, ctx: TenantContext, comp: Completion) -> None:
         query, context = _split(req)
@@ -235,13 +232,7 @@ class SemanticLayer:
         return int(self.cache.invalidate(**kw) or 0)
 
     def stats(self) -> dict[str, Any]:
-        st = self.cache.stats()
-        if hasattr(st, "as_dict"):
-            return dict(st.as_dict())
-        if isinstance(st, dict):
-            return st
-        return {k: getattr(st, k) for k in dir(st)
-                if not k.startswith("_") and isinstance(getattr(st, k), int | float | str)}
+        return dict(self.cache.stats().as_dict())
 
     SHADOW_REFRESH_S = 1.0
     SHADOW_LARGE = 10_000
@@ -252,7 +243,7 @@ class SemanticLayer:
         cache's finished shadow records (None when the cache serves). Recomputed when records
         were added; past :attr:`SHADOW_LARGE` records at most once per :attr:`SHADOW_REFRESH_S`
         (the dashboard polls every 2 s; a report over 100k records takes ~0.2 s)."""
-        if getattr(self.cache, "mode", "serve") != "shadow":
+        if self.cache.mode != "shadow":
             return None
         records = self.cache.shadow.records
         at, count, view = self._shadow_view
@@ -261,7 +252,7 @@ class SemanticLayer:
                 len(records) > self.SHADOW_LARGE and now - at < self.SHADOW_REFRESH_S)):
             return view
         rep = self.cache.shadow_report(target_precision=target_precision)
-        pending = int(getattr(self.cache, "shadow_pending", 0))
+        pending = self.cache.shadow_pending
         view = {
             "mode": "shadow", "lookups": rep.lookups, "would_hit": rep.would_hit,
             "would_hit_rate": round(rep.would_hit_rate, 4), "compared": rep.compared,
@@ -283,7 +274,5 @@ class SemanticLayer:
         return view
 
     def close(self) -> None:
-        close = getattr(self.cache, "close", None)
-        if close is not None:
-            close()
+        self.cache.close()
 
