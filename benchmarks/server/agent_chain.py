@@ -65,9 +65,9 @@ STAGES = [
 
 def build(kind: str, model: Any, tok: Any, tmp: Path) -> Any:
     from semcomm.kv import MemoryStore
+    from semcomm.runtime import DirectRunner, engine_runner
     from semcomm.security import TenantSalter
     from semcomm.server import BatchingWorker, LocalBackend, load_config
-    from semcomm.runtime import DirectRunner, engine_runner
     from semcomm.server._wiring import build_gateway
 
     cfg = load_config(None, environ={}, defaults=False, overrides={

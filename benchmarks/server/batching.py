@@ -68,10 +68,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from semcomm.kv import MemoryStore
+    from semcomm.reference import build_tiny_model
+    from semcomm.runtime import engine_runner
     from semcomm.security import TenantSalter
     from semcomm.server import BatchingWorker, LocalBackend, create_app, load_config
-    from semcomm.runtime import engine_runner
-    from semcomm.reference import build_tiny_model
     from semcomm.server._wiring import build_gateway
 
     per = 2 if args.quick else 4

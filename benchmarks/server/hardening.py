@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,15 +36,11 @@ from typing import Any
 
 import httpx
 
+from benchmarks.common import RedisServer, free_port
+
 ADMIN = "bench-admin-key"
 TENANT = "bench-tenant-key"
 BIG = 20 * 10**6  # bytes of prompt text in the oversized body
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss(pid: int) -> int:
@@ -53,35 +48,6 @@ def _rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-class _Redis:
-    def __init__(self, exe: str, tmp: Path) -> None:
-        self.exe, self.port, self.dir = exe, _port(), tmp
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
 
 def _watch_health(url: str, stop: Any, worst: Any, polls: Any) -> None:
@@ -119,7 +85,7 @@ class _HealthWatch:
         self.worst, self.n = self._worst.value, self._polls.value
 
 
-def _config(tmp: Path, quick: bool, redis: _Redis | None) -> Path:
+def _config(tmp: Path, quick: bool, redis: RedisServer | None) -> Path:
     lines = ["[server]", f'admin_key = "{ADMIN}"', f'state_dir = "{tmp / "state"}"',
              "max_tokens_limit = 64", "", "[tenants.bench]", f'api_key = "{TENANT}"', ""]
     if quick:
@@ -281,7 +247,7 @@ def _until(cond: Callable[[], bool], limit: float) -> float | None:
     return None
 
 
-def outage(url: str, redis: _Redis, rounds: int, down_s: float) -> list[dict[str, Any]]:
+def outage(url: str, redis: RedisServer, rounds: int, down_s: float) -> list[dict[str, Any]]:
     def status() -> str:
         try:
             return str(httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {ADMIN}"},
@@ -315,10 +281,10 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="semcomm-hardening-"))
     exe = shutil.which("redis-server")
-    redis = _Redis(exe, tmp) if exe else None
+    redis = RedisServer() if exe else None
     if redis is not None:
         redis.start()
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, SEMCOMM_HOME=str(tmp / "home"), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-c", "from semcomm.cli import main; main()",

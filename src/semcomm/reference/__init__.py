@@ -69,12 +69,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ASSETS_DIR",
-    "TINY_MODEL_ID",
-    "build_byte_tokenizer",
-    "build_tiny_model",
     "LETTERS",
     "ROUTER_PROMPT",
     "SYSTEM_PROMPT",
+    "TINY_MODEL_ID",
     "AgentChain",
     "Conversation",
     "Entity",
@@ -88,6 +86,8 @@ __all__ = [
     "World",
     "assets_dir",
     "build_all",
+    "build_byte_tokenizer",
+    "build_tiny_model",
     "build_world",
     "evaluate_model",
     "format_mc",
