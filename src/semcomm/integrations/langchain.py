@@ -1,7 +1,19 @@
-"""LangChain adapter: :class:`SemcommCache`, a ``langchain_core.caches.BaseCache``.
+"""LangChain adapters: :class:`SemcommCache`, a ``langchain_core.caches.BaseCache``, and
+:func:`documents_prompt` / :func:`documents_message`, which send retrieved documents to a
+semcomm gateway as documents.
 
-Use it with ``langchain_core.globals.set_llm_cache(SemcommCache())`` or pass ``cache=`` to a
-model. Nothing is monkey-patched.
+Documents: ``documents_prompt(prompt)`` renders ``prompt`` with each retrieved ``Document`` as
+its own content part marked ``"document": true`` where ``{context}`` stands (the text between
+them stays ordinary text parts). The gateway's in-process models reuse each passage's KV at
+whatever position it lands, in any order (docs/rag.md); any other OpenAI-compatible server
+reads the parts as the same text joined. ``ChatOpenAI`` sends such content parts unchanged. In
+a retrieval chain the one line that changes::
+
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    chain = {"context": retriever, "question": RunnablePassthrough()} | documents_prompt(prompt) | llm
+
+Cache: use it with ``langchain_core.globals.set_llm_cache(SemcommCache())`` or pass ``cache=``
+to a model. Nothing is monkey-patched.
 
 - The ``llm_string`` (model + parameters) is part of the key, in the partition, not a
   post-filter: two models or two temperatures never share entries.
@@ -16,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 from .._query import split_query
@@ -26,10 +40,12 @@ from ..semantic import Scope, SemanticCache
 require("langchain_core", "langchain")
 
 from langchain_core.caches import RETURN_VAL_TYPE, BaseCache
+from langchain_core.documents import Document
 from langchain_core.load import dumps, loads
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
+    BaseMessage,
     ChatMessage,
     FunctionMessage,
     HumanMessage,
@@ -42,8 +58,12 @@ from langchain_core.outputs import (
     Generation,
     GenerationChunk,
 )
+from langchain_core.prompt_values import ChatPromptValue, PromptValue
+from langchain_core.prompts import BasePromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda
 
-__all__ = ["SemcommCache", "parse_prompt"]
+__all__ = ["SemcommCache", "document_parts", "documents_message", "documents_prompt",
+           "parse_prompt"]
 
 _ALLOWED = [Generation, GenerationChunk, ChatGeneration, ChatGenerationChunk, AIMessage,
             AIMessageChunk, HumanMessage, SystemMessage, ToolMessage, ChatMessage,
@@ -151,3 +171,81 @@ class SemcommCache(BaseCache):
         await self.cache.ainvalidate(scope=self.scope)
 
 
+
+
+# -- documents --------------------------------------------------------------------------------
+def document_parts(docs: Iterable[Document | str], separator: str = "\n\n"
+                   ) -> list[dict[str, Any]]:
+    """One content part per document, in order: ``{"type": "text", "text": page_content +
+    separator, "document": True}``.
+
+    Each part carries its own separator (the gateway joins parts as written), so a passage is
+    the same text, and the same stored KV, wherever it lands among the others.
+    """
+    return [{"type": "text", "text": (d.page_content if isinstance(d, Document) else str(d))
+             + separator, "document": True} for d in docs]
+
+
+def documents_message(docs: Iterable[Document | str], question: str = "", *,
+                      separator: str = "\n\n") -> HumanMessage:
+    """A ``HumanMessage`` whose content is ``docs`` as document parts, then ``question`` as an
+    ordinary text part (left out when empty)."""
+    parts = document_parts(docs, separator)
+    if question:
+        parts.append({"type": "text", "text": question})
+    return HumanMessage(content=parts)  # type: ignore[arg-type]
+
+
+def _expand(content: Any, mark: str, parts: list[dict[str, Any]]) -> Any:
+    """``content`` with each ``mark`` in its text replaced by ``parts`` (a copy of each)."""
+    if isinstance(content, str):
+        if mark not in content:
+            return content
+        out: list[Any] = []
+        for i, piece in enumerate(content.split(mark)):
+            if i:
+                out.extend(dict(p) for p in parts)
+            if piece:
+                out.append({"type": "text", "text": piece})
+        return out
+    if isinstance(content, list):
+        expanded: list[Any] = []
+        for block in content:
+            text = block.get("text") if isinstance(block, dict) and \
+                block.get("type") == "text" else block if isinstance(block, str) else None
+            if isinstance(text, str) and mark in text:
+                expanded.extend(_expand(text, mark, parts))
+            else:
+                expanded.append(block)
+        return expanded
+    return content
+
+
+def documents_prompt(prompt: BasePromptTemplate, variable: str = "context", *,
+                     separator: str = "\n\n") -> Runnable[dict[str, Any], PromptValue]:
+    """``prompt``, rendered with the documents given for ``variable`` as document parts.
+
+    The runnable takes the prompt's own input. When ``input[variable]`` is a list of
+    ``Document`` (a retriever's output) or of strings, each becomes a content part marked
+    ``"document": true`` where ``{variable}`` stands in whichever message holds it (the text
+    around it becomes ordinary text parts); any other value (a string already formatted)
+    renders ``prompt`` unchanged. The result is a ``ChatPromptValue`` for any chat model.
+    """
+    if variable not in prompt.input_variables:
+        raise ValueError(f"{variable!r} is not a variable of the prompt "
+                         f"(it has {sorted(prompt.input_variables)})")
+
+    def render(inputs: dict[str, Any]) -> PromptValue:
+        docs = inputs.get(variable)
+        if not isinstance(docs, list | tuple) or not all(isinstance(d, Document | str)
+                                                         for d in docs):
+            return prompt.invoke(inputs)
+        mark = f"\ue000semcomm-documents-{uuid.uuid4().hex}\ue001"
+        value = prompt.invoke({**inputs, variable: mark})
+        parts = document_parts(docs, separator)
+        messages: list[BaseMessage] = [
+            m.model_copy(update={"content": _expand(m.content, mark, parts)})
+            for m in value.to_messages()]
+        return ChatPromptValue(messages=messages)
+
+    return RunnableLambda(render, name="documents_prompt")
