@@ -15,6 +15,7 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, CompletionResponse
 from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.llms import LLMMetadata, MockLLM
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import TextNode
 
 from semcomm import SemanticCache
@@ -119,7 +120,9 @@ def _index() -> VectorStoreIndex:
 
 def test_the_synthesizer_marks_passages_for_the_gateway_only() -> None:
     gw = SemcommGateway(model="tiny")
-    msgs = DocumentsSynthesizer(gw).messages("why?", ["alpha", "beta"])
+    # one template for both LLMs (the default selector picks by the LLM's kind)
+    tmpl = PromptTemplate("Context:\n{context_str}\nQuery: {query_str}\nAnswer: ")
+    msgs = DocumentsSynthesizer(gw, text_qa_template=tmpl).messages("why?", ["alpha", "beta"])
     user = msgs[-1]
     parts = user.additional_kwargs[PARTS_KEY]
     assert [p["text"] for p in parts if p.get("document")] == ["alpha\n\n", "beta\n\n"]
@@ -127,7 +130,8 @@ def test_the_synthesizer_marks_passages_for_the_gateway_only() -> None:
     assert parts[0] == {"type": "text", "text": user.content.split("alpha")[0]}  # type: ignore[union-attr]
     assert "why?" in parts[-1]["text"] and not parts[-1].get("document")
     # any other LLM gets the same text, unmarked; the cache wrapper keeps the gateway's marks
-    other = DocumentsSynthesizer(ChatMockLLM(max_tokens=None)).messages("why?", ["alpha", "beta"])
+    other = DocumentsSynthesizer(ChatMockLLM(max_tokens=None), text_qa_template=tmpl).messages(
+        "why?", ["alpha", "beta"])
     assert [m.content for m in other] == [m.content for m in msgs]
     assert all(PARTS_KEY not in m.additional_kwargs for m in other)
     assert takes_documents(SemcommLLM(gw, SemanticCache(embedder=CallableEmbedder(bow_embed))))

@@ -42,7 +42,8 @@ def _fits(path: Path, sharer: LocalBackend, receiver: LocalBackend) -> bool:
         return False
     for side, backend in (("sharer", sharer), ("receiver", receiver)):
         want = doc.get(side) or {}
-        cfg = backend.runner.model.config.get_text_config()
+        cfg = backend.runner.model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         have = {"model_type": getattr(cfg, "model_type", None),
                 "num_layers": getattr(cfg, "num_hidden_layers", None),
                 "vocab_size": getattr(cfg, "vocab_size", None)}
