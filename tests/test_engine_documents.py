@@ -269,3 +269,23 @@ def test_bfloat16_model_passes_the_rotation_check_and_full_recompute_matches() -
     segs = _segments(docs=2)
     got = eng.generate(segs, 6, selector="prophet", recompute=1.0)
     assert got.token_ids == eng.generate(list(build_prompt(None, segs).ids), 6).token_ids
+
+
+def test_the_confidence_test_falls_back_to_full_prefill() -> None:
+    """Below ``margin`` (top-1 minus top-2 probability of the first token) the blended prefill
+    is not trusted: the prompt is prefilled in full and the tokens are full prefill's."""
+    eng = _engine("qwen2")
+    segs = _segments(docs=3)
+    ids = list(build_prompt(None, segs).ids)
+    eng.generate(segs, 2, recompute=0.0)  # documents stored
+    sure = eng.generate(segs, 6, recompute=0.0, margin=1.0)  # no margin reaches 1: fallback
+    doc = sure.stats.documents
+    assert doc is not None and doc["fallback"] and doc["margin"] == 1.0
+    assert 0 <= doc["first_margin"] < 1 and doc["reused_tokens"] == 0
+    assert sure.token_ids == reference_greedy(eng.model, ids, 6)
+    kept = eng.generate(segs, 6, recompute=0.0, margin=0.0)  # 0: no test
+    assert not kept.stats.documents["fallback"] and kept.stats.documents["reused_tokens"] > 0
+    with pytest.raises(InvalidInputError, match="margin"):
+        eng.generate(segs, 2, margin=1.5)
+    with pytest.raises(InvalidInputError, match="margin"):
+        eng.generate(ids, 2, margin=0.1)

@@ -63,6 +63,10 @@ def test_documents_are_reused_in_any_order_and_reported(tmp_path: Path) -> None:
                                                  marked=False))
                 full = await _chat(c, _messages([2, 0, 1], "Which river has place 2?"),
                                    semcomm_documents={"selector": "full"})
+                unsure = await _chat(c, _messages([1, 2, 0], "Which river has place 2?"),
+                                     semcomm_documents={"selector": "concat", "margin": 1.0})
+                plain2 = await _chat(c, _messages([1, 2, 0], "Which river has place 2?",
+                                                  marked=False))
         finally:
             await gw.shutdown()
         # the first request computed each passage alone and stored it; the second, the same
@@ -84,6 +88,11 @@ def test_documents_are_reused_in_any_order_and_reported(tmp_path: Path) -> None:
         assert full.json()["choices"][0]["message"]["content"] == \
             plain.json()["choices"][0]["message"]["content"]
         assert full.json()["usage"]["prompt_tokens_details"]["selector"] == "full"
+        # the confidence test: below the margin the reused KV is not trusted, full prefill
+        doc = unsure.json()["semcomm"]["documents"]
+        assert doc["fallback"] and doc["margin"] == 1.0 and doc["reused_tokens"] == 0
+        assert unsure.json()["choices"][0]["message"]["content"] == \
+            plain2.json()["choices"][0]["message"]["content"]
 
     asyncio.run(main())
 

@@ -408,6 +408,9 @@ class BlendStats:
     total_s: float = 0.0
     new_tokens: int = 0
     finish_reason: str = ""
+    margin: float | None = None  # the confidence test's threshold (None: no test)
+    first_margin: float | None = None  # top-1 minus top-2 probability of the first token
+    fallback: bool = False  # the test failed: the prompt was prefilled in full instead
 
     @property
     def recompute_share(self) -> float:
@@ -1119,11 +1122,17 @@ class DocumentReuse:
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                       t_start: float | None = None,
                       on_prefill: Callable[[BlendStats], None] | None = None,
+                      margin: float | None = None,
                       ) -> Generator[Any, None, BlendResult]:
         """:meth:`generate` as a generator of released text pieces (token ids without a
         tokenizer) whose return value is the :class:`BlendResult`; the prompt's KV is stored
         after the first token is chosen, before its text is released. ``on_prefill`` gets the
-        stats once the prompt is in cache, before the first token is chosen."""
+        stats once the prompt is in cache, before the first token is chosen.
+
+        ``margin``: a confidence test on the blended prefill: when the first token's top-1
+        probability exceeds the top-2 by less than ``margin``, the reused KV is not trusted and
+        the prompt is prefilled in full instead (``stats.fallback``; the answer is then full
+        prefill's). None or 0: no test."""
         t0 = time.perf_counter() if t_start is None else t_start
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -1135,14 +1144,17 @@ class DocumentReuse:
             raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
         prompt = self.prepare(segments)
         self._validate(list(prompt.ids), max_new_tokens)
+        if margin is not None and not 0 <= margin <= 1:
+            raise InvalidInputError(f"margin must be in [0, 1], got {margin!r}")
         return self._generate_iter(prompt, max_new_tokens, params, stop_strs,
                                    {int(s) for s in stops if isinstance(s, int)}, selector,
-                                   recompute, t0, on_prefill)
+                                   recompute, t0, on_prefill, margin or None)
 
     def _generate_iter(self, prompt: SegmentedPrompt, max_new_tokens: int,
                        params: SamplingParams, stop_strs: list[str], stop_ids: set[int],
                        selector: str, recompute: float, t0: float,
                        on_prefill: Callable[[BlendStats], None] | None = None,
+                       margin: float | None = None,
                        ) -> Generator[Any, None, BlendResult]:
         eng = self.engine
         pre = self.prefill(prompt, selector=selector, recompute=recompute,
@@ -1150,9 +1162,22 @@ class DocumentReuse:
         ids = list(pre.prompt.ids)
         seq = DecodeState(eng.tokenizer, params, self.device, max_new_tokens=max_new_tokens,
                           stop=stop_strs, stop_ids=stop_ids, eos_ids=eng.eos_token_ids)
-        cache = pre.cache
+        cache, logits = pre.cache, pre.last_logits
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         stats = pre.stats
+        if margin is not None and stats.recomputed_document_tokens < stats.document_tokens:
+            top = torch.topk(torch.softmax(logits.float(), -1), 2).values
+            stats.margin, stats.first_margin = margin, round(float(top[0] - top[1]), 4)
+            if stats.first_margin < margin:  # not sure of its first token: full prefill
+                t1 = time.perf_counter()
+                full = eng.prefill(ids, store=eng.store is not None)
+                cache, logits = full.cache, full.last_logits
+                stats.fallback = True
+                stats.prefix_hit_tokens = full.stats.hit_tokens
+                stats.reused_tokens = 0
+                stats.recomputed_tokens = len(ids) - full.stats.hit_tokens
+                stats.recomputed_document_tokens = stats.document_tokens
+                stats.prefill_ms += (time.perf_counter() - t1) * 1e3
         if on_prefill is not None:
             on_prefill(stats)
 
@@ -1161,7 +1186,7 @@ class DocumentReuse:
             with torch.inference_mode():
                 return eng._runner.forward(step, cache)[None]
 
-        for i, (piece,) in enumerate(decode_steps([seq], pre.last_logits[None], forward)):
+        for i, (piece,) in enumerate(decode_steps([seq], logits[None], forward)):
             if i == 0:
                 stats.ttft_s = time.perf_counter() - t0
                 for job in pre.store_jobs:
@@ -1175,7 +1200,7 @@ class DocumentReuse:
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t0
         return BlendResult(token_ids=list(seq.token_ids), text=seq.text, stats=stats,
-                           prompt_ids=ids, last_logits=pre.last_logits)
+                           prompt_ids=ids, last_logits=logits)
 
 
 def is_segmented(prompt: Any) -> bool:

@@ -712,7 +712,7 @@ class HFEngine:
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
-        keys: Sequence[ChunkKey] | None = ...,
+        keys: Sequence[ChunkKey] | None = ..., margin: float | None = ...,
     ) -> GenerationResult: ...
 
     @overload
@@ -723,7 +723,7 @@ class HFEngine:
         snapshot: KVSnapshot | None = ...,
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
-        keys: Sequence[ChunkKey] | None = ...,
+        keys: Sequence[ChunkKey] | None = ..., margin: float | None = ...,
     ) -> TokenStream: ...
 
     def generate(
@@ -742,6 +742,7 @@ class HFEngine:
         selector: str | None = None,
         recompute: float | None = None,
         keys: Sequence[ChunkKey] | None = None,
+        margin: float | None = None,
     ) -> GenerationResult | TokenStream:
         """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
 
@@ -758,6 +759,8 @@ class HFEngine:
         a share ``recompute`` of their tokens picked by ``selector`` (docs/rag.md);
         ``stats.documents`` reports what was reused and recomputed.
         ``keys``: the prompt's chunk keys if already computed (see :meth:`prefill`).
+        ``margin`` (a prompt with documents): below this top-1 minus top-2 probability of the
+        first token the reused KV is not trusted and the prompt is prefilled in full.
         """
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -774,10 +777,12 @@ class HFEngine:
                 selector=selector or DEFAULT_SELECTOR,
                 recompute=DEFAULT_RECOMPUTE if recompute is None else recompute,
                 on_prefill=None if on_prefill is None else (
-                    lambda st: on_prefill(generation_stats(st, self.codec.spec))))
+                    lambda st: on_prefill(generation_stats(st, self.codec.spec))),
+                margin=margin)
             gen = _as_generation(dgen, self.codec.spec)
-        elif selector is not None or recompute is not None:
-            raise InvalidInputError("selector and recompute apply to a prompt with documents")
+        elif selector is not None or recompute is not None or margin is not None:
+            raise InvalidInputError("selector, recompute and margin apply to a prompt with "
+                                    "documents")
         if is_segmented(prompt):
             if stream:
                 return TokenStream(gen)

@@ -57,6 +57,7 @@ class Job:
     segments: Any = None
     selector: str | None = None
     recompute: float | None = None
+    margin: float | None = None  # documents: the confidence test (engine/_documents.py)
 
 
 class Runner(Protocol):

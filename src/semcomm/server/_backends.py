@@ -108,6 +108,7 @@ class GenRequest:
     documents: list[Piece] | None = None
     selector: str | None = None  # with documents: which tokens are recomputed (engine default)
     recompute: float | None = None  # with documents: the share recomputed (engine default)
+    margin: float | None = None  # with documents: below it, full prefill (None: no test)
 
     @property
     def tenant_ctx(self) -> TenantContext:
@@ -528,7 +529,7 @@ class LocalBackend:
                   emit=emit,
                   snapshot=req.snapshot, digest=ctx.digest or None, isolate=ctx.isolate,
                   keys=prep.keys, segments=prep.segments, selector=req.selector,
-                  recompute=req.recompute)
+                  recompute=req.recompute, margin=req.margin)
         try:
             worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:

@@ -349,6 +349,11 @@ class PipelineConfig(_Section):
     # documents, whose KV an in-process model reuses under every stage's prompt (docs/rag.md).
     # Default: prefix for a chain, shared for a fan-out (which needs it)
     layout: Literal["prefix", "shared"] | None = None
+    # shared layout: the documents' selector, recompute share and confidence test (below this
+    # top-1 minus top-2 probability of a stage's first token, it is prefilled in full)
+    selector: Literal["cacheblend", "epic", "prophet", "concat", "full"] | None = None
+    recompute: float | None = Field(None, ge=0, le=1)
+    margin: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _layout(self) -> PipelineConfig:

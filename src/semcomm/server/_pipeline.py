@@ -158,6 +158,8 @@ class PipelineBackend:
             {"role": "user", "content": "".join(p.text for p in pieces if p.role == "user")}]
         # text handoff: the same prompt, read as plain text (nothing reused across stages)
         sreq.documents = pieces if self.cfg.handoff in ("auto", "kv") else None
+        sreq.selector, sreq.recompute = self.cfg.selector, self.cfg.recompute
+        sreq.margin = self.cfg.margin
         return sreq
 
     async def _stream_shared(self, req: GenRequest) -> AsyncIterator[StreamItem]:

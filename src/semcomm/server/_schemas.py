@@ -80,6 +80,8 @@ class DocumentOptions(_Lenient):
 
     selector: Literal["cacheblend", "epic", "prophet", "concat", "full"] | None = None
     recompute: float | None = Field(None, ge=0, le=1)
+    # below this top-1 minus top-2 probability of the first token, full prefill instead
+    margin: float | None = Field(None, ge=0, le=1)
 
 
 class StreamOptions(_Lenient):
