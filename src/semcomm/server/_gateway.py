@@ -149,11 +149,13 @@ class DashboardStats:
         p = self.prefixes.get(fingerprint)
         if p is None:
             p = self.prefixes[fingerprint] = _PrefixUse(tokens=tokens)
-            while len(self.prefixes) > self.MAX_PREFIXES:
-                # drop the least reused among the oldest half
-                victim = min(list(self.prefixes.items())[: self.MAX_PREFIXES // 2],
-                             key=lambda kv: kv[1].reuses)[0]
-                del self.prefixes[victim]
+            if len(self.prefixes) > self.MAX_PREFIXES:
+                # keep the most reused half (the newest first among equals), drop the rest:
+                # one sort every MAX_PREFIXES / 2 new prefixes, not a scan per request
+                order = list(self.prefixes.items())
+                keep = sorted(range(len(order)), key=lambda i: (order[i][1].reuses, i),
+                              reverse=True)[: self.MAX_PREFIXES // 2]
+                self.prefixes = OrderedDict(order[i] for i in sorted(keep))
         if saved:
             p.reuses += 1
             p.saved_tokens += saved

@@ -9,6 +9,7 @@ vLLM upstream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -21,6 +22,7 @@ import httpx
 from httpx_sse import EventSource, SSEError
 from tenacity import (
     AsyncRetrying,
+    RetryAction,
     RetryCallState,
     retry_if_exception,
     stop_after_attempt,
@@ -194,11 +196,21 @@ class UpstreamBackend:
             log.warning("upstream model %s is now %s: %s", self.name, "up" if up else "down", detail)
         self._up, self._detail = up, detail
 
-    def _retrying(self) -> AsyncRetrying:
-        """The retry policy of every call: at most ``max_retries`` attempts after the first."""
-        return AsyncRetrying(stop=stop_after_attempt(self.max_retries + 1), wait=_wait,
+    def _retrying(self, attempts: int) -> AsyncRetrying:
+        """The retry policy after a first failed attempt: at most ``attempts`` more."""
+        return AsyncRetrying(stop=stop_after_attempt(attempts), wait=_wait,
                              retry=retry_if_exception(_retryable), before_sleep=self._log_retry,
                              reraise=True)
+
+    async def _backoff(self, first: BaseException) -> None:
+        """The pause after the first attempt failed, by the policy's own wait and log line."""
+        policy = self._retrying(self.max_retries)
+        state = RetryCallState(policy, None, (), {})
+        state.set_exception((type(first), first, first.__traceback__))
+        delay = _wait(state)
+        state.next_action = RetryAction(delay)
+        self._log_retry(state)
+        await asyncio.sleep(delay)
 
     def _log_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -233,27 +245,41 @@ class UpstreamBackend:
 
     async def _send(self, path: str, body: dict[str, Any], *, stream: bool) -> httpx.Response:
         """POST ``body`` under the retry policy: an answer below 400 (``stream``: its headers
-        only, the caller reads and closes it) or an :class:`UpstreamError`."""
-        attempts = 0
+        only, the caller reads and closes it) or an :class:`UpstreamError`.
+
+        The first attempt runs without the retry machinery (about 0.1 ms a request on the
+        gateway's hot path); only a retryable failure enters the tenacity policy, which then
+        makes the remaining attempts."""
+        attempts = 1
         try:
-            async for attempt in self._retrying():
+            try:
+                return await self._attempt(path, body, stream)
+            except Exception as exc:
+                if not _retryable(exc) or self.max_retries < 1:
+                    raise
+                first = exc
+            await self._backoff(first)
+            async for attempt in self._retrying(self.max_retries):
                 with attempt:
-                    attempts = attempt.retry_state.attempt_number
-                    request = self._client.build_request(
-                        "POST", path, json=body, headers=_SSE_HEADERS if stream else None)
-                    resp = await self._client.send(request, stream=stream)
-                    if resp.status_code >= 400:
-                        try:
-                            await resp.aread()
-                        finally:
-                            await resp.aclose()
-                        raise _Refused(resp)
-                    return resp
+                    attempts = 1 + attempt.retry_state.attempt_number
+                    return await self._attempt(path, body, stream)
         except _Refused as exc:
             raise self._status_error(exc.status, exc.message) from None
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, attempts) from exc
         raise AssertionError("unreachable: the retry policy returns or raises")
+
+    async def _attempt(self, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
+        request = self._client.build_request(
+            "POST", path, json=body, headers=_SSE_HEADERS if stream else None)
+        resp = await self._client.send(request, stream=stream)
+        if resp.status_code >= 400:
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+            raise _Refused(resp)
+        return resp
 
     async def _complete(self, req: GenRequest) -> AsyncIterator[StreamItem]:
         """One JSON call (the client is not streaming): same retry rules as streams."""
