@@ -287,15 +287,18 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
         rid = req.request_id
         no_cache, no_store = _cache_flags(request)
         deadline = asyncio.get_running_loop().time() + cfg.server.request_timeout_s
-        async with asyncio.timeout_at(deadline):
+
+        async def serve() -> tuple[Served, Completion | None]:
             served = await gw.serve(req, endpoint=endpoint,
                                     body=body.model_dump(exclude_none=True),
                                     headers=dict(request.headers), no_cache=no_cache,
                                     no_store=no_store)
-            if not body.stream:
-                final = await collect(served.items)
+            return served, None if body.stream else await collect(served.items)
+
+        # a task of its own: the path's awaits resume its short chain, not the app's as well
+        served, final = await asyncio.wait_for(serve(), cfg.server.request_timeout_s)
         headers = _headers(served, rid)
-        if not body.stream:
+        if final is not None:
             usage = usage_dict(final.prompt_tokens, final.completion_tokens, final.hit_tokens,
                                final.meta.get("documents"))
             meta = {**final.meta, "hits": final.hits or ["none"]}

@@ -270,9 +270,11 @@ class UpstreamBackend:
         raise AssertionError("unreachable: the retry policy returns or raises")
 
     async def _attempt(self, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
-        request = self._client.build_request(
-            "POST", path, json=body, headers=_SSE_HEADERS if stream else None)
-        resp = await self._client.send(request, stream=stream)
+        if not stream:  # the whole answer at once (httpx reads it)
+            resp = await self._client.post(path, json=body)
+        else:  # the answer's headers; the caller reads the events and closes it
+            request = self._client.build_request("POST", path, json=body, headers=_SSE_HEADERS)
+            resp = await self._client.send(request, stream=True)
         if resp.status_code >= 400:
             try:
                 await resp.aread()
