@@ -63,7 +63,8 @@ def test_rag_eval_writes_the_contract(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     res = CliRunner().invoke(app, ["rag", "eval", "--data", str(data), "--limit", "1",
                                    "--json", str(out), "--docs", "2", "--selector", "epic",
-                                   "--recompute", "0.5", "--max-new-tokens", "8"])
+                                   "--recompute", "0.5", "--max-new-tokens", "8",
+                                   "--margin", "1.0"])
     assert res.exit_code == 0, res.output
     got = json.loads(out.read_text())
     for mode in ("full", "prefix", "concat", "reuse"):
@@ -73,3 +74,6 @@ def test_rag_eval_writes_the_contract(tmp_path: Path) -> None:
     assert got["concat"]["recompute"] == 0.0
     assert got["full"]["agreement"] == 1.0 and got["prefix"]["agreement"] == 1.0
     assert got["meta"]["selector"] == "epic"
+    # --margin 1.0 adds "gated": no first token is that sure, so it falls back to full prefill
+    assert got["gated"]["fallback"] == 1.0 and got["gated"]["agreement"] == 1.0
+    assert got["meta"]["margin"] == 1.0

@@ -66,6 +66,10 @@ def eval_cmd(
     selector: str = typer.Option("", "--selector", help="cacheblend, epic or prophet "
                                  "(default: the engine's default selector)."),
     docs: int = typer.Option(0, "--docs", min=0, help="Passages per question (0: all)."),
+    margin: float = typer.Option(0.0, "--margin", min=0.0, max=1.0,
+                                 help="Also run 'gated': reuse with the confidence test (full "
+                                      "prefill when the first token's top-1 minus top-2 "
+                                      "probability is below this); 0: not run."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: its default)."),
 ) -> None:
@@ -84,7 +88,7 @@ def eval_cmd(
         raise InvalidInputError(f"unknown selector {sel!r}; one of {', '.join(SELECTORS)}")
     items = load_items(data, limit)
     name = model or DEFAULT_MODEL
-    modes = contract_modes(sel, recompute)
+    modes = contract_modes(sel, recompute, margin or None)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=_out, transient=False) as progress:
         tasks: dict[str, TaskID] = {}
@@ -104,6 +108,7 @@ def eval_cmd(
     out = dict(res["summary"])
     out["meta"] = {"model": name, "data": str(data), "limit": limit, "docs": docs or None,
                    "selector": sel, "recompute": recompute, "max_new_tokens": max_new_tokens,
+                   "margin": margin or None,
                    "threads": threads or None}
     out["rows"] = res["rows"]
     json_out.parent.mkdir(parents=True, exist_ok=True)

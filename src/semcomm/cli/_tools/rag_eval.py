@@ -153,6 +153,7 @@ class Mode:
     kind: str
     selector: str = ""
     recompute: float = 0.0
+    margin: float | None = None  # blend: the confidence test (full prefill below it)
 
 
 @dataclass
@@ -223,18 +224,31 @@ class Runner:
             r = self.prefix.generate(ids, max_new, stop=STOP)
             return Answer(r.text or "", list(r.token_ids), r.stats.ttft_s, None, 1.0, len(ids),
                           {"hit_tokens": r.stats.hit_tokens})
-        res = self.docs.generate(prompt, max_new, selector=mode.selector,
-                                 recompute=mode.recompute, stop=STOP)
+        gen = self.docs.generate_iter(prompt, max_new, selector=mode.selector,
+                                      recompute=mode.recompute, stop=STOP, margin=mode.margin)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                res = done.value
+                break
         st = res.stats
         return Answer(res.text or "", res.token_ids, st.ttft_s, res.last_logits,
                       st.recompute_share, len(ids),
                       {"select_ms": st.select_ms, "load_ms": st.load_ms,
-                       "prefill_ms": st.prefill_ms, "documents_hit": st.documents_hit})
+                       "prefill_ms": st.prefill_ms, "documents_hit": st.documents_hit,
+                       "fallback": st.fallback, "first_margin": st.first_margin})
 
 
-def contract_modes(selector: str, recompute: float) -> list[Mode]:
-    return [Mode("full", "full"), Mode("prefix", "prefix"), Mode("concat", "blend", "concat", 0.0),
-            Mode("reuse", "blend", selector, recompute)]
+def contract_modes(selector: str, recompute: float, margin: float | None = None
+                   ) -> list[Mode]:
+    """The contract's four modes, and ``gated`` (reuse with the confidence test at
+    ``margin``) when a margin is given."""
+    modes = [Mode("full", "full"), Mode("prefix", "prefix"),
+             Mode("concat", "blend", "concat", 0.0), Mode("reuse", "blend", selector, recompute)]
+    if margin:
+        modes.append(Mode("gated", "blend", selector, recompute, margin))
+    return modes
 
 
 def run_eval(model: str, items: Sequence[dict[str, Any]], modes: Sequence[Mode], *,
@@ -297,5 +311,8 @@ def summarize(rows: Sequence[dict[str, Any]], modes: Sequence[Mode]) -> dict[str
             "kl": statistics.fmean(kls) if kls else None,
             "recompute": statistics.fmean(r["recompute"] for r in rs),
             "selector": mode.selector or mode.kind,
+            **({"margin": mode.margin,
+                "fallback": statistics.fmean(bool(r.get("fallback")) for r in rs)}
+               if mode.margin else {}),
         }
     return out
