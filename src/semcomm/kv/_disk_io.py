@@ -18,13 +18,19 @@ import errno
 import mmap
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._format import ChunkHeader
 from ._keys import ChunkKey
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._disk import DiskStore
+
+class _PieceOwner(Protocol):
+    """What :class:`ChunkPieces` calls back on its store (``DiskStore``) once it has read."""
+
+    def _read_failed(self, key: ChunkKey, path: str, exc: OSError) -> None: ...
+
+    def _accept(self, key: ChunkKey, path: str,
+                loaded: tuple[bytes | memoryview, int] | None) -> bytes | memoryview | None: ...
 
 __all__ = [
     "HEADER_PROBE",
@@ -139,7 +145,7 @@ class ChunkPieces:
     same range twice puts the same bytes in the same place).
     """
 
-    def __init__(self, store: DiskStore, key: ChunkKey, path: str, fd: int | None,
+    def __init__(self, store: _PieceOwner, key: ChunkKey, path: str, fd: int | None,
                  view: memoryview, head: int, parsed: tuple[ChunkHeader, int], *,
                  ino: int = 0) -> None:
         self._store = store

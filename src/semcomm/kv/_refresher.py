@@ -13,10 +13,18 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._disk import DiskStore
+
+class Refreshed(Protocol):
+    """A store the refresher re-lists (``DiskStore``)."""
+
+    refresh_s: float | None
+    path: Path
+    _lock_fd: int
+
+    def _refresh_and_evict(self) -> None: ...
 
 __all__ = ["ACTIVITY", "QUIET_S", "REFRESHER", "REFRESH_S", "Refresher"]
 
@@ -58,10 +66,10 @@ class Refresher:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         # id(store) -> (store, when it is due, the latest it may wait to); guarded by _lock
-        self._due: dict[int, tuple[weakref.ref[DiskStore], float, float]] = {}
+        self._due: dict[int, tuple[weakref.ref[Refreshed], float, float]] = {}
         self._thread: threading.Thread | None = None
 
-    def add(self, store: DiskStore) -> None:
+    def add(self, store: Refreshed) -> None:
         assert store.refresh_s is not None
         due = time.monotonic() + store.refresh_s
         with self._lock:
@@ -72,7 +80,7 @@ class Refresher:
                 self._thread.start()
             self._wake.notify()
 
-    def remove(self, store: DiskStore) -> None:
+    def remove(self, store: Refreshed) -> None:
         with self._lock:
             item = self._due.get(id(store))
             if item is not None and item[0]() in (store, None):
@@ -89,7 +97,7 @@ class Refresher:
             if store is not None and store.refresh_s is not None:
                 self.add(store)
 
-    def _next(self) -> DiskStore | None:
+    def _next(self) -> Refreshed | None:
         """The next store to re-list, once it is due and the process is quiet; None: stop."""
         with self._lock:
             while True:

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
@@ -54,6 +54,7 @@ from ._policy import (
     make_policy,
 )
 from ._shadow import MODES, ShadowLog, ShadowTracker
+from ._stats import CacheStats
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore
 from ._sync import StoreSync
 from ._table import EVICTION_POLICIES, EntryTable, Slot
@@ -80,47 +81,6 @@ class Hit:
     verified: bool = False  # a verifier confirmed this hit
     cluster: str = ""  # the answer cluster that served it
     reason: str = ""  # the policy's reason: "centroid" (a cluster hit), "threshold", ...
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """Counters since this cache object was created (entries/bytes: current)."""
-
-    entries: int = 0
-    bytes: int = 0
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    stores: int = 0
-    evictions: int = 0
-    expired: int = 0
-    guarded: int = 0  # candidates vetoed by the lexical guard
-    verifications: int = 0
-    verifier_rejections: int = 0  # hits refused by the verifier of a sensitive scope
-    intent_rejected: int = 0  # cluster hits the intent check refused (semantic._intent)
-    invalidated: int = 0
-    distrusted: int = 0  # candidates skipped because a served answer of theirs was contradicted
-    linked: int = 0  # stored entries that joined an existing answer cluster
-    contradicted: int = 0  # feedback(correct=False) and shadow disagreements on would-be hits
-    shadow_lookups: int = 0  # lookups answered by the model in shadow mode
-    shadow_would_hit: int = 0  # of those, the ones the cache would have served
-    corrupt: int = 0
-    errors: int = 0  # backend errors (lookups degraded to misses)
-    store: str = ""
-    index: str = ""
-    policy: str = ""
-    max_entries: int | None = None
-    max_bytes: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-        d["hit_rate"] = self.hit_rate
-        return d
 
 
 # a lookup refused for a rival cluster alone may join at most this many clusters into its

@@ -29,8 +29,8 @@ from ._policy import Candidate, IntentCheck
 from ._shadow import MIN_EMBED_WORDS, answers_agree
 
 if TYPE_CHECKING:
-    from ._cache import CacheStats
     from ._index import VectorIndex
+    from ._stats import CacheStats
     from ._table import EntryTable, Slot
 
 __all__ = ["MIN_TRUST", "AnswerClusters", "AnswerLinker", "answer_key"]

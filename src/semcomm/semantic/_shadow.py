@@ -34,9 +34,9 @@ import numpy as np
 from ..errors import ConfigError, InvalidInputError
 
 if TYPE_CHECKING:
-    from ._cache import CacheStats
     from ._entry import Entry
     from ._policy import Candidate
+    from ._stats import CacheStats
 
 __all__ = [
     "DEFAULT_BANDS",

@@ -25,7 +25,7 @@ from ._entry import Entry
 from ._index import VectorIndex
 
 if TYPE_CHECKING:
-    from ._cache import CacheStats
+    from ._stats import CacheStats
 
 __all__ = ["EVICTION_POLICIES", "EntryTable", "Slot"]
 
