@@ -228,7 +228,9 @@ class PolicyBase:
 
     def decide(self, query: str, candidates: Sequence[Candidate], *,
                threshold: float | None = None) -> Decision:
-        raise NotImplementedError
+        """Serve one of ``candidates`` (best first) or refuse: what a subclass writes."""
+        raise NotImplementedError(f"{type(self).__name__} does not decide (subclass "
+                                  "PolicyBase and write decide)")
 
     def forget(self, entry_ids: Sequence[str]) -> None:
         return None
