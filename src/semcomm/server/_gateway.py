@@ -1,4 +1,5 @@
-"""The request path, independent of HTTP: admission -> semantic cache -> model -> store.
+"""The request path, independent of HTTP: admission -> route and prepare -> semantic cache ->
+model -> store.
 
 A :class:`Gateway` owns the backends, the semantic cache layer, the shared KV store, the
 metrics and the dashboard statistics of one server; ``build_gateway(config)`` (``_wiring``)
