@@ -322,10 +322,7 @@ def bench_llamacpp(name: str, tok: Any, lengths: list[int], tmp: Path, threads: 
     gguf = model_path(name).parent / "gguf" / catalog_entry(name).gguf_file
     text_ids = tok(real_text())["input_ids"]
     out: dict[str, Any] = {}
-    # the llama.cpp drivers move to benchmarks/engine/ with the decode benchmark (issue 31)
-    bench = Path(__file__).resolve().parents[1]
-    driver = next(p for p in (bench / "engine" / "_llamacpp_ttft.py", bench / "_llamacpp_ttft.py")
-                  if p.exists())
+    driver = Path(__file__).with_name("_llamacpp_ttft.py")
     for n in lengths:
         job = tmp / f"llamacpp-{name}-{n}.json"
         job.write_text(json.dumps({"gguf": str(gguf), "ids": list(text_ids[:n]),

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks.common import free_port
 
 console = Console()
 MASTER_KEY = "sk-bench-7f3a9c21e5d84b06"  # LiteLLM refuses well-known weak keys
@@ -85,12 +86,6 @@ def run_dummy(port: int) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:
