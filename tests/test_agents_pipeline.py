@@ -22,8 +22,11 @@ from semcomm.engine import (
     AnchorPool,
     BlendStats,
     Document,
+    DocumentReuse,
     HFEngine,
-    SharedSegments,
+    System,
+    Text,
+    User,
     build_prompt,
     extract_choice,
     extract_number,
@@ -102,7 +105,7 @@ def test_anchor_is_placed_as_the_model_computes_it(parts: tuple[Any, Any]) -> No
     """Layer 0's KV depends only on token and position: an anchor captured at one position and
     placed at another equals the model's own KV there."""
     eng = _engine(parts)
-    shared = SharedSegments(eng)
+    shared = DocumentReuse(eng, pool=AnchorPool())
     seg = eng.tokenizer("a shared answer of some length", add_special_tokens=False)["input_ids"]
     pre_a = eng.tokenizer("<|im_start|>user\nfirst context ", add_special_tokens=False)["input_ids"]
     pre_b = eng.tokenizer("<|im_start|>system\nanother, longer context\n",
@@ -120,12 +123,10 @@ def test_anchor_is_placed_as_the_model_computes_it(parts: tuple[Any, Any]) -> No
     at = len(pre_b)
     bk = torch.zeros((lay.num_layers, lay.kv_heads, at + len(seg), lay.k_dim))
     bv = torch.zeros((lay.num_layers, lay.kv_heads, at + len(seg), lay.v_dim))
-    keys = shared.document_keys(seg)
-    assert shared._fetch_document(keys, len(seg), bk, bv, at, BlendStats())
-    # the caller (DocumentReuse._prefill) moves keys "after the anchor" by at - len(anchor)
-    from semcomm.engine._documents import rotate_keys
-
-    placed = rotate_keys(bk[:, :, at:], at - len(shared.anchor), shared.spec)
+    stats = BlendStats()
+    assert shared._place_anchor(seg, at, bk, bv, stats)
+    assert stats.documents_anchored == 1 and stats.anchored_tokens == len(seg)
+    placed = bk[:, :, at:]
     k_b, v_b = kv(pre_b)
     assert torch.allclose(placed[0], k_b[0], atol=1e-4)
     assert torch.allclose(bv[0, :, at:], v_b[0], atol=1e-5)
@@ -182,6 +183,37 @@ def test_another_tenant_never_sees_the_anchors(parts: tuple[Any, Any]) -> None:
     assert len(pool) >= held
 
 
+def test_an_engine_with_anchors_reuses_them_and_never_stores_their_blend(
+        parts: tuple[Any, Any]) -> None:
+    """HFEngine(anchors=...): a prompt with nothing at hand is prefilled in full and keeps its
+    document and its answer as anchors; the next prompt places both from them; a blend over
+    anchors is never stored as the documents' blend (asked twice, it is blended twice)."""
+    model, tok = parts
+    pool = AnchorPool()
+    eng = HFEngine(model, tok, store=MemoryStore(), chunk_size=512, device="cpu", anchors=pool)
+    q = Document(QUESTION)
+    first = eng.generate([System("You solve."), User("Problem:\n"), q, Text("\n\nAnswer:")], 6)
+    d = first.stats.documents
+    assert d["full_prefill"] and d["anchors_captured"] == 2 and len(pool) == 2
+    answer = tuple(t for t in first.token_ids if t not in eng.eos_token_ids)
+    segs = [System("You check."), User("Problem:\n"), q, Text("\n\nAnswer 1:\n"),
+            Document(tokens=answer), Text("\n\nCheck:")]
+    for _ in range(2):
+        d = eng.generate(segs, 6, selector="concat").stats.documents
+        assert d["documents_anchored"] == 2 and d["documents_hit"] == 0
+        assert not d["blend_hit"] and not d["full_prefill"]
+    # every token recomputed over the anchors: full prefill's tokens
+    exact = eng.generate(segs, 6, selector="full")
+    plain = _engine(parts, store=None).generate(list(exact.prompt_ids), 6)
+    assert exact.stats.documents["documents_anchored"] == 2
+    assert exact.token_ids == plain.token_ids
+    # without a pool the same first prompt computes its document alone and stores it
+    alone = _engine(parts).generate([System("You solve."), User("Problem:\n"), q,
+                                     Text("\n\nAnswer:")], 6).stats.documents
+    assert not alone["full_prefill"] and alone["documents_computed"] == 1
+    assert alone["anchors_captured"] == 0
+
+
 def test_answer_extraction() -> None:
     assert extract_number("so 3 + 4 = 7. The answer is 7.") == "7"
     assert extract_number("The answer is $1,250.00") == "1250"
@@ -204,7 +236,7 @@ def test_bad_settings_are_refused(parts: tuple[Any, Any]) -> None:
 def test_without_anchors_segments_come_from_stored_documents(parts: tuple[Any, Any]) -> None:
     pipe, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
                      judge_gate="off", anchors=False)
-    assert len(pipe.pool) == 0 and all(t.anchor_segments == 0 for t in run.turns)
+    assert pipe.pool is None and all(t.anchor_segments == 0 for t in run.turns)
     # agent 1 ran in full and stored the question and its answer computed alone; every later
     # agent finds all its shared segments stored
     for i, t in enumerate(run.turns[1:], 1):

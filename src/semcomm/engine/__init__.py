@@ -17,11 +17,12 @@ Documents reused at any position (engine/_documents.py, docs/rag.md): the prompt
 (:class:`Segment` their base; :func:`build_prompt` their token ids and document spans, a
 :class:`SegmentedPrompt`), :class:`DocumentReuse` (precompute a document's KV once; prefill and
 generate with it re-rotated into place and a share recomputed by a selector in
-:data:`SELECTORS`), :class:`BlendResult` and :class:`BlendStats`.
+:data:`SELECTORS`), :class:`BlendResult` and :class:`BlendStats`; :class:`AnchorPool`
+(engine/_anchors.py: documents' in-context KV captured from other prompts and answers, bounded
+in bytes; ``HFEngine(anchors=...)``).
 Agents sharing text (engine/_agents.py, docs/agents.md): :class:`AgentPipeline` (solver agents
-and a judge of one model; shared segments reused across agents with a confidence fallback to
-full prefill), :class:`Agent`, :class:`AgentTurn`, :class:`PipelineRun`, :class:`SharedSegments`
-and :class:`AnchorPool` (in-context KV of shared segments, bounded in bytes),
+and a judge of one model; shared segments reused across agents, anchors first, with a
+confidence fallback to full prefill), :class:`Agent`, :class:`AgentTurn`, :class:`PipelineRun`,
 :func:`default_agents`, :func:`extract_number`, :func:`extract_choice`, :data:`GATES`.
 
 ``_cache_adapter`` is the only module that touches the transformers Cache API; callers that
@@ -34,13 +35,12 @@ from ._agents import (
     Agent,
     AgentPipeline,
     AgentTurn,
-    AnchorPool,
     PipelineRun,
-    SharedSegments,
     default_agents,
     extract_choice,
     extract_number,
 )
+from ._anchors import AnchorPool
 from ._batch import BatchDecoder, BatchRequest, BatchResult
 from ._cache_adapter import cache_from_layers, cache_kwargs, cache_layers, output_cache
 from ._decode import DecodeState, FinishReason, Sampler, SamplingParams, StopText, decode_steps
@@ -103,7 +103,6 @@ __all__ = [
     "SamplingParams",
     "Segment",
     "SegmentedPrompt",
-    "SharedSegments",
     "StopText",
     "System",
     "Text",

@@ -3,8 +3,8 @@
 Several agents of one model, each with its own role prompt, put the same text (the user's
 request, an upstream agent's answer, a retrieved passage) into their prompts after different
 prefixes, so an exact prefix cache never hits on it. Here each agent's prompt is a segmented
-prompt (engine/_documents.py) whose shared text is :class:`Document` segments, and
-:class:`SharedSegments` (a :class:`DocumentReuse`) places each shared segment's KV under the
+prompt (engine/_documents.py) whose shared text is :class:`Document` segments, and a
+:class:`DocumentReuse` with an :class:`AnchorPool` places each shared segment's KV under the
 agent's own prefix, keys re-rotated, then recomputes a share ``r`` of its tokens in context with
 the documents issue's selectors (the text outside the shared segments always in full).
 
@@ -15,9 +15,9 @@ Where a shared segment's KV comes from, best first:
    in full (the first agent, a fallback). KVCOMM (NeurIPS'25) keeps such in-context copies as
    its anchors; here the most recent anchor of a segment is used (KVCOMM's interpolation of
    offsets between anchors of *different* segment contents is not done). Anchors live in an
-   :class:`AnchorPool` bounded in bytes (least recently used evicted first, at most
-   ``per_segment`` per segment), keyed by the document key chain, which roots at the engine's
-   namespace digest (model, dtype, codec, tenant): another tenant never sees them;
+   :class:`AnchorPool` (engine/_anchors.py: bounded in bytes, keyed under the engine's
+   namespace, tenant included); capturing and placing them is :class:`DocumentReuse`'s, the
+   same code the engine runs for any prompt with documents (``HFEngine(anchors=...)``);
 2. the segment's KV computed alone after the chat header (a stored document, the documents
    issue's path), computed and stored on a miss.
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,158 +47,31 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
-from ..kv import ChunkKey
-from . import _cache_adapter as ca
+from ._anchors import AnchorPool
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._documents import (
     SELECTORS,
-    BlendStats,
     Document,
     DocumentReuse,
     Segment,
     System,
     Text,
     User,
-    rotate_keys,
 )
 
 __all__ = [
-    "DEFAULT_ANCHOR_BUDGET",
     "GATES",
     "MATH_ROLES",
     "Agent",
     "AgentPipeline",
     "AgentTurn",
-    "Anchor",
-    "AnchorPool",
     "PipelineRun",
-    "SharedSegments",
     "default_agents",
     "extract_choice",
     "extract_number",
 ]
 
 GATES = ("off", "margin", "dual", "dual+margin", "always")
-DEFAULT_ANCHOR_BUDGET = 256 << 20
-
-
-# ------------------------------------------------------------------------------ anchors
-@dataclass
-class Anchor:
-    """A shared segment's KV as computed in some agent's context: ``k``/``v`` ``[L, H, n, D]``
-    (keys as computed, at positions ``start..start+n``)."""
-
-    key: bytes
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    source: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-
-class AnchorPool:
-    """Anchors of shared segments, bounded: at most ``budget_bytes`` in all (least recently used
-    evicted first) and ``per_segment`` per segment (the oldest evicted first)."""
-
-    def __init__(self, budget_bytes: int = DEFAULT_ANCHOR_BUDGET, per_segment: int = 4):
-        if budget_bytes < 0 or per_segment < 1:
-            raise InvalidInputError("an anchor pool takes budget_bytes >= 0 and per_segment >= 1")
-        self.budget_bytes = int(budget_bytes)
-        self.per_segment = int(per_segment)
-        self._items: OrderedDict[tuple[bytes, int], Anchor] = OrderedDict()  # LRU order
-        self._serial = 0
-        self.nbytes = 0
-        self.evictions = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def segments(self) -> int:
-        return len({k for k, _ in self._items})
-
-    def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor, start: int, source: str) -> bool:
-        """Keep a copy; False when it alone exceeds the budget (nothing kept)."""
-        a = Anchor(bytes(key), k.detach().clone(), v.detach().clone(), int(start), source)
-        if a.nbytes > self.budget_bytes:
-            return False
-        same = [ik for ik in self._items if ik[0] == a.key]
-        while len(same) >= self.per_segment:
-            self._drop(same.pop(0))
-        self._serial += 1
-        self._items[(a.key, self._serial)] = a
-        self.nbytes += a.nbytes
-        while self.nbytes > self.budget_bytes:
-            self._drop(next(iter(self._items)))
-        return True
-
-    def _drop(self, ik: tuple[bytes, int]) -> None:
-        a = self._items.pop(ik)
-        self.nbytes -= a.nbytes
-        self.evictions += 1
-
-    def has(self, key: bytes) -> bool:
-        return any(ik[0] == key for ik in self._items)
-
-    def get(self, key: bytes) -> Anchor | None:
-        """The segment's most recent anchor (marked used), or None."""
-        found = [ik for ik in self._items if ik[0] == key]
-        if not found:
-            self.misses += 1
-            return None
-        ik = max(found, key=lambda t: t[1])
-        self._items.move_to_end(ik)
-        self.hits += 1
-        return self._items[ik]
-
-    def clear(self) -> None:
-        self._items.clear()
-        self.nbytes = 0
-
-    def stats(self) -> dict[str, Any]:
-        return {"anchors": len(self), "segments": self.segments(), "bytes": self.nbytes,
-                "budget_bytes": self.budget_bytes, "evictions": self.evictions,
-                "hits": self.hits, "misses": self.misses}
-
-
-class SharedSegments(DocumentReuse):
-    """:class:`DocumentReuse` whose shared segments come from an :class:`AnchorPool` first (the
-    in-context KV another agent computed), then from the document store (KV computed alone).
-    Blended prompts are not stored whole (their KV depends on the anchors)."""
-
-    def __init__(self, engine: Any, pool: AnchorPool | None = None):
-        super().__init__(engine, key_mode="rotated", keep_blended=False)
-        self.pool = pool if pool is not None else AnchorPool()
-        self.anchor_hits = 0
-        self.anchor_tokens = 0
-
-    def segment_key(self, tokens: Sequence[int]) -> bytes:
-        """A segment's key: its document key chain's last link (namespace, tenant, tokens)."""
-        return self.document_keys(list(tokens))[-1]
-
-    def capture(self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, start: int,
-                source: str) -> bool:
-        """Keep ``[L, H, n, D]`` KV of a segment computed at positions ``start..`` as an anchor."""
-        if k.shape[2] != len(tokens):
-            raise InvalidInputError("an anchor's KV must cover its segment's tokens")
-        return self.pool.put(self.segment_key(tokens), k, v, start, source)
-
-    def _fetch_document(self, keys: list[ChunkKey], n: int, out_k: torch.Tensor,
-                        out_v: torch.Tensor, at: int, stats: BlendStats) -> bool:
-        a = self.pool.get(keys[-1]) if keys else None
-        if a is not None and a.k.shape[2] == n:
-            # the caller moves keys stored "after the anchor" by (at - len(anchor)): put the
-            # anchor's keys there first (one rotation is exact: R(x - y) R(y) = R(x))
-            out_k[:, :, at:at + n] = rotate_keys(a.k, len(self.anchor) - a.start, self.spec)
-            out_v[:, :, at:at + n] = a.v
-            self.anchor_hits += 1
-            self.anchor_tokens += n
-            return True
-        return super()._fetch_document(keys, n, out_k, out_v, at, stats)
 
 
 # ------------------------------------------------------------------------------- agents
@@ -331,8 +204,8 @@ class AgentPipeline:
         selector, recompute: how shared segments are blended (engine/_documents.py).
         gate, margin, dual_selector: the confidence test (module docstring); ``judge_gate``
             the judge's (default ``dual+margin``: the judge's first token is its decision).
-        pool: the anchors (a new :class:`AnchorPool` by default).
-        anchors: False never uses anchors (documents computed alone only).
+        pool: the anchors (default: the engine's ``anchors``, else a new :class:`AnchorPool`).
+        anchors: False never uses anchors (documents computed alone only; ``pool`` is None).
     """
 
     def __init__(self, engine: Any, solvers: Sequence[Agent], judge: Agent | None = None, *,
@@ -360,8 +233,12 @@ class AgentPipeline:
         self.dual_selector = dual_selector
         self.use_anchors = bool(anchors)
         self.kind = kind
-        self.shared = SharedSegments(engine, pool) if self.reuse else None
-        self.pool = self.shared.pool if self.shared is not None else None
+        self.pool: AnchorPool | None = None
+        if self.reuse and self.use_anchors:
+            self.pool = pool if pool is not None else engine.anchors or AnchorPool()
+        # blended prompts are not stored whole: an agent's prompt is seldom asked again
+        self.shared = (DocumentReuse(engine, keep_blended=False, pool=self.pool)
+                       if self.reuse else None)
 
     # ----------------------------------------------------------- prompts
     @staticmethod
@@ -431,7 +308,7 @@ class AgentPipeline:
         if shared is not None:
             prompt = shared.prepare(segs)
             ids = list(prompt.ids)
-            reusable = any(self._available(ids[s:e]) for s, e in prompt.spans)
+            reusable = any(shared.available(ids[s:e]) for s, e in prompt.spans)
         else:
             from ._documents import build_prompt
 
@@ -444,11 +321,9 @@ class AgentPipeline:
         cap = n + agent.max_new_tokens + 1
         full = True
         if reusable and shared is not None:
-            shared.anchor_hits = shared.anchor_tokens = 0
             pre = shared.prefill(prompt, selector=self.selector, recompute=self.recompute,
                                  capacity=cap, store=False)
             st = pre.stats
-            anchor_hits = shared.anchor_hits
             g = gate or (self.judge_gate if agent.judge else self.gate)
             keep, detail = self._gate(g, pre.last_logits, prompt, restrict)
             turn.gate, turn.gate_detail = g, detail
@@ -460,8 +335,8 @@ class AgentPipeline:
                 turn.reused_tokens = st.reused_tokens
                 turn.prefix_hit_tokens = st.prefix_hit_tokens
                 turn.recomputed_tokens = st.recomputed_tokens
-                turn.anchor_segments = anchor_hits
-                turn.stored_segments = st.documents_hit - anchor_hits
+                turn.anchor_segments = st.documents_anchored
+                turn.stored_segments = st.documents_hit
                 turn.computed_segments = st.documents_computed
                 for job in pre.store_jobs:  # documents computed alone, the exact head
                     job()
@@ -495,34 +370,16 @@ class AgentPipeline:
         turn.text = (seq.text or "").strip() if eng.tokenizer is not None else ""
         turn.total_s = time.perf_counter() - t0
         # anchors: the shared segments of a fully prefilled prompt, and the answer itself
-        if shared is not None and self.use_anchors:
+        if shared is not None and shared.pool is not None:
             if full:
-                for s, e in prompt.spans:
-                    k, v = ca.stack_range(cache, s, e)
-                    shared.capture(ids[s:e], k, v, s, agent.name)
-            if toks:
-                have = ca.cache_length(cache)
-                missing = n + len(toks) - have
-                if missing > 0:  # the last chosen tokens were never fed: feed them
-                    with torch.inference_mode():
-                        eng._runner.forward(torch.tensor([toks[len(toks) - missing:]],
-                                                         device=eng.device), cache)
-                k, v = ca.stack_range(cache, n, n + len(toks))
-                shared.capture(toks, k, v, n, agent.name)
+                shared.capture_prompt(prompt, cache, agent.name)
+            shared.capture_answer(toks, cache, n, agent.name)
         elif shared is not None and eng.store is not None:
             # documents only: each shared segment and the answer computed alone and stored
             # (after the agent's answer, so later agents find them)
             for seg in [ids[s:e] for s, e in prompt.spans] + ([toks] if toks else []):
                 shared.precompute(Document(tokens=tuple(seg)))
         return turn, cache, n
-
-    def _available(self, tokens: list[int]) -> bool:
-        shared = self.shared
-        assert shared is not None
-        key = shared.segment_key(tokens)
-        if self.use_anchors and shared.pool.has(key):
-            return True
-        return shared.is_stored(Document(tokens=tuple(tokens)))
 
     # ----------------------------------------------------------- the pipeline
     def run(self, question: str, choices: Sequence[str] | None = None) -> PipelineRun:

@@ -38,6 +38,11 @@ the document spans (``H("semcomm.blend/1" || ...)``), with its last-position log
 so the same prompt repeated restores everything and runs no forward; the exactly computed
 chunks before the first document go under the ordinary prefix keys; stored documents are never
 overwritten (and approximate KV never lands under an exact prefix key).
+
+With an :class:`AnchorPool` (engine/_anchors.py) a document's in-context KV from an earlier
+prompt or answer is used before the stored one, a prompt with no document at hand is prefilled
+in full, and the documents of a prompt computed wholly in context and its answer are captured
+as anchors; a blend over anchors is never stored whole.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from ..errors import (
 )
 from ..kv import ChunkKey, chunk_keys, chunk_spans, decode_chunk, encode_chunk, logits_key
 from . import _cache_adapter as ca
+from ._anchors import AnchorPool
 from ._decode import DecodeState, SamplingParams, decode_steps
 
 __all__ = [
@@ -390,6 +396,9 @@ class BlendStats:
     documents: int = 0
     documents_hit: int = 0  # documents whose KV came from the store
     documents_computed: int = 0  # documents computed alone (and stored) by this request
+    documents_anchored: int = 0  # documents whose KV came from an anchor (engine/_anchors.py)
+    anchored_tokens: int = 0  # the tokens of those documents
+    anchors_captured: int = 0  # segments this request kept as anchors (documents, its answer)
     reused_tokens: int = 0  # document tokens whose reused KV was kept
     recomputed_document_tokens: int = 0
     recomputed_tokens: int = 0  # every prompt token run through the model in context
@@ -411,6 +420,7 @@ class BlendStats:
     margin: float | None = None  # the confidence test's threshold (None: no test)
     first_margin: float | None = None  # top-1 minus top-2 probability of the first token
     fallback: bool = False  # the test failed: the prompt was prefilled in full instead
+    full_prefill: bool = False  # nothing to reuse (no anchor, no stored document): in full
 
     @property
     def recompute_share(self) -> float:
@@ -459,11 +469,21 @@ class DocumentReuse:
             the difference at use) or ``"unrotated"`` (keys stored at position 0, moved by
             their target position).
         keep_blended: store each blended prompt whole (so the same prompt repeated restores
-            it and runs no forward); False keeps only documents and exact prefix chunks.
+            it and runs no forward); False keeps only documents and exact prefix chunks. A
+            blend that placed a document from an anchor is never stored whole: its KV is not
+            a function of the documents' own KV.
+        pool: an :class:`AnchorPool` (engine/_anchors.py; :meth:`HFEngine.documents` passes
+            the engine's ``anchors``); None: documents come from the store. With a pool a
+            document is looked up there first (the most recent in-context copy, re-rotated),
+            then in the store; a prompt none of whose documents is in either is prefilled in
+            full (computing them alone costs more, and is further from their in-context KV);
+            the documents of a prompt computed wholly in context (in full, a fallback,
+            ``r = 1``) and the answer it generates are captured as anchors.
     """
 
     def __init__(self, engine: Any, anchor: Sequence[int] | None = None,
-                 key_mode: str = "rotated", keep_blended: bool = True):
+                 key_mode: str = "rotated", keep_blended: bool = True,
+                 pool: AnchorPool | None = None):
         if key_mode not in KEY_MODES:
             raise InvalidInputError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
         self.engine = engine
@@ -477,6 +497,7 @@ class DocumentReuse:
         self.anchor: tuple[int, ...] = tuple(anchor) if anchor is not None else self._default_anchor()
         self.root = document_root(engine.namespace_digest, self.anchor, key_mode)
         self.device = engine.device
+        self.pool = pool
 
     def _default_anchor(self) -> tuple[int, ...]:
         tok = self.engine.tokenizer
@@ -614,6 +635,98 @@ class DocumentReuse:
             stats.bytes_loaded += len(f.value)
         return True
 
+    # ------------------------------------------------------------------- anchors
+    def segment_key(self, tokens: Sequence[int]) -> bytes:
+        """A segment's anchor key: the last link of its document key chain (namespace incl.
+        tenant, anchor, tokens)."""
+        return bytes(self.document_keys(list(tokens))[-1])
+
+    def available(self, tokens: Sequence[int]) -> bool:
+        """Whether a document's KV is at hand: an anchor of it, or its stored chunks."""
+        if self.pool is not None and self.pool.has(self.segment_key(tokens)):
+            return True
+        return self.is_stored(list(tokens))
+
+    def capture(self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, start: int,
+                source: str) -> bool:
+        """Keep ``[L, H, n, D]`` KV of a segment computed in context at positions ``start..``
+        as an anchor; False without a pool or when it alone exceeds the pool's budget."""
+        if self.pool is None:
+            return False
+        if k.shape[2] != len(tokens):
+            raise InvalidInputError("an anchor's KV must cover its segment's tokens")
+        return self.pool.put(self.segment_key(tokens), k, v, start, source)
+
+    def capture_prompt(self, prompt: SegmentedPrompt, cache: Any, source: str = "prompt"
+                       ) -> int:
+        """Every document of a prompt whose cache was computed wholly in context, as anchors;
+        returns how many were kept."""
+        if self.pool is None:
+            return 0
+        kept = 0
+        for s, e in prompt.spans:
+            k, v = ca.stack_range(cache, s, e)
+            kept += self.capture(prompt.ids[s:e], k, v, s, source)
+        return kept
+
+    def capture_answer(self, tokens: Sequence[int], cache: Any, at: int,
+                       source: str = "answer") -> bool:
+        """The decode KV of ``tokens`` generated after a prompt of ``at`` tokens, as an anchor
+        keyed by those tokens; the last tokens the decode loop chose but never ran are run
+        first (one forward)."""
+        toks = list(tokens)
+        if self.pool is None or not toks:
+            return False
+        missing = at + len(toks) - ca.cache_length(cache)
+        if missing > 0:
+            x = torch.tensor([toks[len(toks) - missing:]], dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self.engine._runner.forward(x, cache)
+        k, v = ca.stack_range(cache, at, at + len(toks))
+        return self.capture(toks, k, v, at, source)
+
+    def _place_anchor(self, tokens: Sequence[int], s: int, bk: torch.Tensor, bv: torch.Tensor,
+                      stats: BlendStats) -> bool:
+        """The segment's most recent anchor into ``[:, :, s:s+n]``, its keys moved from where
+        they were computed to ``s`` (exact for RoPE); False when the pool has none."""
+        e = s + len(tokens)
+        a = self.pool.get(self.segment_key(tokens)) if self.pool is not None else None
+        if a is None or a.k.shape[2] != e - s:
+            return False
+        bk[:, :, s:e] = rotate_keys(a.k, s - a.start, self.spec) if s != a.start else a.k
+        bv[:, :, s:e] = a.v
+        stats.documents_anchored += 1
+        stats.anchored_tokens += e - s
+        return True
+
+    def prefill_in_full(self, prompt: SegmentedPrompt, stats: BlendStats, capacity: int = 0,
+                        ) -> _Prefilled:
+        """The prompt prefilled by the engine itself (its exact prefix cache included, the
+        new chunks stored by the returned job): every document token computed in context.
+        ``stats`` is updated to say so."""
+        eng = self.engine
+        ids = list(prompt.ids)
+        t1 = time.perf_counter()
+        pre, keys = eng._prefill(ids, None, t1, capacity=max(capacity, len(ids)))
+        hit = int(pre.stats.hit_tokens)
+        stats.prefix_hit_tokens = hit
+        stats.reused_tokens = 0
+        stats.recomputed_tokens = len(ids) - hit
+        stats.recomputed_document_tokens = prompt.document_tokens
+        stats.bytes_loaded += pre.stats.bytes_loaded
+        stats.prefill_ms += (time.perf_counter() - t1) * 1e3
+
+        def store() -> None:
+            if eng.store is None:
+                return
+            ts = time.perf_counter()
+            eng._store_chunks(pre, keys)
+            stats.chunks_stored += pre.stats.chunks_stored
+            stats.bytes_stored += pre.stats.bytes_stored
+            stats.store_ms += (time.perf_counter() - ts) * 1e3
+
+        return _Prefilled(pre.cache, pre.last_logits, prompt, stats, [store])
+
     # -------------------------------------------------------------------- checks
     def _check_length(self, n: int) -> None:
         if self.windows and n > min(self.windows):
@@ -696,12 +809,22 @@ class DocumentReuse:
             cache = ca.buffer_cache(lay, cap, self.device, n, (bk, bv))
             stats.ttft_s = time.perf_counter() - t0
             return _Prefilled(cache, logits, prompt, stats)
-        # 2. documents: stored KV at their positions (computed alone and stored on a miss)
+        # with anchors: nothing of the documents at hand, the prompt in full (then captured)
+        if self.pool is not None and not any(self.available(ids[s:e]) for s, e in prompt.spans):
+            stats.full_prefill = True
+            pre = self.prefill_in_full(prompt, stats, capacity)
+            stats.load_ms = (time.perf_counter() - t0) * 1e3
+            stats.ttft_s = time.perf_counter() - t0
+            return pre
+        # 2. documents: an anchor, else stored KV, at their positions (computed alone and
+        # stored on a miss)
         a = len(self.anchor)
         doc_jobs = []
         for (s, e) in prompt.spans:
             toks = ids[s:e]
             keys = self.document_keys(toks)
+            if self._place_anchor(toks, s, bk, bv, stats):
+                continue
             delta: int | torch.Tensor = s - a  # keys as computed after the anchor
             if self._fetch_document(keys, e - s, bk, bv, s, stats):
                 stats.documents_hit += 1
@@ -765,7 +888,9 @@ class DocumentReuse:
                 stats.chunks_stored += c
                 stats.bytes_stored += b
             self._store_head(ids, head_end, bk, bv, stats)
-            if self.keep_blended:
+            # a blend over anchors depends on the prompts they came from, not on the
+            # documents alone: never stored under the documents' blend keys
+            if self.keep_blended and not stats.documents_anchored:
                 self._store_blend(bkeys, n, bk, bv, logits, stats)
             stats.store_ms += (time.perf_counter() - ts0) * 1e3
 
@@ -1169,15 +1294,10 @@ class DocumentReuse:
             top = torch.topk(torch.softmax(logits.float(), -1), 2).values
             stats.margin, stats.first_margin = margin, round(float(top[0] - top[1]), 4)
             if stats.first_margin < margin:  # not sure of its first token: full prefill
-                t1 = time.perf_counter()
-                full = eng.prefill(ids, store=eng.store is not None)
+                full = self.prefill_in_full(pre.prompt, stats, len(ids) + max_new_tokens)
                 cache, logits = full.cache, full.last_logits
                 stats.fallback = True
-                stats.prefix_hit_tokens = full.stats.hit_tokens
-                stats.reused_tokens = 0
-                stats.recomputed_tokens = len(ids) - full.stats.hit_tokens
-                stats.recomputed_document_tokens = stats.document_tokens
-                stats.prefill_ms += (time.perf_counter() - t1) * 1e3
+                pre.store_jobs += full.store_jobs
         if on_prefill is not None:
             on_prefill(stats)
 
@@ -1196,6 +1316,13 @@ class DocumentReuse:
         tail = seq.finish()
         if tail:
             yield tail
+        if self.pool is not None:  # anchors: in-context documents, and the answer
+            if stats.document_tokens and stats.reused_tokens == 0 and not stats.blend_hit:
+                stats.anchors_captured += self.capture_prompt(pre.prompt, cache)
+            toks = list(seq.token_ids)
+            while toks and (toks[-1] in eng.eos_token_ids or toks[-1] in stop_ids):
+                toks.pop()
+            stats.anchors_captured += self.capture_answer(toks, cache, len(ids))
         stats.new_tokens = len(seq.token_ids)
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t0

@@ -50,6 +50,7 @@ from ..kv import (
 )
 from ..security import NO_TENANT_DIGEST, TenantSalter
 from . import _cache_adapter as ca
+from ._anchors import AnchorPool
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._documents import (
     DEFAULT_RECOMPUTE,
@@ -139,6 +140,11 @@ class HFEngine:
             shortcuts they named were replaced by ``dtype``).
         prefill_scheduler: runs the prefill forwards (:class:`PrefillRunner`); None: the
             engine runs them itself.
+        anchors: an :class:`AnchorPool` (engine/_anchors.py) for prompts with documents: a
+            document's in-context KV captured from another prompt (one prefilled in full, or
+            an answer this engine generated) is used before its stored KV; None: documents
+            come from the store only. Keyed under this engine's namespace (tenant included),
+            so engines of several tenants may share one pool.
     """
 
     def __init__(
@@ -158,6 +164,7 @@ class HFEngine:
         greedy_head: bool | None = None,
         lean_decode: bool | None = None,
         prefill_scheduler: PrefillRunner | None = None,
+        anchors: AnchorPool | None = None,
     ):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -214,6 +221,7 @@ class HFEngine:
         # every piece it runs is cut at chunk boundaries (ChunkedRunner)
         self.prefill_scheduler = prefill_scheduler
         self._documents: Any = None  # DocumentReuse, made on first use (engine/_documents.py)
+        self.anchors = anchors  # read by DocumentReuse when it is made
         self.dtype: torch.dtype = self.layout.dtype
         if self.dtype not in _DTYPE_NAMES:
             raise InvalidInputError(f"unsupported KV dtype {self.dtype}")
@@ -867,7 +875,7 @@ class HFEngine:
         first use; raises :class:`UnsupportedModelError` for a model whose positions cannot
         move (ALiBi, learned absolute positions, ...)."""
         if self._documents is None:
-            self._documents = DocumentReuse(self)
+            self._documents = DocumentReuse(self, pool=self.anchors)
         docs: DocumentReuse = self._documents
         return docs
 
