@@ -13,6 +13,8 @@ memory. The plan holds, per configured model:
   :meth:`KVShape.bytes_for` caps those layers;
 * ``kv_budget_bytes``: the live KV this model's running requests may hold (``[models.X]
   kv_bytes``; default: its share of what the limit leaves);
+* ``anchor_budget_bytes``: documents' in-context KV its engines keep as anchors
+  (``[models.X] anchor_bytes``, engine/_anchors.py; 0 without a pool), held between requests;
 
 and for the process: a baseline (the interpreter, torch, the embedder: measured, or a
 documented default before start-up) and the in-memory prefix-cache tier's budget.
@@ -211,6 +213,7 @@ class ModelPlan:
     max_context: int  # longest prompt + max_tokens one request may hold
     kv_budget_bytes: int  # live KV its running requests may hold together
     pinned: bool = False  # never unloaded by keep-alive
+    anchor_budget_bytes: int = 0  # its anchor pool's budget (held between requests)
     keep_alive_s: float | None = None  # unload idle weights after this long (None: never)
     measured: bool = False  # weight_bytes measured on the loaded model
 
@@ -221,12 +224,13 @@ class ModelPlan:
 
     @property
     def planned_bytes(self) -> int:
-        return self.weight_bytes + self.kv_budget_bytes
+        return self.weight_bytes + self.kv_budget_bytes + self.anchor_budget_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "weight_bytes": self.weight_bytes,
                 "kv_bytes_per_token": self.kv.bytes_per_token,
-                "kv_budget_bytes": self.kv_budget_bytes, "max_context": self.max_context,
+                "kv_budget_bytes": self.kv_budget_bytes,
+                "anchor_budget_bytes": self.anchor_budget_bytes, "max_context": self.max_context,
                 "min_kv_bytes": self.min_kv_bytes, "pinned": self.pinned,
                 "keep_alive_s": self.keep_alive_s, "measured": self.measured,
                 "sliding_window": self.kv.window, "layers": self.kv.layers}
@@ -282,8 +286,11 @@ class MemoryPlan:
                 f"{_mib(self.planned_bytes)} (baseline {_mib(self.baseline_bytes)}, memory KV "
                 f"tier {_mib(self.prefix_cache_bytes)}, "
                 + ", ".join(f"{m.name} {_mib(m.weight_bytes)} weights + "
-                            f"{_mib(m.kv_budget_bytes)} KV" for m in self.models.values())
-                + "); lower [models.X] kv_bytes or kv.memory_bytes")
+                            f"{_mib(m.kv_budget_bytes)} KV"
+                            + (f" + {_mib(m.anchor_budget_bytes)} anchors"
+                               if m.anchor_budget_bytes else "")
+                            for m in self.models.values())
+                + "); lower [models.X] kv_bytes, anchor_bytes or kv.memory_bytes")
 
     def as_dict(self) -> dict[str, Any]:
         return {"limit_bytes": self.limit_bytes, "baseline_bytes": self.baseline_bytes,
@@ -292,15 +299,17 @@ class MemoryPlan:
                 "models": {n: m.as_dict() for n, m in self.models.items()}}
 
     def rows(self) -> list[tuple[str, str, str, str, str]]:
-        """(part, weights, KV/token, KV budget, total) rows for a table."""
+        """(part, weights, KV/token, KV budget, total) rows for a table (a model's anchor pool
+        is added to its KV budget cell)."""
         out = [("baseline (process)", "", "", "", _mib(self.baseline_bytes)),
                ("prefix cache (memory tier)", "", "", "", _mib(self.prefix_cache_bytes))]
         for m in self.models.values():
             tag = (" (pinned)" if m.pinned else f" (keep-alive {m.keep_alive_s:g} s)"
                    if m.keep_alive_s is not None else "")
+            kv = _mib(m.kv_budget_bytes) + (f" + {_mib(m.anchor_budget_bytes)} anchors"
+                                             if m.anchor_budget_bytes else "")
             out.append((m.name + tag, _mib(m.weight_bytes),
-                        f"{m.kv.bytes_per_token / 1024:.1f} KiB", _mib(m.kv_budget_bytes),
-                        _mib(m.planned_bytes)))
+                        f"{m.kv.bytes_per_token / 1024:.1f} KiB", kv, _mib(m.planned_bytes)))
         out.append(("planned", "", "", "", _mib(self.planned_bytes)))
         if self.limit_bytes is not None:
             out.append(("limit (server.memory_bytes)", "", "", "", _mib(self.limit_bytes)))
@@ -423,6 +432,7 @@ class ModelFacts:
     dtype: str = "float32"
     max_context: int | None = None  # ``[models.X] max_context`` (None: the model's positions)
     kv_bytes: int | None = None  # ``[models.X] kv_bytes`` (None: a share of what is left)
+    anchor_bytes: int = 0  # ``[models.X] anchor_bytes``: its anchor pool (0: none)
     max_batch: int = 8  # requests decoded together (the default KV budget holds this many)
     pinned: bool = False
     keep_alive_s: float | None = None
@@ -431,8 +441,9 @@ class ModelFacts:
 def build_plan(models: Mapping[str, ModelFacts], *, limit_bytes: int | None,
                prefix_cache_bytes: int, baseline_bytes: int | None = None) -> MemoryPlan:
     """The plan for ``models``: each model's KV budget is its ``kv_bytes`` when set; otherwise
-    an equal share of what the limit leaves after the baseline, the weights, the memory tier
-    and the set budgets, and without a limit ``max_batch`` requests at ``max_context``."""
+    an equal share of what the limit leaves after the baseline, the weights, the memory tier,
+    the anchor pools and the set budgets, and without a limit ``max_batch`` requests at
+    ``max_context``."""
     base = current_rss_bytes() if baseline_bytes is None else baseline_bytes
     plans: dict[str, ModelPlan] = {}
     for name, f in models.items():
@@ -442,12 +453,13 @@ def build_plan(models: Mapping[str, ModelFacts], *, limit_bytes: int | None,
         ctx = min(f.max_context or positions, positions)
         plans[name] = ModelPlan(name=name, weight_bytes=f.weight_bytes, kv=shape, max_context=ctx,
                                 kv_budget_bytes=f.kv_bytes or 0, pinned=f.pinned,
+                                anchor_budget_bytes=f.anchor_bytes,
                                 keep_alive_s=f.keep_alive_s, measured=f.measured)
     unset = [n for n, f in models.items() if not f.kv_bytes]
     if unset:
         if limit_bytes is not None:
             left = (limit_bytes - base - prefix_cache_bytes
-                    - sum(p.weight_bytes for p in plans.values())
+                    - sum(p.weight_bytes + p.anchor_budget_bytes for p in plans.values())
                     - sum(p.kv_budget_bytes for p in plans.values()))
             share = max(0, left // len(unset))
             for n in unset:
@@ -512,6 +524,7 @@ class MemoryMonitor:
                 "weight_resident_bytes": p.weight_bytes if r["loaded"] else 0,
                 "kv_bytes_per_token": p.kv.bytes_per_token,
                 "kv_budget_bytes": p.kv_budget_bytes, "kv_live_bytes": live,
+                "anchor_budget_bytes": p.anchor_budget_bytes,
                 "kv_cached_bytes": cached.get(name, 0), "kv_bytes": live + cached.get(name, 0),
                 "kv_headroom_bytes": p.kv_budget_bytes - live,
                 "max_context": p.max_context, "pinned": p.pinned,

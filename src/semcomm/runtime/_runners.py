@@ -22,6 +22,7 @@ from typing import Any
 
 from ..engine import (
     DEFAULT_CHUNK_SIZE,
+    AnchorPool,
     BatchDecoder,
     BatchRequest,
     BatchResult,
@@ -43,18 +44,21 @@ log = logging.getLogger(__name__)
 def engine_runner(model: Any, tokenizer: Any, *, model_id: str, store: ChunkStore,
                   salter: TenantSalter, chunk_size: int | None, codec: str | None,
                   scheduler: PrefillScheduler | None = None,
-                  keep_logits: bool = True) -> tuple[EngineRunner | None, str]:
+                  keep_logits: bool = True,
+                  anchors: AnchorPool | None = None) -> tuple[EngineRunner | None, str]:
     """Return ``(runner, note)``; ``runner`` is None when the engine cannot serve this model."""
     try:
         runner = EngineRunner(model, tokenizer, model_id=model_id, store=store, salter=salter,
                               chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
                               codec=codec or "lossless", scheduler=scheduler,
-                              keep_logits=keep_logits)
+                              keep_logits=keep_logits, anchors=anchors)
     except Exception as exc:  # unsupported model family etc.: serve it plainly, say why
         log.warning("model %s served without KV reuse: %s", model_id, exc)
         return None, f"HFEngine refused the model ({exc}); plain batched decoding"
+    pool = (f", anchor pool {anchors.budget_bytes / 2**20:g} MiB" if anchors is not None
+            else "")
     return runner, (f"HFEngine: KV prefix reuse, chunk {runner.chunk_size}, codec "
-                    f"{runner.codec}, store {store.name}")
+                    f"{runner.codec}, store {store.name}{pool}")
 
 
 def _kv_extra(st: GenerationStats) -> dict[str, Any]:
@@ -123,12 +127,15 @@ class EngineRunner:
     """Runs batches of jobs on per-tenant ``HFEngine`` s over one shared model (see module doc).
 
     The runner owns the model it serves: with a scheduler, the scheduler's pause point goes on
-    the model's decoder layers here, once (``PrefillScheduler.attach``).
+    the model's decoder layers here, once (``PrefillScheduler.attach``). ``anchors``: one
+    :class:`~semcomm.engine.AnchorPool` every tenant's engine shares (its keys are
+    tenant-bound), not the isolated ones (they keep nothing).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, store: ChunkStore,
                  salter: TenantSalter, chunk_size: int, codec: str,
-                 scheduler: PrefillScheduler | None = None, keep_logits: bool = True) -> None:
+                 scheduler: PrefillScheduler | None = None, keep_logits: bool = True,
+                 anchors: AnchorPool | None = None) -> None:
         self.scheduler = scheduler
         self.model = model
         self.tokenizer = tokenizer
@@ -138,6 +145,7 @@ class EngineRunner:
         self.chunk_size = chunk_size
         self.codec = codec
         self.keep_logits = keep_logits
+        self.anchors = anchors
         self._engines: dict[tuple[str | None, bool], HFEngine] = {}
         self._lock = threading.Lock()
         first = self.engine(None)  # validates the model family once, up front
@@ -163,7 +171,8 @@ class EngineRunner:
                                store=None if isolate else self.store,
                                chunk_size=self.chunk_size, codec=self.codec,
                                tenant=tenant, salter=self.salter, kv_pool_bytes=0,
-                               keep_logits=self.keep_logits, prefill_scheduler=self.scheduler)
+                               keep_logits=self.keep_logits, prefill_scheduler=self.scheduler,
+                               anchors=None if isolate else self.anchors)
                 self._engines[(tenant, isolate)] = eng
         if digest is not None and eng.namespace.tenant != digest:
             raise RuntimeError(f"KV namespace digest {eng.namespace.tenant!r} differs from the "
