@@ -134,7 +134,9 @@ def test_the_openai_client_sends_documents_unchanged(tmp_path: Path) -> None:
 
 # --- pipelines whose stages share text under their own role prompts ---------------------
 
-def _team_config(tmp: Path, pattern: str, layout: str | None = None, **over: Any) -> Any:
+def _team_config(tmp: Path, pattern: str, layout: str | None = None, *,
+                 model: dict[str, Any] | None = None, tenants: bool = False,
+                 **over: Any) -> Any:
     roles = [("solver", "You solve it."), ("checker", "You check the answers."),
              ("skeptic", "You look for mistakes."), ("judge", "Pick the best answer.")]
     pipe: dict[str, Any] = {"pattern": pattern, "stages": [
@@ -143,8 +145,10 @@ def _team_config(tmp: Path, pattern: str, layout: str | None = None, **over: Any
         pipe["layout"] = layout
     return load_config(None, environ={}, defaults=False, overrides={
         "server": {"state_dir": str(tmp), "max_tokens_limit": 16},
-        "models": {"tiny": {"path": "tiny", "max_batch": 4}},
+        "models": {"tiny": {"path": "tiny", "max_batch": 4, **(model or {})}},
         "pipelines": {"team": pipe},
+        **({"tenants": {"acme": {"api_key": "k-acme"}, "beta": {"api_key": "k-beta"}}}
+           if tenants else {}),
         "kv": {"tiers": ["memory"], "chunk_size": 32}, "semantic": {"enabled": False}})
 
 
@@ -215,3 +219,94 @@ def test_a_fanout_needs_the_shared_layout_and_two_stages(tmp_path: Path) -> None
         load_config(None, environ={}, defaults=False, overrides={
             "models": {"tiny": {"path": "tiny"}},
             "pipelines": {"solo": {"pattern": "fanout", "stages": [{"model": "tiny"}]}}})
+
+
+# --- anchors: the text a stage read or wrote, as it computed it in context ----------------
+
+ORDERS = "Order log: " + " ".join(f"item-{i} shipped;" for i in range(12))
+
+
+async def _team(app: Any, questions: list[str], keys: list[str] | None = None
+                ) -> list[dict[str, Any]]:
+    """Each question to pipeline ``team`` in turn, as the tenant of its API key (none)."""
+    gw = app.state.gateway
+    await gw.startup()
+    out = []
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=120) as c:
+            for q, key in zip(questions, keys or [""] * len(questions)):
+                r = await c.post("/v1/chat/completions", headers={
+                    "Authorization": f"Bearer {key}"} if key else {}, json={
+                    "model": "team", "max_tokens": 6,
+                    "messages": [{"role": "user", "content": q}]})
+                assert r.status_code == 200, r.text
+                out.append(r.json())
+    finally:
+        await gw.shutdown()
+    return out
+
+
+def _anchored(body: dict[str, Any]) -> list[int]:
+    return [s["documents"]["documents_anchored"] for s in body["semcomm"]["stages"]]
+
+
+def test_a_shared_pipeline_reuses_anchors_and_reports_them(tmp_path: Path) -> None:
+    """With an anchor pool the first stage, with nothing to reuse, is prefilled in full and
+    keeps the request's KV as it computed it in context, and its answer's decode KV; every
+    later stage places both (and each earlier answer) from those anchors, never from KV
+    computed alone. At r = 1 the answers are full prefill's (the text hand-off's)."""
+    app = create_app(_team_config(tmp_path / "a", "chain", "shared",
+                                  model={"anchor_bytes": 1 << 22}))
+    (body,) = asyncio.run(_team(app, [ORDERS]))
+    stages = body["semcomm"]["stages"]
+    first = stages[0]["documents"]
+    assert first["full_prefill"] and first["documents_anchored"] == 0
+    assert first["anchors_captured"] == 2  # the request (in context) and the answer
+    assert _anchored(body) == [0, 2, 3, 4]  # the request and every earlier answer
+    assert all(s["documents"]["documents_computed"] == 0 for s in stages)
+    assert body["semcomm"]["anchors"]["documents"] == 9
+    assert body["semcomm"]["anchors"]["tokens"] == sum(
+        s["documents"]["anchored_tokens"] for s in stages) > 0
+    assert "docs:" in body["semcomm"]["hits"][-1]
+    # the memory plan holds the pool's budget
+    plan = app.state.gateway.memory.plan.models["tiny"]
+    assert plan.anchor_budget_bytes == 1 << 22
+    assert plan.planned_bytes == plan.weight_bytes + plan.kv_budget_bytes + (1 << 22)
+    # every token recomputed over the anchors: the text hand-off's answers
+    exact = asyncio.run(_team(create_app(_team_config(
+        tmp_path / "b", "chain", "shared", model={"anchor_bytes": 1 << 22}, selector="full")),
+        [ORDERS]))[0]
+    plain = asyncio.run(_team(create_app(_team_config(tmp_path / "c", "chain", "shared",
+                                                      handoff="text")), [ORDERS]))[0]
+    assert _anchored(exact) == [0, 2, 3, 4]
+    assert exact["semcomm"]["intermediate"] == plain["semcomm"]["intermediate"]
+    assert exact["choices"][0]["message"]["content"] == \
+        plain["choices"][0]["message"]["content"]
+    # the confidence test at its strictest: every stage falls back, the same answers
+    forced = asyncio.run(_team(create_app(_team_config(
+        tmp_path / "d", "chain", "shared", model={"anchor_bytes": 1 << 22}, margin=1.0)),
+        [ORDERS]))[0]
+    assert [s["documents"]["fallback"] for s in forced["semcomm"]["stages"]] == \
+        [False, True, True, True]
+    assert forced["semcomm"]["intermediate"] == plain["semcomm"]["intermediate"]
+    usage = forced["semcomm"]["stages"][1]["documents"]
+    assert usage["reused_tokens"] == 0 and usage["documents_anchored"] == 2
+
+
+def test_the_anchor_pool_stays_in_its_budget_and_tenants_apart(tmp_path: Path) -> None:
+    budget = 200_000  # 512 bytes a token: one request's anchors (about 80 kB), not six
+    app = create_app(_team_config(tmp_path, "chain", "shared", model={"anchor_bytes": budget},
+                                  tenants=True))
+    pool = app.state.gateway.backends["tiny"].runner.anchors
+    questions = [f"Ticket {i}: " + " ".join(f"part-{i}-{j} late;" for j in range(8))
+                 for i in range(6)]
+    # acme asks six questions and the last one again; then beta asks that one too
+    *acme, beta = asyncio.run(_team(app, [*questions, questions[-1], questions[-1]],
+                                    ["k-acme"] * 7 + ["k-beta"]))
+    st = pool.stats()
+    assert 0 < st["bytes"] <= budget and st["evictions"] > 0
+    assert _anchored(acme[-1])[0] == 1  # acme's own request, kept from its last run
+    # beta's keys are its own: nothing of acme's is found, its first stage runs in full
+    first = beta["semcomm"]["stages"][0]["documents"]
+    assert first["full_prefill"] and first["documents_anchored"] == 0

@@ -169,6 +169,33 @@ def test_build_plan_shares_what_the_limit_leaves_and_keeps_set_budgets() -> None
     assert unlimited.as_dict()["models"]["b"]["kv_bytes_per_token"] == shape.bytes_per_token
 
 
+def test_the_plan_counts_each_models_anchor_pool(tmp_path: Path) -> None:
+    """``[models.X] anchor_bytes`` is memory the process holds between requests: in the
+    model's planned bytes, taken out of what the limit leaves for KV budgets, in the rows
+    ``serve --check`` prints; a model without a pool is planned as before."""
+    from semcomm.runtime._memplan import ModelFacts, build_plan
+    from semcomm.server._wiring import plan_config
+
+    a = tiny_model("llama")
+    facts = {"a": ModelFacts(a.config, weight_bytes(a), True, max_context=128,
+                             anchor_bytes=3 * 2**20)}
+    plan = build_plan(facts, limit_bytes=64 * 2**20, prefix_cache_bytes=0,
+                      baseline_bytes=32 * 2**20)
+    m = plan.models["a"]
+    assert m.anchor_budget_bytes == 3 * 2**20
+    assert m.kv_budget_bytes == 64 * 2**20 - 32 * 2**20 - weight_bytes(a) - 3 * 2**20
+    assert plan.planned_bytes == 64 * 2**20
+    assert plan.as_dict()["models"]["a"]["anchor_budget_bytes"] == 3 * 2**20
+    assert any("+ 3.0 MiB anchors" in row[3] for row in plan.rows())
+    cfg = _server(tmp_path, anchor_bytes=2**20)
+    checked = plan_config(cfg).models["tiny"]
+    assert checked.anchor_budget_bytes == 2**20
+    assert checked.planned_bytes == checked.weight_bytes + checked.kv_budget_bytes + 2**20
+    assert plan_config(_server(tmp_path)).models["tiny"].anchor_budget_bytes == 0
+    with pytest.raises(ConfigError, match="anchor_bytes"):
+        _server(tmp_path, anchor_bytes=2**20, kv_cache=False)
+
+
 # ------------------------------------------------------------- in the server
 def _server(tmp: Path, **model: object):  # type: ignore[no-untyped-def]
     from semcomm.server import load_config

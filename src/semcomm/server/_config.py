@@ -217,9 +217,15 @@ class ModelConfig(_Section):
     # unload the idle weights after this many seconds without a request, reload on the next
     # one (None: stay loaded). ``pin = true`` wins: a pinned model is never unloaded
     keep_alive_s: float | None = Field(None, gt=0)
+    # in-process models with KV reuse: bytes of documents' in-context KV kept as anchors
+    # (engine/_anchors.py), one pool per model shared by its workers and tenants, counted in
+    # the memory plan. 0 (the default): off, documents come from the KV store only
+    anchor_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelConfig:
+        if self.anchor_bytes and (self.kind != "hf" or not self.kv_cache):
+            raise ValueError("anchor_bytes is for in-process models with kv_cache = true")
         if self.kind == "upstream" and not (self.base_url or self.base_urls):
             raise ValueError("kind = 'upstream' needs base_url (or base_urls)")
         if self.base_url and self.base_urls:

@@ -25,7 +25,10 @@ the request and the earlier answers it reads, each a document::
 so the text the stages share follows a different prefix in each, and an exact prefix cache
 never hits on it; an in-process model with KV reuse reuses each document's KV under every
 stage's prompt instead (``shared`` handoff, engine/_documents.py: stored once, re-rotated,
-a share recomputed in context). ``pattern = "fanout"`` runs every stage but the last on the
+a share recomputed in context). A model with an anchor pool (``[models.X] anchor_bytes``)
+reuses the KV as an earlier stage computed it in context first: the request as a stage
+prefilled in full read it, an answer as its stage generated it (``response["semcomm"]
+["anchors"]``). ``pattern = "fanout"`` runs every stage but the last on the
 request alone (specialists, concurrently) and the last on all their answers (a synthesizer or
 a judge); a chain's stage reads every earlier answer.
 
@@ -66,6 +69,15 @@ def _reused(c: Completion) -> int:
     """Document tokens a stage's completion reused (0 without documents)."""
     doc = c.meta.get("documents")
     return int(doc["reused_tokens"]) if doc else 0
+
+
+def _anchors(done: Sequence[Completion]) -> dict[str, int]:
+    """What the stages' anchors did (engine/_anchors.py): documents placed from one, their
+    tokens, and the segments kept as anchors (documents in context, answers)."""
+    docs = [c.meta["documents"] for c in done if c.meta.get("documents")]
+    return {"documents": sum(int(d.get("documents_anchored", 0)) for d in docs),
+            "tokens": sum(int(d.get("anchored_tokens", 0)) for d in docs),
+            "captured": sum(int(d.get("anchors_captured", 0)) for d in docs)}
 
 
 class PipelineBackend:
@@ -218,6 +230,7 @@ class PipelineBackend:
             hit_tokens=sum(c.hit_tokens for c in done), ttft_s=final.ttft_s,
             meta={"model": self.name, "pipeline": self.name, "pattern": self.cfg.pattern,
                   "layout": "shared", "handoffs": handoffs, "saved_tokens_by_layer": saved,
+                  "anchors": _anchors(done),
                   "stages": [{"stage": i, "model": stages[i].model, "role": stages[i].role,
                               "prompt_tokens": c.prompt_tokens, "hit_tokens": c.hit_tokens,
                               "completion_tokens": c.completion_tokens,

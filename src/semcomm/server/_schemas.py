@@ -234,7 +234,8 @@ class CompletionRequest(_GenFields):
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                documents: dict[str, Any] | None = None) -> dict[str, Any]:
     """OpenAI's usage block; ``cached_tokens`` counts every prompt token not recomputed. A
-    request with documents adds what they reused and recomputed."""
+    request with documents adds what they reused and recomputed (``document_anchors``: the
+    documents placed from an anchor, engine/_anchors.py)."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     if documents is not None:
         details.update(
@@ -243,7 +244,8 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
             document_tokens_recomputed=documents.get("recomputed_document_tokens", 0),
             recomputed_tokens=documents.get("recomputed_tokens", 0),
             selector=documents.get("selector", ""),
-            recompute=documents.get("recompute", 0.0))
+            recompute=documents.get("recompute", 0.0),
+            document_anchors=documents.get("documents_anchored", 0))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

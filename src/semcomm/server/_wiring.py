@@ -232,11 +232,18 @@ def scheduler_for(server: Any) -> PrefillScheduler | None:
                              yield_run_s=server.long_prefill_yield_run_ms / 1e3)
 
 
+def _anchor_pool(cfg: ModelConfig) -> Any:
+    """The model's anchor pool (``anchor_bytes``; None when 0): documents' in-context KV."""
+    from ..engine import AnchorPool
+
+    return AnchorPool(cfg.anchor_bytes) if cfg.anchor_bytes else None
+
+
 def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                   salter: TenantSalter, notes: dict[str, str], loaded: tuple[Any, Any, str],
-                  worker_name: str | None) -> tuple[BatchingWorker, bool]:
-    """A batching worker over a loaded model (engine runner with KV reuse when it can), and
-    whether it reuses KV."""
+                  worker_name: str | None, anchors: Any = None) -> tuple[BatchingWorker, bool]:
+    """A batching worker over a loaded model (engine runner with KV reuse when it can, its
+    engines given the model's anchor pool ``anchors``), and whether it reuses KV."""
     from ..runtime import DirectRunner, engine_runner
 
     model, tok, model_id = loaded
@@ -246,7 +253,7 @@ def _build_worker(name: str, cfg: ModelConfig, config: ServerConfig, store: Any,
                                     chunk_size=cfg.chunk_size or config.kv.chunk_size,
                                     codec=config.kv.codec,
                                     scheduler=scheduler_for(config.server),
-                                    keep_logits=config.kv.keep_logits)
+                                    keep_logits=config.kv.keep_logits, anchors=anchors)
         notes[f"model:{name}"] = why
     kv_reuse = runner is not None
     if runner is None:
@@ -282,16 +289,20 @@ def _local_backend(name: str, cfg: ModelConfig, config: ServerConfig, store: Any
                    salter: TenantSalter, notes: dict[str, str],
                    loaded: tuple[Any, Any, str] | None = None,
                    worker_name: str | None = None,
-                   memory: KVAccountant | None = None) -> LocalBackend:
+                   memory: KVAccountant | None = None, anchors: Any = None) -> LocalBackend:
+    """One in-process worker; ``anchors``: the pool its model's workers share (default: a pool
+    of its own, dropped with the worker when keep-alive unloads it, as the plan counts)."""
     first = loaded if loaded is not None else load_hf(cfg, name)
-    worker, kv_reuse = _build_worker(name, cfg, config, store, salter, notes, first, worker_name)
+    pool = anchors if anchors is not None else _anchor_pool(cfg)
+    worker, kv_reuse = _build_worker(name, cfg, config, store, salter, notes, first, worker_name,
+                                     pool)
     del first  # the worker's runner holds the model; keep-alive must be able to drop it
     keep = _keep_alive(name, cfg, config, notes) if worker_name is None else None
     reload = None
     if keep is not None:
         def reload() -> BatchingWorker:  # a fresh model and worker, as at start-up
             return _build_worker(name, cfg, config, store, salter, {}, load_hf(cfg, name),
-                                 None)[0]
+                                 None, _anchor_pool(cfg))[0]
     return LocalBackend(name, worker, kv_reuse=kv_reuse, reload=reload, keep_alive_s=keep,
                         memory=memory)
 
@@ -324,8 +335,9 @@ def _local_workers(name: str, mcfg: ModelConfig, config: ServerConfig, store: An
     """``workers`` in-process workers over one loaded model, behind the replica router."""
     from ._replicas import local_replicas
 
+    pool = _anchor_pool(mcfg)  # one for the model: a stage's anchors serve the next anywhere
     workers = [_local_backend(name, mcfg, config, store, salter, notes, loaded=loaded,
-                              worker_name=f"{name}/worker-{i}", memory=memory)
+                              worker_name=f"{name}/worker-{i}", memory=memory, anchors=pool)
                for i in range(mcfg.workers)]
     notes[f"model:{name}"] += f"; {mcfg.workers} workers, replica router"
     return local_replicas(name, workers, chunk_size=_chunk(mcfg, config),
@@ -455,7 +467,7 @@ def plan_config(config: ServerConfig) -> MemoryPlan:
         workers = max(1, mcfg.workers)
         facts[name] = ModelFacts(config=hf_config, weight_bytes=wbytes, measured=measured,
                                  dtype=dtype, max_context=mcfg.max_context, kv_bytes=mcfg.kv_bytes,
-                                 pinned=mcfg.pin,
+                                 anchor_bytes=mcfg.anchor_bytes, pinned=mcfg.pin,
                                  keep_alive_s=None if mcfg.pin else mcfg.keep_alive_s,
                                  max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
     mem_tier = _kv_memory_bytes(config)
@@ -490,7 +502,8 @@ def build_plan_for(config: ServerConfig, loaded: Mapping[str, tuple[Any, Any, st
         facts[name] = ModelFacts(
             config=model.config, weight_bytes=weight_bytes(model), measured=True,
             dtype=str(next(model.parameters()).dtype), max_context=mcfg.max_context,
-            kv_bytes=mcfg.kv_bytes, pinned=mcfg.pin, keep_alive_s=keep,
+            kv_bytes=mcfg.kv_bytes, anchor_bytes=mcfg.anchor_bytes, pinned=mcfg.pin,
+            keep_alive_s=keep,
             max_batch=(mcfg.max_batch or config.server.max_batch) * workers)
     plan = build_plan(facts, limit_bytes=config.server.memory_bytes,
                       prefix_cache_bytes=_kv_memory_bytes(config), baseline_bytes=baseline)
