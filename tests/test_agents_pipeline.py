@@ -242,3 +242,40 @@ def test_without_anchors_segments_come_from_stored_documents(parts: tuple[Any, A
     for i, t in enumerate(run.turns[1:], 1):
         assert t.mode == "reuse" and t.stored_segments == min(i, 3) + 1
         assert t.computed_segments == 0
+
+
+def test_watch_rebuilds_the_kv_and_decodes_on_from_exact_kv(parts: tuple[Any, Any]) -> None:
+    # plain reuse (r = 0) with watch = 1.0: every step is "unsure", so each reused solver's KV
+    # is rebuilt in full right after its first token, and the rest of its answer is what full
+    # prefill decodes after that token
+    _, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
+                  judge_gate="off", watch=1.0)
+    ref = _engine(parts, store=None)
+    tok = parts[1]
+    q = Document(QUESTION)
+    answers: list[Document] = []
+    for i, (agent, turn) in enumerate(zip(SOLVERS, run.turns)):
+        if i == 0:
+            assert turn.mode == "full" and turn.repaired_at is None
+        else:
+            assert turn.mode == "reuse" and turn.repaired_at == 1
+            assert turn.saved_tokens == 0  # its prompt ended up recomputed in full
+            ids = list(build_prompt(tok, AgentPipeline.segments(agent, q, answers)).ids)
+            rest = ref.generate(ids + turn.tokens[:1], len(turn.tokens) - 1, temperature=0.0)
+            assert turn.tokens[1:] == rest.token_ids[:len(turn.tokens) - 1]
+        answers.append(Document(tokens=tuple(turn.tokens)))
+    # watch = 0 (the default) never rebuilds
+    _, plain = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
+                    judge_gate="off")
+    assert all(t.repaired_at is None for t in plain.turns)
+    with pytest.raises(InvalidInputError):
+        AgentPipeline(_engine(parts), SOLVERS, watch=1.5)
+
+
+def test_the_judge_has_its_own_margin(parts: tuple[Any, Any]) -> None:
+    # a judge margin above any possible margin makes the judge fall back; the solvers keep
+    # their reuse (margin 0)
+    _, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="margin",
+                  judge_gate="margin", margin=0.0, judge_margin=1.01)
+    assert [t.mode for t in run.turns[1:-1]] == ["reuse", "reuse"]
+    assert run.turns[-1].mode == "fallback"

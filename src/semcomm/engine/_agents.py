@@ -31,6 +31,13 @@ disagree; the 2026 judge-consistency work when two reuse methods disagree):
   token -> full prefill;
 * ``dual+margin`` either; ``off`` never; ``always`` always (tests, and a measured bound).
 
+The test sees the first token only, and a long answer decoded after reused KV can drift later.
+``watch`` guards the rest: while an agent decodes after a kept reused prefill, the first step
+whose top-1 minus top-2 probability is below ``watch`` has the KV rebuilt in full (the prompt
+and the tokens so far, one prefill), and decoding goes on from exact KV; the agent's first
+token (its TTFT) is still the reused prefill's. ``judge_margin``: the judge's own threshold
+(its decision is one token among the candidate numbers).
+
 What each agent reused, recomputed, whether it fell back and why is in its :class:`AgentTurn`.
 With ``recompute=1.0`` every token is recomputed: the tokens are full prefill's.
 """
@@ -115,6 +122,12 @@ def default_agents(k: int = 4, kind: str = "math", max_new_tokens: int | None = 
     return solvers, judge
 
 
+def _margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 probability of one row of logits."""
+    top = torch.topk(torch.softmax(logits.float(), -1), 2).values
+    return float(top[0] - top[1])
+
+
 def extract_number(text: str) -> str | None:
     """The final number of a math answer ("The answer is N", else the last number)."""
     t = text.replace(",", "")
@@ -159,12 +172,14 @@ class AgentTurn:
     selector: str = ""
     recompute: float = 0.0
     pick: int | None = None  # a judge's pick (0-based) by its candidate numbers' logits
+    repaired_at: int | None = None  # ``watch``: the answer token after which KV was rebuilt
     ttft_s: float = 0.0
     total_s: float = 0.0
 
     @property
     def saved_tokens(self) -> int:
-        return self.reused_tokens + self.prefix_hit_tokens
+        """Prompt tokens not recomputed: none once ``watch`` rebuilt the KV in full."""
+        return 0 if self.repaired_at is not None else self.reused_tokens + self.prefix_hit_tokens
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tokens"}
@@ -203,7 +218,10 @@ class AgentPipeline:
             exact prefixes, e.g. role prompts, are still reused).
         selector, recompute: how shared segments are blended (engine/_documents.py).
         gate, margin, dual_selector: the confidence test (module docstring); ``judge_gate``
-            the judge's (default ``dual+margin``: the judge's first token is its decision).
+            and ``judge_margin`` (default ``margin``) the judge's (default ``dual+margin``:
+            the judge's first token is its decision).
+        watch: rebuild the KV in full at the first decode step after a kept reused prefill
+            whose top-1 minus top-2 probability is below this (0: off; module docstring).
         pool: the anchors (default: the engine's ``anchors``, else a new :class:`AnchorPool`).
         anchors: False never uses anchors (documents computed alone only; ``pool`` is None).
     """
@@ -212,7 +230,8 @@ class AgentPipeline:
                  reuse: bool = True, selector: str = "epic", recompute: float = 0.15,
                  gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.02,
                  dual_selector: str = "concat", pool: AnchorPool | None = None,
-                 anchors: bool = True, kind: str = "math"):
+                 anchors: bool = True, kind: str = "math", watch: float = 0.0,
+                 judge_margin: float | None = None):
         for g in (gate, judge_gate):
             if g not in GATES:
                 raise InvalidInputError(f"unknown gate {g!r}; one of {', '.join(GATES)}")
@@ -230,6 +249,10 @@ class AgentPipeline:
         self.gate = gate
         self.judge_gate = judge_gate
         self.margin = float(margin)
+        self.judge_margin = self.margin if judge_margin is None else float(judge_margin)
+        self.watch = float(watch)
+        if not 0.0 <= self.watch <= 1.0:
+            raise InvalidInputError(f"watch must be within [0, 1], got {watch}")
         self.dual_selector = dual_selector
         self.use_anchors = bool(anchors)
         self.kind = kind
@@ -257,7 +280,8 @@ class AgentPipeline:
         return pre.cache, pre.last_logits, int(pre.stats.hit_tokens)
 
     def _gate(self, gate: str, logits: torch.Tensor, prompt: Any,
-              restrict: list[int] | None = None) -> tuple[bool, dict[str, Any]]:
+              restrict: list[int] | None = None, margin: float | None = None
+              ) -> tuple[bool, dict[str, Any]]:
         """(keep the reused prefill?, what was measured); ``restrict``: the token ids the
         decision is among (a judge's candidate numbers)."""
         if restrict:
@@ -269,11 +293,9 @@ class AgentPipeline:
         detail: dict[str, Any] = {}
         keep = True
         if "margin" in gate:
-            p = torch.softmax(logits.float(), -1)
-            top = torch.topk(p, 2).values
-            m = float(top[0] - top[1])
+            m = _margin(logits)
             detail["margin"] = round(m, 4)
-            keep = keep and m >= self.margin
+            keep = keep and m >= (self.margin if margin is None else margin)
         if "dual" in gate and keep:
             assert self.shared is not None
             other = self.shared.prefill(prompt, selector=self.dual_selector,
@@ -325,7 +347,8 @@ class AgentPipeline:
                                  capacity=cap, store=False)
             st = pre.stats
             g = gate or (self.judge_gate if agent.judge else self.gate)
-            keep, detail = self._gate(g, pre.last_logits, prompt, restrict)
+            keep, detail = self._gate(g, pre.last_logits, prompt, restrict,
+                                      self.judge_margin if agent.judge else self.margin)
             turn.gate, turn.gate_detail = g, detail
             turn.selector, turn.recompute = st.selector, self.recompute
             if keep:
@@ -355,11 +378,19 @@ class AgentPipeline:
         seq = DecodeState(eng.tokenizer, SamplingParams(), eng.device,
                           max_new_tokens=agent.max_new_tokens, eos_ids=eng.eos_token_ids)
         step = torch.zeros((1, 1), dtype=torch.long, device=eng.device)
+        watch = self.watch if not full else 0.0
 
         def forward(nxt: list[int]) -> torch.Tensor:
+            nonlocal cache, watch
             step.fill_(nxt[0])
             with torch.inference_mode():
-                return eng._runner.forward(step, cache)[None]
+                out = eng._runner.forward(step, cache)[None]
+            if watch and _margin(out[0]) < watch:  # unsure: go on from exact KV
+                watch = 0.0
+                turn.repaired_at = len(seq.token_ids)
+                pre = eng.prefill(ids + list(seq.token_ids), store=False)
+                cache, out = pre.cache, pre.last_logits[None]
+            return out
 
         for i, _ in enumerate(decode_steps([seq], logits[None], forward)):
             if i == 0:
@@ -371,7 +402,7 @@ class AgentPipeline:
         turn.total_s = time.perf_counter() - t0
         # anchors: the shared segments of a fully prefilled prompt, and the answer itself
         if shared is not None and shared.pool is not None:
-            if full:
+            if full or turn.repaired_at is not None:  # the prompt's KV is exact
                 shared.capture_prompt(prompt, cache, agent.name)
             shared.capture_answer(toks, cache, n, agent.name)
         elif shared is not None and eng.store is not None:

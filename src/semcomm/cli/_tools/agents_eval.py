@@ -113,7 +113,8 @@ class Runner:
 
 def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selector: str,
                recompute: float, gate: str, judge_gate: str, margin: float,
-               max_new_tokens: int | None, anchor_budget: int) -> dict[str, AgentPipeline]:
+               max_new_tokens: int | None, anchor_budget: int, watch: float = 0.0,
+               judge_margin: float | None = None) -> dict[str, AgentPipeline]:
     if pipeline not in PIPELINES:
         raise InvalidInputError(f"unknown pipeline {pipeline!r}; one of {', '.join(PIPELINES)}")
     solvers, judge = default_agents(agents, kind, max_new_tokens)
@@ -121,7 +122,8 @@ def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selecto
     out = {"full": AgentPipeline(runner.full, solvers, j, reuse=False, kind=kind),
            "reuse": AgentPipeline(runner.reuse, solvers, j, reuse=True, selector=selector,
                                   recompute=recompute, gate=gate, judge_gate=judge_gate,
-                                  margin=margin, pool=AnchorPool(anchor_budget), kind=kind)}
+                                  margin=margin, pool=AnchorPool(anchor_budget), kind=kind,
+                                  watch=watch, judge_margin=judge_margin)}
     if runner.prefix is not None:
         out["prefix"] = AgentPipeline(runner.prefix, solvers, j, reuse=False, kind=kind)
     return out
@@ -131,12 +133,14 @@ def run_eval(runner: Runner, items: Sequence[dict[str, Any]], *, agents: int = 4
              pipeline: str = "judge", selector: str = "epic", recompute: float = 0.15,
              gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.02,
              max_new_tokens: int | None = None, anchor_budget: int = 256 << 20,
+             watch: float = 0.0, judge_margin: float | None = None,
              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every item through each pipeline; per-pipeline summaries, per-question rows, meta."""
     kind = items[0]["kind"]
     pipes = _pipelines(runner, kind, agents, pipeline, selector=selector, recompute=recompute,
                        gate=gate, judge_gate=judge_gate, margin=margin,
-                       max_new_tokens=max_new_tokens, anchor_budget=anchor_budget)
+                       max_new_tokens=max_new_tokens, anchor_budget=anchor_budget,
+                       watch=watch, judge_margin=judge_margin)
     rows: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         row: dict[str, Any] = {"question": item["question"], "gold": item["answer"]}
@@ -187,6 +191,7 @@ def summarize(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str,
             s["agreement"] = statistics.fmean(float(r["agree"]) for r in rs)
             s["judge_agreement"] = statistics.fmean(float(r["judge_agree"]) for r in rs)
             s["fallbacks"] = sum(t["mode"] == "fallback" for t in turns)
+            s["repairs"] = sum(t.get("repaired_at") is not None for t in turns)
             s["reused_turns"] = sum(t["mode"] == "reuse" for t in turns)
             s["turns"] = len(turns)
             s["segment_reused_share"] = (sum(t["reused_tokens"] for t in turns)
