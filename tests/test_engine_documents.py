@@ -289,3 +289,28 @@ def test_the_confidence_test_falls_back_to_full_prefill() -> None:
         eng.generate(segs, 2, margin=1.5)
     with pytest.raises(InvalidInputError, match="margin"):
         eng.generate(ids, 2, margin=0.1)
+
+
+def test_watch_rebuilds_the_kv_at_an_unsure_step_and_decodes_on_exactly() -> None:
+    """``watch``: after a kept blended prefill, the first decode step below the margin has the
+    KV rebuilt in full; what follows is full prefill's continuation of the tokens so far."""
+    eng = _engine("qwen2")
+    segs = _segments(seed=9, docs=3)  # plain reuse drifts from full prefill after token 1
+    ids = list(build_prompt(None, segs).ids)
+    eng.generate(segs, 2, recompute=0.0)  # documents stored
+    plain = eng.generate(segs, 12, recompute=0.0)  # off by default
+    assert plain.stats.documents["repaired_at"] is None
+    drift = plain.token_ids
+    assert drift[1:] != reference_greedy(eng.model, ids + drift[:1], len(drift) - 1)
+    res = eng.generate(segs, 12, recompute=0.0, watch=1.0)  # every step is below 1.0
+    doc = res.stats.documents
+    assert doc is not None and doc["repaired_at"] == 1 and doc["watch"] == 1.0
+    toks = res.token_ids
+    assert toks[:1] == drift[:1]
+    assert toks[1:] == reference_greedy(eng.model, ids + toks[:1], len(toks) - 1)
+    full = eng.generate(segs, 6, recompute=1.0, watch=1.0)  # nothing reused: nothing to watch
+    assert full.stats.documents["repaired_at"] is None
+    with pytest.raises(InvalidInputError, match="watch"):
+        eng.generate(segs, 2, watch=1.5)
+    with pytest.raises(InvalidInputError, match="watch"):
+        eng.generate(ids, 2, watch=0.1)

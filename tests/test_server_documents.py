@@ -67,6 +67,8 @@ def test_documents_are_reused_in_any_order_and_reported(tmp_path: Path) -> None:
                                      semcomm_documents={"selector": "concat", "margin": 1.0})
                 plain2 = await _chat(c, _messages([1, 2, 0], "Which river has place 2?",
                                                   marked=False))
+                watched = await _chat(c, _messages([0, 2, 1], "Which river has place 2?"),
+                                      semcomm_documents={"selector": "concat", "watch": 1.0})
         finally:
             await gw.shutdown()
         # the first request computed each passage alone and stored it; the second, the same
@@ -93,6 +95,9 @@ def test_documents_are_reused_in_any_order_and_reported(tmp_path: Path) -> None:
         assert doc["fallback"] and doc["margin"] == 1.0 and doc["reused_tokens"] == 0
         assert unsure.json()["choices"][0]["message"]["content"] == \
             plain2.json()["choices"][0]["message"]["content"]
+        # watch: the KV rebuilt in full at the first unsure decode step (every step at 1.0)
+        doc = watched.json()["semcomm"]["documents"]
+        assert doc["watch"] == 1.0 and doc["repaired_at"] == 1 and not doc["fallback"]
 
     asyncio.run(main())
 
@@ -104,7 +109,8 @@ def test_bad_document_options_are_refused(tmp_path: Path) -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t", timeout=60) as c:
             for bad, param in (({"selector": "nope"}, "selector"), ({"recompute": 1.5},
-                                                                     "recompute")):
+                                                                     "recompute"),
+                               ({"watch": -0.1}, "watch")):
                 r = await c.post("/v1/chat/completions", json={
                     "model": "tiny", "max_tokens": 2, "messages": _messages([0], "q"),
                     "semcomm_documents": bad})

@@ -70,6 +70,10 @@ def eval_cmd(
                                  help="Also run 'gated': reuse with the confidence test (full "
                                       "prefill when the first token's top-1 minus top-2 "
                                       "probability is below this); 0: not run."),
+    watch: float = typer.Option(0.0, "--watch", min=0.0, max=1.0,
+                                help="In 'gated' (run when given): rebuild the KV in full at "
+                                     "the first later decode step whose top-1 minus top-2 "
+                                     "probability is below this; 0: off."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: its default)."),
 ) -> None:
@@ -88,7 +92,7 @@ def eval_cmd(
         raise InvalidInputError(f"unknown selector {sel!r}; one of {', '.join(SELECTORS)}")
     items = load_items(data, limit)
     name = model or DEFAULT_MODEL
-    modes = contract_modes(sel, recompute, margin or None)
+    modes = contract_modes(sel, recompute, margin or None, watch or None)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=_out, transient=False) as progress:
         tasks: dict[str, TaskID] = {}
@@ -108,7 +112,7 @@ def eval_cmd(
     out = dict(res["summary"])
     out["meta"] = {"model": name, "data": str(data), "limit": limit, "docs": docs or None,
                    "selector": sel, "recompute": recompute, "max_new_tokens": max_new_tokens,
-                   "margin": margin or None,
+                   "margin": margin or None, "watch": watch or None,
                    "threads": threads or None}
     out["rows"] = res["rows"]
     json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,7 @@ from ._documents import (
     System,
     Text,
     User,
+    _margin,
 )
 
 __all__ = [
@@ -120,12 +121,6 @@ def default_agents(k: int = 4, kind: str = "math", max_new_tokens: int | None = 
                   f"Which answer above is correct? Reply with its number (1 to {k}) only.", 4,
                   judge=True)
     return solvers, judge
-
-
-def _margin(logits: torch.Tensor) -> float:
-    """Top-1 minus top-2 probability of one row of logits."""
-    top = torch.topk(torch.softmax(logits.float(), -1), 2).values
-    return float(top[0] - top[1])
 
 
 def extract_number(text: str) -> str | None:

@@ -72,6 +72,7 @@ class BatchRequest:
     selector: str | None = None  # with segments: which tokens to recompute (None: default)
     recompute: float | None = None  # with segments: the share recomputed (None: default)
     margin: float | None = None  # with segments: the confidence test (None: none)
+    watch: float | None = None  # with segments: rebuild the KV when a later step is unsure
 
 
 @dataclass(slots=True)
@@ -192,7 +193,8 @@ class BatchDecoder:
                                   top_k=req.params.top_k, seed=req.params.seed,
                                   stop=list(req.stop) or None, stream=True,
                                   on_prefill=req.on_start, selector=req.selector,
-                                  recompute=req.recompute, margin=req.margin)
+                                  recompute=req.recompute, margin=req.margin,
+                                  watch=req.watch)
         else:
             stream = eng.generate(list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
                                   temperature=req.params.temperature, top_p=req.params.top_p,

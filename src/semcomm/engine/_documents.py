@@ -420,6 +420,8 @@ class BlendStats:
     margin: float | None = None  # the confidence test's threshold (None: no test)
     first_margin: float | None = None  # top-1 minus top-2 probability of the first token
     fallback: bool = False  # the test failed: the prompt was prefilled in full instead
+    watch: float | None = None  # rebuild the KV in full at the first decode step below it
+    repaired_at: int | None = None  # ``watch``: the answer token after which KV was rebuilt
     full_prefill: bool = False  # nothing to reuse (no anchor, no stored document): in full
 
     @property
@@ -1247,7 +1249,7 @@ class DocumentReuse:
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                       t_start: float | None = None,
                       on_prefill: Callable[[BlendStats], None] | None = None,
-                      margin: float | None = None,
+                      margin: float | None = None, watch: float | None = None,
                       ) -> Generator[Any, None, BlendResult]:
         """:meth:`generate` as a generator of released text pieces (token ids without a
         tokenizer) whose return value is the :class:`BlendResult`; the prompt's KV is stored
@@ -1257,7 +1259,13 @@ class DocumentReuse:
         ``margin``: a confidence test on the blended prefill: when the first token's top-1
         probability exceeds the top-2 by less than ``margin``, the reused KV is not trusted and
         the prompt is prefilled in full instead (``stats.fallback``; the answer is then full
-        prefill's). None or 0: no test."""
+        prefill's). None or 0: no test.
+
+        ``watch``: the first token is not the only one reused KV can change. While decoding
+        after a reused prefill, the first step whose top-1 minus top-2 probability is below
+        ``watch`` has the KV rebuilt in full (the prompt and the tokens so far, one prefill)
+        and decoding goes on from exact KV (``stats.repaired_at``); the first token, the TTFT,
+        stays the reused prefill's. None or 0: off."""
         t0 = time.perf_counter() if t_start is None else t_start
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -1269,17 +1277,18 @@ class DocumentReuse:
             raise InvalidInputError("stop strings need a tokenizer; pass stop token ids instead")
         prompt = self.prepare(segments)
         self._validate(list(prompt.ids), max_new_tokens)
-        if margin is not None and not 0 <= margin <= 1:
-            raise InvalidInputError(f"margin must be in [0, 1], got {margin!r}")
+        for name, v in (("margin", margin), ("watch", watch)):
+            if v is not None and not 0 <= v <= 1:
+                raise InvalidInputError(f"{name} must be in [0, 1], got {v!r}")
         return self._generate_iter(prompt, max_new_tokens, params, stop_strs,
                                    {int(s) for s in stops if isinstance(s, int)}, selector,
-                                   recompute, t0, on_prefill, margin or None)
+                                   recompute, t0, on_prefill, margin or None, watch or None)
 
     def _generate_iter(self, prompt: SegmentedPrompt, max_new_tokens: int,
                        params: SamplingParams, stop_strs: list[str], stop_ids: set[int],
                        selector: str, recompute: float, t0: float,
                        on_prefill: Callable[[BlendStats], None] | None = None,
-                       margin: float | None = None,
+                       margin: float | None = None, watch: float | None = None,
                        ) -> Generator[Any, None, BlendResult]:
         eng = self.engine
         pre = self.prefill(prompt, selector=selector, recompute=recompute,
@@ -1291,8 +1300,7 @@ class DocumentReuse:
         step = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         stats = pre.stats
         if margin is not None and stats.recomputed_document_tokens < stats.document_tokens:
-            top = torch.topk(torch.softmax(logits.float(), -1), 2).values
-            stats.margin, stats.first_margin = margin, round(float(top[0] - top[1]), 4)
+            stats.margin, stats.first_margin = margin, round(_margin(logits), 4)
             if stats.first_margin < margin:  # not sure of its first token: full prefill
                 full = self.prefill_in_full(pre.prompt, stats, len(ids) + max_new_tokens)
                 cache, logits = full.cache, full.last_logits
@@ -1300,11 +1308,19 @@ class DocumentReuse:
                 pre.store_jobs += full.store_jobs
         if on_prefill is not None:
             on_prefill(stats)
+        reused = stats.recomputed_document_tokens < stats.document_tokens and not stats.fallback
+        stats.watch = watch if reused else None
 
         def forward(nxt: list[int]) -> torch.Tensor:
+            nonlocal cache
             step.fill_(nxt[0])
             with torch.inference_mode():
-                return eng._runner.forward(step, cache)[None]
+                out = eng._runner.forward(step, cache)[None]
+            if stats.watch and stats.repaired_at is None and _margin(out[0]) < stats.watch:
+                stats.repaired_at = len(seq.token_ids)  # unsure: go on from exact KV
+                pre = eng.prefill(ids + list(seq.token_ids), store=False)
+                cache, out = pre.cache, pre.last_logits[None]
+            return out
 
         for i, (piece,) in enumerate(decode_steps([seq], logits[None], forward)):
             if i == 0:
@@ -1317,7 +1333,8 @@ class DocumentReuse:
         if tail:
             yield tail
         if self.pool is not None:  # anchors: in-context documents, and the answer
-            if stats.document_tokens and stats.reused_tokens == 0 and not stats.blend_hit:
+            exact = stats.reused_tokens == 0 or stats.repaired_at is not None
+            if stats.document_tokens and exact and not stats.blend_hit:
                 stats.anchors_captured += self.capture_prompt(pre.prompt, cache)
             toks = list(seq.token_ids)
             while toks and (toks[-1] in eng.eos_token_ids or toks[-1] in stop_ids):
@@ -1328,6 +1345,12 @@ class DocumentReuse:
         stats.total_s = time.perf_counter() - t0
         return BlendResult(token_ids=list(seq.token_ids), text=seq.text, stats=stats,
                            prompt_ids=ids, last_logits=logits)
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 probability of one row of logits."""
+    top = torch.topk(torch.softmax(logits.float(), -1), 2).values
+    return float(top[0] - top[1])
 
 
 def is_segmented(prompt: Any) -> bool:

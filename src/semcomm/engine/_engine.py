@@ -721,6 +721,7 @@ class HFEngine:
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
         keys: Sequence[ChunkKey] | None = ..., margin: float | None = ...,
+        watch: float | None = ...,
     ) -> GenerationResult: ...
 
     @overload
@@ -732,6 +733,7 @@ class HFEngine:
         on_prefill: Callable[[GenerationStats], None] | None = ...,
         selector: str | None = ..., recompute: float | None = ...,
         keys: Sequence[ChunkKey] | None = ..., margin: float | None = ...,
+        watch: float | None = ...,
     ) -> TokenStream: ...
 
     def generate(
@@ -751,6 +753,7 @@ class HFEngine:
         recompute: float | None = None,
         keys: Sequence[ChunkKey] | None = None,
         margin: float | None = None,
+        watch: float | None = None,
     ) -> GenerationResult | TokenStream:
         """Generate a continuation of ``prompt`` (greedy unless ``temperature > 0``).
 
@@ -769,6 +772,8 @@ class HFEngine:
         ``keys``: the prompt's chunk keys if already computed (see :meth:`prefill`).
         ``margin`` (a prompt with documents): below this top-1 minus top-2 probability of the
         first token the reused KV is not trusted and the prompt is prefilled in full.
+        ``watch`` (a prompt with documents): below this margin at a later decode step the KV
+        is rebuilt in full and decoding goes on from exact KV (docs/rag.md).
         """
         t_start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -786,11 +791,12 @@ class HFEngine:
                 recompute=DEFAULT_RECOMPUTE if recompute is None else recompute,
                 on_prefill=None if on_prefill is None else (
                     lambda st: on_prefill(generation_stats(st, self.codec.spec))),
-                margin=margin)
+                margin=margin, watch=watch)
             gen = _as_generation(dgen, self.codec.spec)
-        elif selector is not None or recompute is not None or margin is not None:
-            raise InvalidInputError("selector, recompute and margin apply to a prompt with "
-                                    "documents")
+        elif (selector is not None or recompute is not None or margin is not None
+              or watch is not None):
+            raise InvalidInputError("selector, recompute, margin and watch apply to a prompt "
+                                    "with documents")
         if is_segmented(prompt):
             if stream:
                 return TokenStream(gen)

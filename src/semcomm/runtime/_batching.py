@@ -58,6 +58,7 @@ class Job:
     selector: str | None = None
     recompute: float | None = None
     margin: float | None = None  # documents: the confidence test (engine/_documents.py)
+    watch: float | None = None  # documents: rebuild the KV when a later decode step is unsure
 
 
 class Runner(Protocol):

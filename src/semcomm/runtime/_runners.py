@@ -93,7 +93,7 @@ def _request(job: Job, engine: HFEngine | None = None) -> BatchRequest:
         on_text=text, cancelled=job.cancelled.is_set,
         keys=job.keys if engine is not None and not job.isolate else None,
         segments=job.segments if engine is not None else None, selector=job.selector,
-        recompute=job.recompute, margin=job.margin)
+        recompute=job.recompute, margin=job.margin, watch=job.watch)
 
 
 def _completion(res: BatchResult, *, kv: bool) -> Completion:

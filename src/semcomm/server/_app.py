@@ -354,7 +354,8 @@ def create_app(config: ServerConfig | str | None = None, *, gateway: Gateway | N
             if any(m.has_documents() for m in body.messages) else None,
             selector=docs.selector if docs else None,
             recompute=docs.recompute if docs else None,
-            margin=docs.margin if docs else None)
+            margin=docs.margin if docs else None,
+            watch=docs.watch if docs else None)
         return await _generate(request, body, req, "chat")
 
     @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")

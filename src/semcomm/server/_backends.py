@@ -109,6 +109,7 @@ class GenRequest:
     selector: str | None = None  # with documents: which tokens are recomputed (engine default)
     recompute: float | None = None  # with documents: the share recomputed (engine default)
     margin: float | None = None  # with documents: below it, full prefill (None: no test)
+    watch: float | None = None  # with documents: below it at a later step, KV rebuilt in full
 
     @property
     def tenant_ctx(self) -> TenantContext:
@@ -529,7 +530,7 @@ class LocalBackend:
                   emit=emit,
                   snapshot=req.snapshot, digest=ctx.digest or None, isolate=ctx.isolate,
                   keys=prep.keys, segments=prep.segments, selector=req.selector,
-                  recompute=req.recompute, margin=req.margin)
+                  recompute=req.recompute, margin=req.margin, watch=req.watch)
         try:
             worker.submit(job)  # OverloadedError when the queue is full
         except BaseException:

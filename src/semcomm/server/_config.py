@@ -360,6 +360,8 @@ class PipelineConfig(_Section):
     selector: Literal["cacheblend", "epic", "prophet", "concat", "full"] | None = None
     recompute: float | None = Field(None, ge=0, le=1)
     margin: float | None = Field(None, ge=0, le=1)
+    # shared layout: below this margin at a later decode step, a stage's KV is rebuilt in full
+    watch: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _layout(self) -> PipelineConfig:

@@ -171,7 +171,7 @@ class PipelineBackend:
         # text handoff: the same prompt, read as plain text (nothing reused across stages)
         sreq.documents = pieces if self.cfg.handoff in ("auto", "kv") else None
         sreq.selector, sreq.recompute = self.cfg.selector, self.cfg.recompute
-        sreq.margin = self.cfg.margin
+        sreq.margin, sreq.watch = self.cfg.margin, self.cfg.watch
         return sreq
 
     async def _stream_shared(self, req: GenRequest) -> AsyncIterator[StreamItem]:

@@ -82,6 +82,8 @@ class DocumentOptions(_Lenient):
     recompute: float | None = Field(None, ge=0, le=1)
     # below this top-1 minus top-2 probability of the first token, full prefill instead
     margin: float | None = Field(None, ge=0, le=1)
+    # below this top-1 minus top-2 probability at a later decode step, the KV is rebuilt in full
+    watch: float | None = Field(None, ge=0, le=1)
 
 
 class StreamOptions(_Lenient):

@@ -154,6 +154,7 @@ class Mode:
     selector: str = ""
     recompute: float = 0.0
     margin: float | None = None  # blend: the confidence test (full prefill below it)
+    watch: float | None = None  # blend: KV rebuilt in full at a later unsure decode step
 
 
 @dataclass
@@ -225,7 +226,8 @@ class Runner:
             return Answer(r.text or "", list(r.token_ids), r.stats.ttft_s, None, 1.0, len(ids),
                           {"hit_tokens": r.stats.hit_tokens})
         gen = self.docs.generate_iter(prompt, max_new, selector=mode.selector,
-                                      recompute=mode.recompute, stop=STOP, margin=mode.margin)
+                                      recompute=mode.recompute, stop=STOP, margin=mode.margin,
+                                      watch=mode.watch)
         while True:
             try:
                 next(gen)
@@ -233,21 +235,23 @@ class Runner:
                 res = done.value
                 break
         st = res.stats
+        # a rebuilt answer recomputed its whole prompt after all: counted as a fallback is
         return Answer(res.text or "", res.token_ids, st.ttft_s, res.last_logits,
-                      st.recompute_share, len(ids),
+                      1.0 if st.repaired_at is not None else st.recompute_share, len(ids),
                       {"select_ms": st.select_ms, "load_ms": st.load_ms,
                        "prefill_ms": st.prefill_ms, "documents_hit": st.documents_hit,
-                       "fallback": st.fallback, "first_margin": st.first_margin})
+                       "fallback": st.fallback, "first_margin": st.first_margin,
+                       "repaired_at": st.repaired_at})
 
 
-def contract_modes(selector: str, recompute: float, margin: float | None = None
-                   ) -> list[Mode]:
+def contract_modes(selector: str, recompute: float, margin: float | None = None,
+                   watch: float | None = None) -> list[Mode]:
     """The contract's four modes, and ``gated`` (reuse with the confidence test at
-    ``margin``) when a margin is given."""
+    ``margin`` and/or the decode watch at ``watch``) when either is given."""
     modes = [Mode("full", "full"), Mode("prefix", "prefix"),
              Mode("concat", "blend", "concat", 0.0), Mode("reuse", "blend", selector, recompute)]
-    if margin:
-        modes.append(Mode("gated", "blend", selector, recompute, margin))
+    if margin or watch:
+        modes.append(Mode("gated", "blend", selector, recompute, margin or None, watch or None))
     return modes
 
 
@@ -311,8 +315,9 @@ def summarize(rows: Sequence[dict[str, Any]], modes: Sequence[Mode]) -> dict[str
             "kl": statistics.fmean(kls) if kls else None,
             "recompute": statistics.fmean(r["recompute"] for r in rs),
             "selector": mode.selector or mode.kind,
-            **({"margin": mode.margin,
-                "fallback": statistics.fmean(bool(r.get("fallback")) for r in rs)}
-               if mode.margin else {}),
+            **({"margin": mode.margin, "watch": mode.watch,
+                "fallback": statistics.fmean(bool(r.get("fallback")) for r in rs),
+                "repaired": statistics.fmean(r.get("repaired_at") is not None for r in rs)}
+               if mode.margin or mode.watch else {}),
         }
     return out
