@@ -63,13 +63,15 @@ def test_eval_writes_the_contract(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "2",
                                    "--json", str(out), "--agents", "2", "--model",
-                                   str(receiver_path()), "--max-new-tokens", "4"])
+                                   str(receiver_path()), "--max-new-tokens", "4",
+                                   "--watch", "0"])  # reuse kept past the first token
     assert res.exit_code == 0, res.output
     got = json.loads(out.read_text())
     for mode in ("full", "reuse"):
         assert {"accuracy", "latency_s", "last_agent_ttft_s", "n"} <= set(got[mode])
         assert got[mode]["n"] == 2
-    assert {"agreement", "judge_agreement", "reused_share"} <= set(got["reuse"])
+    assert {"agreement", "judge_agreement", "reused_share", "repairs"} <= set(got["reuse"])
+    assert got["reuse"]["repairs"] == 0 and got["meta"]["watch"] == 0
     assert 0 < got["reuse"]["reused_share"] < 1
     assert len(got["rows"]) == 2 and got["meta"]["agents"] == 2
     assert [t["name"] for t in got["rows"][0]["reuse"]["turns"]][-1] == "judge"

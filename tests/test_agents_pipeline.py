@@ -82,7 +82,7 @@ def test_forced_fallback_is_full_prefill(parts: tuple[Any, Any]) -> None:
 
 def test_reused_tokens_are_counted(parts: tuple[Any, Any]) -> None:
     pipe, run = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
-                     judge_gate="off")
+                     judge_gate="off", watch=0.0)
     tok = parts[1]
     q = Document(QUESTION)
     answers: list[Document] = []
@@ -264,9 +264,9 @@ def test_watch_rebuilds_the_kv_and_decodes_on_from_exact_kv(parts: tuple[Any, An
             rest = ref.generate(ids + turn.tokens[:1], len(turn.tokens) - 1, temperature=0.0)
             assert turn.tokens[1:] == rest.token_ids[:len(turn.tokens) - 1]
         answers.append(Document(tokens=tuple(turn.tokens)))
-    # watch = 0 (the default) never rebuilds
+    # watch = 0 never rebuilds
     _, plain = _run(parts, reuse=True, selector="concat", recompute=0.0, gate="off",
-                    judge_gate="off")
+                    judge_gate="off", watch=0.0)
     assert all(t.repaired_at is None for t in plain.turns)
     with pytest.raises(InvalidInputError):
         AgentPipeline(_engine(parts), SOLVERS, watch=1.5)

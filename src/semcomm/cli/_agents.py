@@ -72,13 +72,14 @@ def eval_cmd(
                                     help="Share of shared-segment tokens recomputed."),
     gate: str = typer.Option("margin", "--gate", help="Solvers' confidence test: off, margin, "
                              "dual, dual+margin, always."),
-    judge_gate: str = typer.Option("dual+margin", "--judge-gate", help="The judge's."),
+    judge_gate: str = typer.Option("always", "--judge-gate", help="The judge's (always: "
+                                   "full prefill)."),
     margin: float = typer.Option(0.02, "--margin", min=0.0, max=1.0,
                                  help="Top-1 minus top-2 probability below which the reused "
                                  "prefill falls back to full prefill."),
     judge_margin: float = typer.Option(-1.0, "--judge-margin", max=1.0,
                                        help="The judge's margin (negative: --margin)."),
-    watch: float = typer.Option(0.0, "--watch", min=0.0, max=1.0,
+    watch: float = typer.Option(0.1, "--watch", min=0.0, max=1.0,
                                 help="While a solver decodes after reused KV, rebuild the KV "
                                 "in full at the first step whose top-1 minus top-2 "
                                 "probability is below this (0: off)."),

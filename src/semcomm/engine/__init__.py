@@ -31,6 +31,8 @@ move KV tensors themselves (fusion) use its four exported functions: :func:`cach
 """
 
 from ._agents import (
+    DEFAULT_JUDGE_GATE,
+    DEFAULT_WATCH,
     GATES,
     Agent,
     AgentPipeline,
@@ -73,8 +75,10 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_JUDGE_GATE",
     "DEFAULT_RECOMPUTE",
     "DEFAULT_SELECTOR",
+    "DEFAULT_WATCH",
     "DTYPE_CHOICES",
     "GATES",
     "SELECTORS",

@@ -68,6 +68,8 @@ from ._documents import (
 )
 
 __all__ = [
+    "DEFAULT_JUDGE_GATE",
+    "DEFAULT_WATCH",
     "GATES",
     "MATH_ROLES",
     "Agent",
@@ -80,6 +82,11 @@ __all__ = [
 ]
 
 GATES = ("off", "margin", "dual", "dual+margin", "always")
+# the defaults, measured (docs/agents.md "Measured"): a solver's answer is watched past its first
+# token; the judge prefills in full (its pick moved under reuse with margins up to 0.23, and no
+# test cheap enough to pay for itself kept it: with a 0.3 margin 14 of 16 judges fell back)
+DEFAULT_WATCH = 0.1
+DEFAULT_JUDGE_GATE = "always"
 
 
 # ------------------------------------------------------------------------------- agents
@@ -213,19 +220,21 @@ class AgentPipeline:
             exact prefixes, e.g. role prompts, are still reused).
         selector, recompute: how shared segments are blended (engine/_documents.py).
         gate, margin, dual_selector: the confidence test (module docstring); ``judge_gate``
-            and ``judge_margin`` (default ``margin``) the judge's (default ``dual+margin``:
-            the judge's first token is its decision).
+            and ``judge_margin`` (default ``margin``) the judge's (default ``always``: the
+            judge prefills in full; ``dual+margin`` tests its decision, its first token).
         watch: rebuild the KV in full at the first decode step after a kept reused prefill
             whose top-1 minus top-2 probability is below this (0: off; module docstring).
+            Default 0.1.
         pool: the anchors (default: the engine's ``anchors``, else a new :class:`AnchorPool`).
         anchors: False never uses anchors (documents computed alone only; ``pool`` is None).
     """
 
     def __init__(self, engine: Any, solvers: Sequence[Agent], judge: Agent | None = None, *,
                  reuse: bool = True, selector: str = "epic", recompute: float = 0.15,
-                 gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.02,
+                 gate: str = "margin", judge_gate: str = DEFAULT_JUDGE_GATE,
+                 margin: float = 0.02,
                  dual_selector: str = "concat", pool: AnchorPool | None = None,
-                 anchors: bool = True, kind: str = "math", watch: float = 0.0,
+                 anchors: bool = True, kind: str = "math", watch: float = DEFAULT_WATCH,
                  judge_margin: float | None = None):
         for g in (gate, judge_gate):
             if g not in GATES:

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine import (
+    DEFAULT_JUDGE_GATE,
+    DEFAULT_WATCH,
     AgentPipeline,
     AnchorPool,
     HFEngine,
@@ -113,7 +115,7 @@ class Runner:
 
 def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selector: str,
                recompute: float, gate: str, judge_gate: str, margin: float,
-               max_new_tokens: int | None, anchor_budget: int, watch: float = 0.0,
+               max_new_tokens: int | None, anchor_budget: int, watch: float = DEFAULT_WATCH,
                judge_margin: float | None = None) -> dict[str, AgentPipeline]:
     if pipeline not in PIPELINES:
         raise InvalidInputError(f"unknown pipeline {pipeline!r}; one of {', '.join(PIPELINES)}")
@@ -131,9 +133,9 @@ def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selecto
 
 def run_eval(runner: Runner, items: Sequence[dict[str, Any]], *, agents: int = 4,
              pipeline: str = "judge", selector: str = "epic", recompute: float = 0.15,
-             gate: str = "margin", judge_gate: str = "dual+margin", margin: float = 0.02,
+             gate: str = "margin", judge_gate: str = DEFAULT_JUDGE_GATE, margin: float = 0.02,
              max_new_tokens: int | None = None, anchor_budget: int = 256 << 20,
-             watch: float = 0.0, judge_margin: float | None = None,
+             watch: float = DEFAULT_WATCH, judge_margin: float | None = None,
              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every item through each pipeline; per-pipeline summaries, per-question rows, meta."""
     kind = items[0]["kind"]
