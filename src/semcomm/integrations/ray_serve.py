@@ -24,7 +24,8 @@ and chunk size as the engines, so they equal the engines' keys), plans a replica
 :class:`semcomm.routing.ReplicaRouter` over the live replica set, and ranks the rest by load as
 fallbacks. The decision is recorded at once and moved if Ray reports that the request went
 (a fallback rank moves it, ``on_request_routed``) and released in ``on_request_completed``. Requests without token ids
-(or text only) fall back to Ray's power-of-two choice. The index is the approximate one (the
+(text only) go by load alone, recorded at once like the others (Ray's queue-length cache can be
+stale for a burst of them and send all to one replica). The index is the approximate one (the
 router's own history); engines' store events live in the replica processes.
 """
 
@@ -174,17 +175,18 @@ class SemcommRequestRouter(RequestRouter):
         if pending_request is not None:
             ids = extract_token_ids(pending_request.args, pending_request.kwargs, self._token_fields)
         by_name = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        if router is None or ids is None:
+        if router is None or pending_request is None:
             pick = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             return [sorted(pick, key=lambda r: self._queue_len(r.replica_id))]
-        assert pending_request is not None
         # Record at once: Ray may plan the next request before this one is reported routed, and
         # that plan must already see this request's load and prefix.
         old = self._planned.pop(id(pending_request), None)
         if old is not None:  # a retry of the same request: release its previous plan
             router.complete(old)
         ns = extract_namespace(pending_request.args, pending_request.kwargs)
-        if ns is None:
+        if ids is None:  # nothing to key: by load alone, counted at once like any other request
+            plan = router.route(keys=[], num_tokens=1)
+        elif ns is None:
             plan = router.route(ids)
         else:  # the request's own namespace (e.g. its tenant's): keys equal that tenant's KV keys
             plan = router.route(keys=chunk_keys(ns, ids, router.chunk_size), num_tokens=len(ids))
