@@ -106,6 +106,35 @@ def test_full_recompute_gives_full_prefill_greedy(name: str, selector: str) -> N
     assert r.stats.reused_tokens == 0
 
 
+@pytest.mark.parametrize("selector", ["full", "prophet"])
+def test_recompute_in_blocks_equals_one_forward(selector: str, monkeypatch) -> None:
+    """The recomputed tokens run in blocks, each attending only up to its last position: the
+    prompt's KV and the first token's logits equal one forward over them all (r = 1: full
+    prefill's logits)."""
+    from semcomm.engine import _documents
+
+    segs = _segments(docs=4)
+
+    def blended(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(_documents, "_RUN_BLOCK", block)
+        docs = DocumentReuse(_engine("qwen2"), keep_blended=False)
+        pre = docs.prefill(segs, selector=selector, recompute=1.0 if selector == "full" else 0.3)
+        k, _ = ca.layer_tensors(pre.cache)[-1]
+        return pre.last_logits, k[0].clone()
+
+    one_logits, one_k = blended(10_000)
+    for block in (3, 7):
+        logits, k = blended(block)
+        assert torch.allclose(logits, one_logits, atol=1e-4)
+        assert torch.allclose(k, one_k, atol=1e-4)
+    if selector == "full":
+        eng = _engine("qwen2")
+        ids = list(build_prompt(None, segs).ids)
+        with torch.inference_mode():
+            want = eng.model(torch.tensor([ids])).logits[0, -1].float()
+        assert torch.allclose(one_logits, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("selector", ["cacheblend", "epic", "prophet", "concat"])
 def test_partial_recompute_reports_its_budget_and_runs(selector: str) -> None:
     eng = _engine("qwen2")

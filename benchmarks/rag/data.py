@@ -4,6 +4,8 @@
 * ``nq``: Natural Questions (open) with its gold Wikipedia passage at position ``i % K`` of
   item ``i`` and ``K - 1`` distractors: other questions' gold passages (seeded, none containing
   an answer string), the "lost in the middle" set-up (../shared/data/rag/nq_open_oracle.jsonl).
+* ``nq-long``: the same with 4 passages to a document, so 10 documents make prompts of about
+  5.2k tokens (the 2k-6k-token prompts of a retriever that returns larger chunks).
 * ``kv``: synthetic key-value retrieval: 75 (UUID, UUID) records cut into K documents of JSON
   lines, "the value of key X?" (../shared/data/rag/kv_retrieval_75_keys.jsonl).
 * ``boolq``: BoolQ yes/no questions over their passage plus other questions' passages
@@ -39,7 +41,10 @@ def _rows(path: Path, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def nq(n: int, docs: int, seed: int = 0) -> list[dict[str, Any]]:
+def nq(n: int, docs: int, seed: int = 0, passages: int = 1) -> list[dict[str, Any]]:
+    """``passages`` > 1: each document is that many passages (title line, text), so 10
+    documents make the 2k-6k-token prompts of a retriever that returns larger chunks; the
+    gold passage moves through every document and every place inside one."""
     pool = _rows(SOURCES["nq"], max(n * 4, 400))
     rng = random.Random(seed)
     items = []
@@ -48,11 +53,15 @@ def nq(n: int, docs: int, seed: int = 0) -> list[dict[str, Any]]:
         answers = [a.lower() for a in row["answers"]]
         others = [r["ctxs"][0] for j, r in enumerate(pool) if j != i
                   and not any(a in r["ctxs"][0]["text"].lower() for a in answers)]
-        ctxs = rng.sample(others, docs - 1)
-        ctxs.insert(i % docs, gold)
+        ctxs = rng.sample(others, docs * passages - 1)
+        ctxs.insert(i % (docs * passages), gold)
+        if passages > 1:
+            ctxs = [{"title": "", "text": "\n\n".join(
+                f'{c.get("title", "")}\n{c["text"]}' for c in ctxs[d * passages:(d + 1) * passages])}
+                for d in range(docs)]
         items.append({"question": row["question"], "answers": row["answers"],
                       "ctxs": [{"title": c.get("title", ""), "text": c["text"]} for c in ctxs],
-                      "gold": i % docs})
+                      "gold": (i % (docs * passages)) // passages})
     return items
 
 
@@ -88,7 +97,11 @@ def boolq(n: int, docs: int, seed: int = 0) -> list[dict[str, Any]]:
     return items
 
 
-BUILDERS = {"nq": nq, "kv": kv, "boolq": boolq}
+def nq_long(n: int, docs: int, seed: int = 0) -> list[dict[str, Any]]:
+    return nq(n, docs, seed, passages=4)
+
+
+BUILDERS = {"nq": nq, "nq-long": nq_long, "kv": kv, "boolq": boolq}
 
 
 def write(name: str, n: int, docs: int, out: Path) -> Path:

@@ -46,6 +46,7 @@ __all__ = [
     "ChunkedRunner",
     "KVLayout",
     "ModelRunner",
+    "PlacedLayer",
     "buffer_cache",
     "cache_from_layers",
     "cache_from_stacks",
@@ -60,6 +61,8 @@ __all__ = [
     "left_padded_batch",
     "new_cache",
     "output_cache",
+    "place",
+    "placed_cache",
     "probe_layout",
     "stack_range",
 ]
@@ -359,6 +362,53 @@ class BufferWindowLayer(_OneSequence, DynamicSlidingWindowLayer):
     def clone(self) -> BufferWindowLayer:
         return BufferWindowLayer(self.sliding_window, self._bk.clone(), self._bv.clone(),
                                  self.length, self.start, self.base)
+
+
+class PlacedLayer(_OneSequence, DynamicLayer):
+    """A layer over a ``[1, H, capacity, D]`` buffer that writes the new keys/values at given
+    positions (``at``) and hands attention the first ``end`` positions: the KV of tokens
+    recomputed inside a prompt whose other positions are already in the buffer (a blended
+    prefill). The caller sets ``at``/``end`` before each forward (:func:`place`) and passes the
+    attention mask of those ``end`` positions."""
+
+    def __init__(self, buf_k: torch.Tensor, buf_v: torch.Tensor):
+        super().__init__()
+        self.device = buf_k.device
+        self.is_initialized = True
+        self._bk, self._bv = buf_k, buf_v
+        self.at = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.end = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[-2] != self.at.numel():
+            raise ValueError(f"{key_states.shape[-2]} new positions for {self.at.numel()} places")
+        self._bk.index_copy_(2, self.at, key_states.to(self._bk.dtype))
+        self._bv.index_copy_(2, self.at, value_states.to(self._bv.dtype))
+        self.keys, self.values = self._bk[:, :, : self.end], self._bv[:, :, : self.end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.end
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.end, 0
+
+
+def placed_cache(bk: torch.Tensor, bv: torch.Tensor) -> DynamicCache:
+    """A cache of :class:`PlacedLayer` over ``[L, H, capacity, D]`` key and value buffers."""
+    cache = DynamicCache()
+    for i in range(bk.shape[0]):
+        cache.layers.append(PlacedLayer(bk[i : i + 1], bv[i : i + 1]))
+    return cache
+
+
+def place(cache: DynamicCache, at: torch.Tensor, end: int) -> None:
+    """The next forward of ``cache`` (from :func:`placed_cache`) writes its tokens' KV at
+    positions ``at`` and attends over positions ``[0, end)``."""
+    for layer in cache.layers:
+        layer.at, layer.end = at, end
 
 
 def new_cache() -> DynamicCache:

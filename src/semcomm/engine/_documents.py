@@ -108,6 +108,7 @@ KEY_MODES = ("rotated", "unrotated")
 _DOC_TAG = b"semcomm.doc/1"
 _BLEND_TAG = b"semcomm.blend/1"
 _CHECK_LAYER = 1  # CacheBlend's deviation layer (layer 0's KV does not depend on context)
+_RUN_BLOCK = 256  # recomputed tokens per forward of a blended prefill
 _LOGITS_CODEC = "logits"
 
 
@@ -874,7 +875,7 @@ class DocumentReuse:
                                   cap)
             stats.select_ms = (time.perf_counter() - ts) * 1e3
             run = torch.unique(torch.cat([fixed, chosen]))  # sorted
-            logits = self._masked_forward(ids, run, head_end, n, bk, bv, cap)
+            logits = self._placed_forward(ids, run, bk, bv)
         stats.recomputed_document_tokens = int(in_doc[run].sum()) + int(in_doc[h:head_end].sum())
         stats.recomputed_tokens += run.numel()
         stats.reused_tokens = prompt.document_tokens - stats.recomputed_document_tokens - int(
@@ -997,8 +998,7 @@ class DocumentReuse:
         hooks = [mods[i].register_forward_pre_hook(pre_hook, with_kwargs=True) for i in chosen]
         question = fixed[fixed >= last_doc]  # never empty: the last position is fixed
         try:
-            self._masked_forward(ids, question, head_end, n, bk, bv, cap, scatter=False,
-                                 hide=fixed)
+            self._masked_forward(ids, question, n, bk, bv, cap, hide=fixed)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -1054,27 +1054,19 @@ class DocumentReuse:
         return torch.cat([qr * cos + rh * sin, q[..., r:]], -1)
 
     # -------------------------------------------------------------- the forward
-    def _masked_forward(self, ids: list[int], run: torch.Tensor, head_end: int, n: int,
-                        bk: torch.Tensor, bv: torch.Tensor, cap: int,
-                        scatter: bool = True, hide: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the tokens at positions ``run`` (sorted) over the prompt's KV in the buffers.
-
-        The cache holds ``n`` positions (reused documents, the exact head, stale entries at
-        ``run``); the run's fresh KV is appended at ``[n, n + m)``; a position ``p`` of the run
-        sees the context positions ``< p`` outside the run and the run's positions ``<= p``.
-        Returns the last run position's logits; with ``scatter`` the fresh KV is moved to its
-        positions (the buffers then hold the prompt's final KV). ``hide``: context positions
-        no run token sees (stale ones not in the run).
-        """
+    def _masked_forward(self, ids: list[int], run: torch.Tensor, n: int, bk: torch.Tensor,
+                        bv: torch.Tensor, cap: int, hide: torch.Tensor) -> torch.Tensor:
+        """Run the tokens at positions ``run`` (sorted) over the prompt's KV in the buffers,
+        their fresh KV appended at ``[n, n + m)`` (the positions themselves untouched): a
+        position ``p`` of the run sees the context positions ``< p`` outside the run and
+        ``hide`` (stale ones) and the run's positions ``<= p``. Returns the last run
+        position's logits."""
         m = run.numel()
         cache = ca.buffer_cache(self.layout, cap, self.device, n, (bk, bv))
-        dtype = self.model.get_input_embeddings().weight.dtype
-        if not dtype.is_floating_point:
-            dtype = torch.float32
+        dtype = self._mask_dtype()
         allowed_ctx = torch.arange(n)[None, :] < run[:, None]
         allowed_ctx[:, run] = False
-        if hide is not None:
-            allowed_ctx[:, hide] = False
+        allowed_ctx[:, hide] = False
         allowed_new = run[None, :] <= run[:, None]
         allowed = torch.cat([allowed_ctx, allowed_new], 1)
         mask = torch.zeros((1, 1, m, n + m), dtype=dtype)
@@ -1085,12 +1077,40 @@ class DocumentReuse:
               **ca.cache_kwargs(self.model, cache)}
         if "logits_to_keep" in self._params():
             kw["logits_to_keep"] = 1
-        logits = self.model(**kw).logits[0, -1].float()
-        if scatter:
-            idx = run.to(self.device)
-            bk[:, :, idx] = bk[:, :, n : n + m].clone()
-            bv[:, :, idx] = bv[:, :, n : n + m].clone()
+        return self.model(**kw).logits[0, -1].float()
+
+    def _placed_forward(self, ids: list[int], run: torch.Tensor, bk: torch.Tensor,
+                        bv: torch.Tensor) -> torch.Tensor:
+        """Run the tokens at positions ``run`` (sorted) in blocks of about ``_RUN_BLOCK``, each
+        block's KV written at its positions in the buffers and attending over the positions up
+        to its last one (a position sees every position ``<=`` its own): what one forward with
+        the run's KV appended and masked computes, without the attention over the positions
+        after each block (most of a long prompt's recompute time otherwise). Returns the last
+        position's logits."""
+        m = run.numel()
+        blocks = max(1, round(m / _RUN_BLOCK))
+        cache = ca.placed_cache(bk, bv)
+        dtype = self._mask_dtype()
+        logits = None
+        for part in torch.tensor_split(run, blocks):
+            end = int(part[-1]) + 1
+            at = part.to(self.device)
+            ca.place(cache, at, end)
+            mask = torch.zeros((1, 1, part.numel(), end), dtype=dtype)
+            mask.masked_fill_(torch.arange(end)[None, :] > part[:, None], torch.finfo(dtype).min)
+            x = torch.tensor([[ids[int(p)] for p in part]], dtype=torch.long, device=self.device)
+            kw = {"input_ids": x, "attention_mask": mask.to(self.device),
+                  "position_ids": part[None].to(self.device), "use_cache": True,
+                  **ca.cache_kwargs(self.model, cache)}
+            if "logits_to_keep" in self._params():
+                kw["logits_to_keep"] = 1
+            logits = self.model(**kw).logits[0, -1].float()
+        assert logits is not None
         return logits
+
+    def _mask_dtype(self) -> torch.dtype:
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return dtype if dtype.is_floating_point else torch.float32
 
     def _params(self) -> Any:
         params = getattr(self, "_fwd_params", None)
