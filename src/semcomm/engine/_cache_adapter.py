@@ -408,6 +408,8 @@ def place(cache: DynamicCache, at: torch.Tensor, end: int) -> None:
     """The next forward of ``cache`` (from :func:`placed_cache`) writes its tokens' KV at
     positions ``at`` and attends over positions ``[0, end)``."""
     for layer in cache.layers:
+        if not isinstance(layer, PlacedLayer):
+            raise TypeError("place() takes a cache from placed_cache()")
         layer.at, layer.end = at, end
 
 
