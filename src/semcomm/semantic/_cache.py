@@ -31,7 +31,7 @@ from ..errors import ConfigError, InvalidInputError
 from ._clusters import MIN_TRUST, AnswerLinker
 from ._context import ContextLike, Scope, context_window, entry_id, partition_key
 from ._embed import DEFAULT_EMBEDDER_NAME, Embedder, as_embedder
-from ._entry import Entry
+from ._entry import Entry, Slot
 from ._guard import LexicalGuard
 from ._index import (
     AutoIndex,
@@ -57,7 +57,7 @@ from ._shadow import MODES, ShadowLog, ShadowTracker
 from ._stats import CacheStats
 from ._stores import EntryStore, MemoryEntryStore, SQLiteEntryStore
 from ._sync import StoreSync
-from ._table import EVICTION_POLICIES, EntryTable, Slot
+from ._table import EVICTION_POLICIES, EntryTable
 from ._ttl import Expiry
 
 __all__ = ["EVICTION_POLICIES", "CacheStats", "Hit", "SemanticCache", "open_store"]

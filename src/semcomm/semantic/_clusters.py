@@ -19,19 +19,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ._centroids import ClusterCentroids
-from ._entry import Entry
+from ._entry import Entry, Slot
 from ._policy import Candidate, IntentCheck
 from ._shadow import MIN_EMBED_WORDS, answers_agree
 
 if TYPE_CHECKING:
     from ._index import VectorIndex
     from ._stats import CacheStats
-    from ._table import EntryTable, Slot
+
 
 __all__ = ["MIN_TRUST", "AnswerClusters", "AnswerLinker", "answer_key"]
 
@@ -229,6 +229,23 @@ class AnswerClusters:
         return per.get(akey, frozenset())
 
 
+class _Table(Protocol):
+    """What the answer linker reads of the cache's entry table (``_table.EntryTable``)."""
+
+    @property
+    def clusters(self) -> AnswerClusters: ...
+
+    @property
+    def slots(self) -> Mapping[str, Slot]: ...
+
+    @property
+    def indexes(self) -> Mapping[str, VectorIndex]: ...
+
+    def search(self, partition: str, vec: np.ndarray, k: int) -> tuple[list[int], list[float]]: ...
+
+    def at_label(self, label: int) -> tuple[str, Slot] | None: ...
+
+
 class AnswerLinker:
     """Answer-equivalence learning (see the module docstring): compares answers read from
     the entry store (``entry``) by ``match`` (``answer_match``: a cosine on the answers'
@@ -236,7 +253,7 @@ class AnswerLinker:
     it learns in ``table.clusters``, under ``lock``; answers are read and compared outside
     it. ``k()``: how many neighbours of a stored query are looked at."""
 
-    def __init__(self, table: EntryTable, lock: threading.RLock, stats: CacheStats, *,
+    def __init__(self, table: _Table, lock: threading.RLock, stats: CacheStats, *,
                  entry: Callable[[str], Entry | None], match: Any,
                  embed: Callable[[list[str]], np.ndarray], k: Callable[[], int]) -> None:
         self._table = table

@@ -24,7 +24,7 @@ import xxhash
 
 from ..errors import CorruptEntryError
 
-__all__ = ["ENTRY_FORMAT_VERSION", "Entry", "Row", "decode_entry", "encode_entry"]
+__all__ = ["ENTRY_FORMAT_VERSION", "Entry", "Row", "Slot", "decode_entry", "encode_entry"]
 
 ENTRY_FORMAT_VERSION = 1
 
@@ -143,3 +143,25 @@ def decode_entry(row: Row) -> Entry:
         hits=h["hits"], last_hit=h["last_hit"], embedder=h["embedder"], metadata=h["metadata"],
         cluster=str(h.get("cluster", "")), trust=float(h.get("trust", 1.0)),
     )
+
+
+@dataclass(slots=True)
+class Slot:
+    """In-process metadata for one indexed entry (mutated only under the cache lock)."""
+
+    label: int
+    partition: str
+    query: str
+    scope: str
+    tenant: str
+    model: str
+    tags: frozenset[str]
+    created_at: float
+    expires_at: float | None
+    ttl_s: float | None
+    nbytes: int
+    hits: int = 0
+    last_access: float = 0.0
+    cluster: str = ""  # answer cluster key (an entry id)
+    answer_key: str = ""  # digest of the normalised answer text
+    trust: float = 1.0

@@ -15,13 +15,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._clusters import AnswerClusters, answer_key
-from ._entry import Entry
+from ._entry import Entry, Slot
 from ._index import VectorIndex
 
 if TYPE_CHECKING:
@@ -30,28 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["EVICTION_POLICIES", "EntryTable", "Slot"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Slot:
-    """In-process metadata for one indexed entry (mutated only under the cache lock)."""
-
-    label: int
-    partition: str
-    query: str
-    scope: str
-    tenant: str
-    model: str
-    tags: frozenset[str]
-    created_at: float
-    expires_at: float | None
-    ttl_s: float | None
-    nbytes: int
-    hits: int = 0
-    last_access: float = 0.0
-    cluster: str = ""  # answer cluster key (an entry id)
-    answer_key: str = ""  # digest of the normalised answer text
-    trust: float = 1.0
 
 
 def _lru_victims(slots: OrderedDict[str, Slot], n: int) -> list[str]:

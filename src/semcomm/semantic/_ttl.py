@@ -14,7 +14,7 @@ from ..errors import ConfigError, InvalidInputError
 from ._entry import Entry
 
 if TYPE_CHECKING:
-    from ._table import Slot
+    from ._entry import Slot
 
 __all__ = ["Expiry"]
 
