@@ -14,9 +14,9 @@ restored at the document's position in the prompt with its keys re-rotated (RoPE
 at position ``p`` is ``R(p) k``; ``R(q - p) R(p) k = R(q) k``, with the model's own inverse
 frequencies), then a share ``r`` of the document tokens is recomputed in context, with every
 token outside the documents (the instructions, the labels between documents, the question and
-everything after the last document), in one forward whose attention mask lets each recomputed
-token see the reused KV of the earlier positions and the fresh KV of the earlier recomputed
-ones. Which document tokens (the *selector*):
+everything after the last document), in position order, in blocks whose fresh KV is written
+over the reused copies at their positions, so that each recomputed token sees the reused KV of
+the earlier positions and the fresh KV of the earlier recomputed ones. Which document tokens (the *selector*):
 
 * ``cacheblend``: the tokens whose KV deviates most at an early layer (layer 1) between the
   reused copy and a fresh computation of layers 0-1 over the whole prompt (CacheBlend,
