@@ -302,3 +302,29 @@ def test_real_larger_sharer_trains_resumes_and_evaluates(tmp_path: Path) -> None
     fz = load_fuser(out, sharer=s.spec, receiver=r.spec)
     res = evaluate_mcqa(s, r, fz, qs[:1], McqaSettings(methods=("receiver", "c2c")))
     assert res["c2c"]["n"] == 1 and res["c2c"]["median_fuse_s"] >= 0
+
+
+def test_the_training_tool_uses_the_measured_learning_rates(tmp_path: Path, monkeypatch) -> None:
+    """The 1.5B -> 0.5B diagnosis (docs/fusion.md): lr 1e-3 / gate lr 0.05 fitted each batch's
+    noise and random-walked the gates; the tool's default recipe is lr 1e-4 / gate lr 0.005."""
+    import sys
+
+    from tools.train import fusion_larger_sharer as tool
+
+    monkeypatch.setattr(sys, "argv", ["x", "--receiver", "qwen2.5-coder-0.5b-instruct"])
+    seen: dict[str, Any] = {}
+    real = tool.train_command
+
+    def fake_train_command(args: Any, work: Path) -> list[str]:
+        seen["cmd"] = real(args, work)
+        return ["true"]
+
+    monkeypatch.setattr(tool, "train_command", fake_train_command)
+    monkeypatch.setattr(tool, "data_commands", lambda work, take: [])
+    monkeypatch.setenv("SEMCOMM_HOME", str(tmp_path))
+    monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kw: None)
+    tool.main()
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--lr") + 1] == "0.0001"
+    assert cmd[cmd.index("--gate-lr") + 1] == "0.005"
+    assert "--resume" in cmd
