@@ -792,7 +792,8 @@ class DocumentReuse:
         stats = BlendStats(prompt_tokens=n, document_tokens=prompt.document_tokens,
                            documents=len(prompt.spans), selector=selector)
         stats.recompute = r
-        cap = max(capacity, n) + n + 1  # room for the recomputed tokens appended before scatter
+        # room after the prompt for the prophet pass's question tokens (appended, then dropped)
+        cap = max(capacity, n) + n - max((e for _, e in prompt.spans), default=0) + 1
         # not zeroed (page faults of a large zeroed buffer cost TTFT): every position is
         # restored or computed before it is read, and the stale ones a forward may see
         # (masked, but a NaN survives an additive mask) are zeroed below
