@@ -1062,23 +1062,12 @@ class DocumentReuse:
         position ``p`` of the run sees the context positions ``< p`` outside the run and
         ``hide`` (stale ones) and the run's positions ``<= p``. Returns the last run
         position's logits."""
-        m = run.numel()
         cache = ca.buffer_cache(self.layout, cap, self.device, n, (bk, bv))
-        dtype = self._mask_dtype()
         allowed_ctx = torch.arange(n)[None, :] < run[:, None]
         allowed_ctx[:, run] = False
         allowed_ctx[:, hide] = False
         allowed_new = run[None, :] <= run[:, None]
-        allowed = torch.cat([allowed_ctx, allowed_new], 1)
-        mask = torch.zeros((1, 1, m, n + m), dtype=dtype)
-        mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
-        x = torch.tensor([[ids[int(p)] for p in run]], dtype=torch.long, device=self.device)
-        kw = {"input_ids": x, "attention_mask": mask.to(self.device),
-              "position_ids": run[None].to(self.device), "use_cache": True,
-              **ca.cache_kwargs(self.model, cache)}
-        if "logits_to_keep" in self._params():
-            kw["logits_to_keep"] = 1
-        return self.model(**kw).logits[0, -1].float()
+        return self._forward_at(ids, run, torch.cat([allowed_ctx, allowed_new], 1), cache)
 
     def _placed_forward(self, ids: list[int], run: torch.Tensor, bk: torch.Tensor,
                         bv: torch.Tensor) -> torch.Tensor:
@@ -1088,26 +1077,31 @@ class DocumentReuse:
         the run's KV appended and masked computes, without the attention over the positions
         after each block (most of a long prompt's recompute time otherwise). Returns the last
         position's logits."""
-        m = run.numel()
-        blocks = max(1, round(m / _RUN_BLOCK))
         cache = ca.placed_cache(bk, bv)
-        dtype = self._mask_dtype()
         logits = None
-        for part in torch.tensor_split(run, blocks):
+        for part in torch.tensor_split(run, max(1, round(run.numel() / _RUN_BLOCK))):
             end = int(part[-1]) + 1
-            at = part.to(self.device)
-            ca.place(cache, at, end)
-            mask = torch.zeros((1, 1, part.numel(), end), dtype=dtype)
-            mask.masked_fill_(torch.arange(end)[None, :] > part[:, None], torch.finfo(dtype).min)
-            x = torch.tensor([[ids[int(p)] for p in part]], dtype=torch.long, device=self.device)
-            kw = {"input_ids": x, "attention_mask": mask.to(self.device),
-                  "position_ids": part[None].to(self.device), "use_cache": True,
-                  **ca.cache_kwargs(self.model, cache)}
-            if "logits_to_keep" in self._params():
-                kw["logits_to_keep"] = 1
-            logits = self.model(**kw).logits[0, -1].float()
+            ca.place(cache, part.to(self.device), end)
+            logits = self._forward_at(ids, part, torch.arange(end)[None, :] <= part[:, None],
+                                      cache)
         assert logits is not None
         return logits
+
+    def _forward_at(self, ids: list[int], positions: torch.Tensor, allowed: torch.Tensor,
+                    cache: Any) -> torch.Tensor:
+        """One forward of the tokens at ``positions`` over ``cache``; ``allowed[i, j]``: the
+        i-th token sees the cache's j-th key. Returns the last token's logits."""
+        dtype = self._mask_dtype()
+        mask = torch.zeros((1, 1, *allowed.shape), dtype=dtype)
+        mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+        x = torch.tensor([[ids[int(p)] for p in positions]], dtype=torch.long,
+                         device=self.device)
+        kw = {"input_ids": x, "attention_mask": mask.to(self.device),
+              "position_ids": positions[None].to(self.device), "use_cache": True,
+              **ca.cache_kwargs(self.model, cache)}
+        if "logits_to_keep" in self._params():
+            kw["logits_to_keep"] = 1
+        return self.model(**kw).logits[0, -1].float()
 
     def _mask_dtype(self) -> torch.dtype:
         dtype = self.model.get_input_embeddings().weight.dtype
