@@ -328,3 +328,6 @@ def test_the_training_tool_uses_the_measured_learning_rates(tmp_path: Path, monk
     assert cmd[cmd.index("--lr") + 1] == "0.0001"
     assert cmd[cmd.index("--gate-lr") + 1] == "0.005"
     assert "--resume" in cmd
+    # the frozen prefills are kept in the run's folder by default
+    work = tmp_path / "train" / "fusion_larger_sharer" / "qwen2.5-coder-0.5b-instruct"
+    assert cmd[cmd.index("--prefill-cache") + 1] == str(work / "prefill_cache")

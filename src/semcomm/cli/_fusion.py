@@ -131,6 +131,13 @@ def train(
         Path | None,
         typer.Option(help="Start a fresh run from this fuser folder's weights (same shapes)."),
     ] = None,
+    prefill_cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for the frozen models' prompt KV per example: computed once, read "
+            "back in later epochs and validation (lossless; may be added on --resume)."
+        ),
+    ] = None,
 ) -> None:
     """Train a fuser with both models frozen (receiver next-token loss on answer tokens).
 
@@ -188,6 +195,7 @@ def train(
         + (f" --gate-lr {gate_lr}" if gate_lr else "")
         + (f" --answer-weight {answer_weight}" if answer_weight else "")
         + (f" --init {init}" if init is not None else "")
+        + (f" --prefill-cache {prefill_cache}" if prefill_cache is not None else "")
         + (f" --val-data {val_data} --eval-every {eval_every}" if val_data is not None else "")
         + (f" --sharer-template '{sharer_template}'" if sharer_template != "{shared}" else "")
         + (f" --receiver-template '{receiver_template}'" if receiver_template != "{shared}" else "")
@@ -224,6 +232,7 @@ def train(
         val_examples=val_examples,
         val_metric=val_metric,
         init=init,
+        prefill_cache=prefill_cache,
     )
     n_r = sum(p.numel() for p in r_side.model.parameters())
     n_s = sum(p.numel() for p in s_side.model.parameters())
@@ -236,7 +245,8 @@ def train(
         task = prog.add_task("train", total=steps, completed=trainer.step, info="")
 
         def on_step(step: int, total: int, loss: float) -> None:
-            prog.update(task, completed=step, info=f"loss {loss:.3f} tau {trainer.fuser.tau:.3f}")
+            info = f"loss {loss:.3f} tau {trainer.fuser.tau:.3f}" + _cache_info(trainer)
+            prog.update(task, completed=step, info=info)
 
         result = trainer.train(on_step)
     after = trainer.evaluate_loss()
@@ -244,7 +254,18 @@ def train(
         f"done: {result.steps} steps in {result.seconds:.0f}s; {objective} loss receiver alone "
         f"{base:.3f}, "
         f"fused {after:.3f}; gates {trainer.fuser.gates()}; saved to {out}"
+        + _cache_info(trainer)
     )
+
+
+def _cache_info(trainer: Any) -> str:
+    """`; prefill cache H hits M misses` (per model and example) when the cache is on."""
+    cache = trainer.prefill_cache
+    if cache is None:
+        return ""
+    st = cache.stats
+    bad = f" ({st.rewritten} rewritten)" if st.rewritten else ""
+    return f"; prefill cache {st.hits} hits {st.misses} misses{bad}"
 
 
 @fusion_app.command("data")

@@ -3,7 +3,8 @@
 A trained :class:`Fuser` projects a sharer model's KV cache into a receiver model's cache, so
 the receiver reads what the sharer understood of a shared context without any text being
 generated. :func:`align_offsets` maps tokens between two tokenizers by character spans;
-:class:`FusionTrainer` trains a fuser with both models frozen; :class:`FusionPipeline`
+:class:`FusionTrainer` trains a fuser with both models frozen (their prefills optionally
+cached on disk, :class:`PrefillCache`); :class:`FusionPipeline`
 generates with the fused cache; :mod:`semcomm.fusion` evaluation compares receiver alone,
 sharer alone, text-to-text and C2C (:func:`run_mcqa_eval` on a real pair and multiple-choice
 files; :func:`evaluate` with :class:`EvalSettings` on any :class:`MCItem` list);
@@ -33,6 +34,7 @@ from ._mcqa import (
     shipped_pair_fusers,
 )
 from ._pipeline import FusionPipeline, Generation, ModelSide, greedy_decode, iter_greedy
+from ._prefill_cache import PrefillCache, PrefillCacheStats
 from ._reference import load_side, shipped_fuser_path, split_template
 from ._spec import LAYER_MAPPINGS, ModelSpec, layer_mapping, model_spec
 from ._train import FusionExample, FusionTrainer, TrainConfig, TrainResult, read_examples
@@ -54,6 +56,8 @@ __all__ = [
     "McqaSettings",
     "ModelSide",
     "ModelSpec",
+    "PrefillCache",
+    "PrefillCacheStats",
     "PromptParts",
     "TrainConfig",
     "TrainResult",

@@ -17,7 +17,9 @@ Data file: JSON Lines, ``{"shared" (or "context"), "answer"}`` lines for ``answe
 (``fuser.safetensors`` + ``fuser.json`` + ``optimizer.safetensors`` + ``train_state.json``)
 are written every ``checkpoint_every`` steps and at the end; ``resume=True`` continues from
 the last one. With validation, the best state so far is also written to ``best/`` whenever
-it improves, so a run stopped early still has its best-by-validation fuser.
+it improves, so a run stopped early still has its best-by-validation fuser. With
+``prefill_cache``, the two frozen prefills of each example are computed once and read back from
+disk afterwards (:class:`~._prefill_cache.PrefillCache`), in training steps and validation.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from ._io import atomic_write_json, load_fuser, save_fuser, save_tensors
 from ._kvio import KVLayers, align_layers, cache_kwargs, layers_to_cache, prefill_layers
 from ._mcqa import MCQuestion, shared_text
 from ._pipeline import ModelSide
+from ._prefill_cache import PrefillCache, PrefillCacheStats
 
 __all__ = [
     "OBJECTIVES",
@@ -58,6 +61,10 @@ OBJECTIVES = ("answer", "choice")
 BEST_DIR = "best"  # subfolder of the output folder holding the best-by-validation fuser
 
 log = logging.getLogger(__name__)
+
+Prefill = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], KVLayers]
+"""How a frozen model's prompt KV is obtained: :func:`prefill_layers` (computed) or
+:meth:`PrefillCache.prefill` (computed once, then read from disk); (model, ids, mask) in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,7 @@ class TrainResult:
     losses: list[float]
     seconds: float
     out: Path | None
+    prefill_cache: PrefillCacheStats | None = None  # lookups since the trainer was built
 
 
 def read_examples(path: str | Path) -> list[FusionExample]:
@@ -286,20 +294,29 @@ def collate(items: list[_Encoded], r_pad: int, s_pad: int) -> _Batch:
 
 
 def _fused_prefix(
-    fuser: Fuser | None, sharer: torch.nn.Module, receiver: torch.nn.Module, batch: Any
+    fuser: Fuser | None,
+    sharer: torch.nn.Module,
+    receiver: torch.nn.Module,
+    batch: Any,
+    prefill: Prefill = prefill_layers,
 ) -> KVLayers:
     """Receiver KV of the prompts without their last token, fused with the sharer's
     (``fuser=None``: the receiver's own). Gradients reach the fuser only."""
-    r_layers = prefill_layers(receiver, batch.r_ids, batch.r_mask)
+    r_layers = prefill(receiver, batch.r_ids, batch.r_mask)
     if fuser is not None:
-        s_layers = prefill_layers(sharer, batch.s_ids, batch.s_mask)
+        s_layers = prefill(sharer, batch.s_ids, batch.s_mask)
         aligned = align_layers(s_layers, batch.weights)
         r_layers = fuser.fuse(aligned, r_layers, batch.fuse_mask)
     return r_layers
 
 
 def choice_scores(
-    fuser: Fuser | None, sharer: torch.nn.Module, receiver: torch.nn.Module, batch: _ChoiceBatch
+    fuser: Fuser | None,
+    sharer: torch.nn.Module,
+    receiver: torch.nn.Module,
+    batch: _ChoiceBatch,
+    *,
+    prefill: Prefill = prefill_layers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probability of every choice after its question's fused prefix.
 
@@ -308,7 +325,7 @@ def choice_scores(
     ``-inf`` past a question's choices, token counts [B, C]); the same numbers as
     ``score_choices``'s ``loglik`` in ``fusion eval --data``.
     """
-    layers = _fused_prefix(fuser, sharer, receiver, batch)
+    layers = _fused_prefix(fuser, sharer, receiver, batch, prefill)
     owner = batch.owner
     cache = layers_to_cache(
         [(k.index_select(0, owner), v.index_select(0, owner)) for k, v in layers]
@@ -346,10 +363,11 @@ def choice_loss(
     batch: _ChoiceBatch,
     *,
     answer_weight: float = 0.0,
+    prefill: Prefill = prefill_layers,
 ) -> torch.Tensor:
     """Cross-entropy over the choices' summed log-probabilities toward the correct choice,
     plus ``answer_weight`` x the correct choice's mean token loss; mean over questions."""
-    scores, tokens = choice_scores(fuser, sharer, receiver, batch)
+    scores, tokens = choice_scores(fuser, sharer, receiver, batch, prefill=prefill)
     loss = torch.nn.functional.cross_entropy(scores, batch.answer)
     if answer_weight:
         right = scores.gather(1, batch.answer[:, None])[:, 0]
@@ -359,13 +377,18 @@ def choice_loss(
 
 
 def fused_loss(
-    fuser: Fuser | None, sharer: torch.nn.Module, receiver: torch.nn.Module, batch: _Batch
+    fuser: Fuser | None,
+    sharer: torch.nn.Module,
+    receiver: torch.nn.Module,
+    batch: _Batch,
+    *,
+    prefill: Prefill = prefill_layers,
 ) -> torch.Tensor:
     """Receiver cross-entropy on answer tokens given the fused prompt cache.
 
     With ``fuser=None`` this is the receiver alone (the baseline the fuser must beat).
     """
-    r_layers = _fused_prefix(fuser, sharer, receiver, batch)
+    r_layers = _fused_prefix(fuser, sharer, receiver, batch, prefill)
     cache = layers_to_cache(r_layers)
     start = batch.r_mask.sum(-1)  # [B] real prompt tokens already cached
     t = batch.c_ids.shape[1]
@@ -417,11 +440,19 @@ class FusionTrainer:
         val_examples: list[FusionExample] | list[MCQuestion] | None = None,
         val_metric: Callable[[Fuser], float] | None = None,
         init: str | Path | None = None,
+        prefill_cache: str | Path | None = None,
     ):
         """``examples``: :class:`FusionExample` for the ``answer`` objective,
         :class:`MCQuestion` for ``choice``. ``init``: a fuser folder whose weights start a
-        fresh run (same shapes; the temperature schedule is this run's); ignored on resume."""
+        fresh run (same shapes; the temperature schedule is this run's); ignored on resume.
+        ``prefill_cache``: a folder for the frozen prefills of each example (see
+        :class:`PrefillCache`); not part of the run's config, so it may be added, moved or
+        dropped between resumes."""
         self.sharer, self.receiver = sharer, receiver
+        self.prefill_cache = PrefillCache(prefill_cache) if prefill_cache is not None else None
+        self._prefill: Prefill = (
+            self.prefill_cache.prefill if self.prefill_cache is not None else prefill_layers
+        )
         self.config = config
         self.out = Path(out) if out is not None else None
         self.meta = dict(meta or {})
@@ -632,8 +663,10 @@ class FusionTrainer:
     def _loss(self, fuser: Fuser | None, batch: _Batch | _ChoiceBatch) -> torch.Tensor:
         s, r = self.sharer.model, self.receiver.model
         if isinstance(batch, _ChoiceBatch):
-            return choice_loss(fuser, s, r, batch, answer_weight=self.config.answer_weight)
-        return fused_loss(fuser, s, r, batch)
+            return choice_loss(
+                fuser, s, r, batch, answer_weight=self.config.answer_weight, prefill=self._prefill
+            )
+        return fused_loss(fuser, s, r, batch, prefill=self._prefill)
 
     def evaluate_loss(self, items: list[Any] | None = None, *, fused: bool = True) -> float:
         """Mean training loss (answer or choice objective; gate hard, no dropout) over
@@ -739,4 +772,7 @@ class FusionTrainer:
             losses=losses,
             seconds=seconds,
             out=self.out,
+            prefill_cache=(
+                replace(self.prefill_cache.stats) if self.prefill_cache is not None else None
+            ),
         )
