@@ -77,3 +77,29 @@ def test_rag_eval_writes_the_contract(tmp_path: Path) -> None:
     # --margin 1.0 adds "gated": no first token is that sure, so it falls back to full prefill
     assert got["gated"]["fallback"] == 1.0 and got["gated"]["agreement"] == 1.0
     assert got["meta"]["margin"] == 1.0
+
+
+@pytest.mark.slow
+def test_anchor_head_computes_passages_after_the_prompts_own_head(tmp_path: Path) -> None:
+    from semcomm.cli._tools.rag_eval import Runner
+    from semcomm.models import DEFAULT_MODEL
+
+    with pytest.raises(InvalidInputError, match="anchor"):
+        Runner(DEFAULT_MODEL, anchor="middle")
+    head = Runner(DEFAULT_MODEL, anchor="head")
+    plain = Runner(DEFAULT_MODEL)
+    prompt = head.prepare(ITEM, None)
+    first = prompt.spans[0][0]
+    assert list(head.docs.anchor) == list(prompt.ids[:first])  # instruction and first label
+    assert len(head.docs.anchor) > len(plain.docs.anchor)
+    assert head.docs.root != plain.docs.root  # stored apart from the template-anchored copies
+    doc = Document("(Title: Rome) Rome is the capital of Italy.")
+    assert head.docs.precompute(doc) > 0 and head.docs.is_stored(doc)
+    out = tmp_path / "out.json"
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps(ITEM) + "\n")
+    res = CliRunner().invoke(app, ["rag", "eval", "--data", str(data), "--limit", "1",
+                                   "--json", str(out), "--docs", "2", "--anchor", "head",
+                                   "--max-new-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["meta"]["anchor"] == "head"

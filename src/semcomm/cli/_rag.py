@@ -74,6 +74,10 @@ def eval_cmd(
                                 help="In 'gated' (run when given): rebuild the KV in full at "
                                      "the first later decode step whose top-1 minus top-2 "
                                      "probability is below this; 0: off."),
+    anchor: str = typer.Option("template", "--anchor",
+                               help="What each passage is computed after when stored: "
+                                    "'template' (the chat header) or 'head' (the prompt's own "
+                                    "head: instruction and first label)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: its default)."),
 ) -> None:
@@ -105,14 +109,14 @@ def eval_cmd(
         load = progress.add_task(f"loading {name}", total=None)
         from ._tools.rag_eval import Runner
 
-        runner = Runner(name)
+        runner = Runner(name, anchor=anchor)
         progress.update(load, total=1, completed=1)
         res = run_eval(name, items, modes, docs=docs or None, max_new_tokens=max_new_tokens,
                        progress=report, runner=runner)
     out = dict(res["summary"])
     out["meta"] = {"model": name, "data": str(data), "limit": limit, "docs": docs or None,
                    "selector": sel, "recompute": recompute, "max_new_tokens": max_new_tokens,
-                   "margin": margin or None, "watch": watch or None,
+                   "margin": margin or None, "watch": watch or None, "anchor": anchor,
                    "threads": threads or None}
     out["rows"] = res["rows"]
     json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ __all__ = [
 INSTRUCTION = ("Answer the question with a short phrase, using only the search results below "
                "(some of which might be irrelevant).\n\n")
 STOP = ["\n"]
+ANCHORS = ("template", "head")  # what each passage is computed after (DocumentReuse's anchor)
 
 
 # ---------------------------------------------------------------------------- data
@@ -184,15 +185,30 @@ def _greedy(engine: HFEngine, cache: Any, logits: torch.Tensor, max_new: int) ->
     return list(seq.token_ids), seq.text or ""
 
 
-class Runner:
-    """The engines of one model (one per mode family, sharing the loaded weights)."""
+def prompt_head(tokenizer: Any) -> list[int]:
+    """The token ids every evaluation prompt starts with, up to its first passage (chat
+    header, instruction, the first passage's label)."""
+    p = build_prompt(tokenizer, [User(INSTRUCTION), Text("Document [1] "), Document("x")])
+    return list(p.ids[: p.spans[0][0]])
 
-    def __init__(self, model: str, chunk_size: int = 256, store_bytes: int = 3 << 30):
+
+class Runner:
+    """The engines of one model (one per mode family, sharing the loaded weights).
+
+    ``anchor``: what each passage is computed after when stored: ``template`` (the engine's
+    default, the chat header) or ``head`` (the evaluation prompt's own head,
+    :func:`prompt_head`: documents stored for this prompt layout only)."""
+
+    def __init__(self, model: str, chunk_size: int = 256, store_bytes: int = 3 << 30,
+                 anchor: str = "template"):
+        if anchor not in ANCHORS:
+            raise InvalidInputError(f"anchor must be one of {ANCHORS}, got {anchor!r}")
         self.full = HFEngine(model, store=None)
         m, tok = self.full.model, self.full.tokenizer
         self.prefix = HFEngine(m, tok, store=MemoryStore(store_bytes // 4), chunk_size=chunk_size)
         self.reuse_engine = HFEngine(m, tok, store=MemoryStore(store_bytes), chunk_size=chunk_size)
-        self.docs = DocumentReuse(self.reuse_engine, keep_blended=False)
+        self.docs = DocumentReuse(self.reuse_engine, keep_blended=False,
+                                  anchor=prompt_head(tok) if anchor == "head" else None)
         self.model_name = model
 
     def prepare(self, item: dict[str, Any], k: int | None) -> SegmentedPrompt:
