@@ -64,6 +64,16 @@ class ToyPair:
     receiver: torch.nn.Module
     receiver_tokenizer: Any
 
+    def save(self, root: Path) -> tuple[Path, Path]:
+        """Save both models with their tokenizers under ``root``; returns (sharer, receiver)
+        folders, loadable by name like catalog models."""
+        dirs = root / "sharer", root / "receiver"
+        for model, tok, d in ((self.sharer, self.sharer_tokenizer, dirs[0]),
+                              (self.receiver, self.receiver_tokenizer, dirs[1])):
+            model.save_pretrained(d)
+            tok.save_pretrained(d)
+        return dirs
+
 
 def toy_pair(kind: str = "qwen", seed: int = 0) -> ToyPair:
     """Build a tiny random-weight (sharer, receiver) pair; see the module docstring."""

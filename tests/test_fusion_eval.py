@@ -104,13 +104,7 @@ def test_oracle_enrichment_runs(toy_sides, world) -> None:
 
 def test_cli_train_then_eval_on_a_saved_pair(tmp_path: Path, world) -> None:
     p = toy_pair("cross", seed=3)
-    s_dir, r_dir = tmp_path / "sharer", tmp_path / "receiver"
-    for model, tok, d in (
-        (p.sharer, p.sharer_tokenizer, s_dir),
-        (p.receiver, p.receiver_tokenizer, r_dir),
-    ):
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
+    s_dir, r_dir = p.save(tmp_path)
     data = write_examples(reference_examples(world)[:16], tmp_path / "train.jsonl")
     out = tmp_path / "fuser"
     runner = CliRunner()

@@ -147,13 +147,7 @@ def test_cli_resume_adds_the_cache(tmp_path: Path) -> None:
     """--prefill-cache is not part of the run's config: a run started without it resumes
     with it, and the progress line reports hits and misses."""
     p = toy_pair("cross", seed=3)
-    s_dir, r_dir = tmp_path / "sharer", tmp_path / "receiver"
-    for model, tok, d in (
-        (p.sharer, p.sharer_tokenizer, s_dir),
-        (p.receiver, p.receiver_tokenizer, r_dir),
-    ):
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
+    s_dir, r_dir = p.save(tmp_path)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"shared": e.shared, "answer": e.answer}) + "\n"
                             for e in word_examples(4)))
