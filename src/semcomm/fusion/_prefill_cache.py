@@ -112,16 +112,16 @@ class PrefillCache:
         real = mask.bool()
         rows: list[_Rows | None] = []
         paths: list[Path] = []
-        for i in range(ids.shape[0]):
-            row_ids = ids[i][real[i]].to("cpu", torch.long)
-            name = hashlib.sha256(row_ids.numpy().tobytes()).hexdigest()[:32]
+        row_ids = [ids[i][real[i]].to("cpu", torch.long) for i in range(ids.shape[0])]
+        for rid in row_ids:
+            name = hashlib.sha256(rid.numpy().tobytes()).hexdigest()[:32]
             paths.append(folder / f"{name}.safetensors")
-            rows.append(self._read(paths[-1], row_ids, variant))
+            rows.append(self._read(paths[-1], rid, variant))
         todo = [i for i, r in enumerate(rows) if r is None]
         self.stats.hits += len(rows) - len(todo)
         self.stats.misses += len(todo)
         if todo:
-            self._compute(model, ids, mask, todo, rows, paths, variant)
+            self._compute(model, ids, mask, todo, rows, paths, row_ids, variant)
         full = [r for r in rows if r is not None]
         assert len(full) == len(rows)
         return self._pad(full, real)
@@ -167,6 +167,7 @@ class PrefillCache:
         todo: list[int],
         rows: list[_Rows | None],
         paths: list[Path],
+        row_ids: list[torch.Tensor],
         variant: VariantDigest,
     ) -> None:
         """Prefill the missing rows as one batch (less the columns none of them uses; the
@@ -180,7 +181,7 @@ class PrefillCache:
             row: _Rows = [(k[j][:, real], v[j][:, real]) for k, v in layers]  # [H, L, D]
             rows[i] = row
             self._layouts[variant] = _layout_of(row)  # the model's own layout is the truth
-            tensors = {"ids": ids[i][mask[i].bool()].to("cpu", torch.long)}
+            tensors = {"ids": row_ids[i]}
             for n, (k, v) in enumerate(row):
                 tensors[f"k.{n}"], tensors[f"v.{n}"] = k, v
             try:
