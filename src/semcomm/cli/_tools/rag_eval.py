@@ -188,7 +188,7 @@ def _greedy(engine: HFEngine, cache: Any, logits: torch.Tensor, max_new: int) ->
 def prompt_head(tokenizer: Any) -> list[int]:
     """The token ids every evaluation prompt starts with, up to its first passage (chat
     header, instruction, the first passage's label)."""
-    p = build_prompt(tokenizer, [User(INSTRUCTION), Text("Document [1] "), Document("x")])
+    p = build_prompt(tokenizer, rag_segments({"question": "", "ctxs": [{"text": "x"}]}))
     return list(p.ids[: p.spans[0][0]])
 
 
