@@ -279,3 +279,90 @@ def test_the_judge_has_its_own_margin(parts: tuple[Any, Any]) -> None:
                   judge_gate="margin", margin=0.0, judge_margin=1.01)
     assert [t.mode for t in run.turns[1:-1]] == ["reuse", "reuse"]
     assert run.turns[-1].mode == "fallback"
+
+
+# ----------------------------------------------------------------------- KVCOMM's offsets
+def _exact_doc_kv(eng: HFEngine, prompt: Any, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = ca.new_cache()
+    with torch.no_grad():
+        eng._runner.forward(torch.tensor([list(prompt.ids)]), cache)
+    s, e = prompt.spans[i]
+    return ca.stack_range(cache, s, e)
+
+
+def test_a_learned_offset_turns_the_anchor_into_the_exact_kv(parts: tuple[Any, Any]) -> None:
+    """One exact sample of a slot: its mean offset is exact minus anchor, so the same prompt
+    placed again from the same anchor gets its exact KV back (at another position than the
+    anchor's, keys in the position-0 frame both ways); without offsets it does not."""
+    eng = _engine(parts)
+    pool = AnchorPool()
+    shared = DocumentReuse(eng, pool=pool, offsets=1, keep_blended=False)
+    q = Document(QUESTION)
+    a_segs = [System("You solve."), User("Problem:\n"), q, Text("\n\nAnswer:")]
+    b_segs = [System("You are a longer, different role."), User("Problem:\n"), q,
+              Text("\n\nCheck:")]
+    first = shared.prefill(a_segs, selector="concat", store=False)
+    assert first.stats.full_prefill and not first.stats.offset_warmup  # nothing at hand
+    shared.capture_prompt(first.prompt, first.cache)  # the anchor, context: a's layout
+    warm = shared.prefill(b_segs, selector="concat", store=False)
+    assert warm.stats.full_prefill and warm.stats.offset_warmup  # b's slot has no sample
+    learned = BlendStats()
+    shared.capture_prompt(warm.prompt, warm.cache, stats=learned)
+    assert learned.offsets_learned == 1 and pool.stats()["offsets"] == 1
+    exact_k, exact_v = _exact_doc_kv(eng, warm.prompt)
+    s, e = warm.prompt.spans[0]
+    assert s != first.prompt.spans[0][0]  # placed at another position than computed
+    again = shared.prefill(b_segs, selector="concat", store=False)
+    st = again.stats
+    assert not st.full_prefill and st.documents_anchored == 1 and st.offsets_applied == 1
+    k, v = ca.stack_range(again.cache, s, e)
+    assert torch.allclose(k, exact_k, atol=1e-4) and torch.allclose(v, exact_v, atol=1e-4)
+    plain = DocumentReuse(eng, pool=AnchorPool(), keep_blended=False)  # a's anchor alone
+    plain.capture_prompt(first.prompt, first.cache)
+    off = plain.prefill(b_segs, selector="concat", store=False)
+    assert off.stats.documents_anchored == 1 and off.stats.offsets_applied == 0
+    k0, _ = ca.stack_range(off.cache, s, e)
+    assert (k0 - exact_k).abs().max() > 10 * (k - exact_k).abs().max()
+
+
+def test_pipeline_offsets_warm_up_then_apply(parts: tuple[Any, Any]) -> None:
+    """Agents learn their slots' offsets on the first question (prefilled in full: warmup) and
+    add them on the next one; offsets are held in the pool's budget."""
+    eng = _engine(parts)
+    pipe = AgentPipeline(eng, SOLVERS, JUDGE, pool=AnchorPool(), gate="off", judge_gate="off",
+                         watch=0.0, offsets=1)
+    one = pipe.run(QUESTION)
+    assert [t.mode for t in one.turns] == ["full", "warmup", "warmup", "warmup"]
+    assert all(t.offsets_learned >= 1 for t in one.turns[1:])
+    assert one.reused_share == pytest.approx(
+        sum(t.prefix_hit_tokens for t in one.turns) / one.prompt_tokens)
+    two = pipe.run("A train leaves at 3 and arrives at 5. How long is the trip?")
+    assert [t.mode for t in two.turns] == ["full", "reuse", "reuse", "reuse"]
+    assert all(t.offsets_applied == t.anchor_segments > 0 for t in two.turns[1:])
+    st = pipe.pool.stats()
+    assert st["offsets"] >= 3 and st["bytes"] <= st["budget_bytes"]
+    off = AgentPipeline(_engine(parts), SOLVERS, JUDGE, pool=AnchorPool(), gate="off",
+                        judge_gate="off", watch=0.0)
+    assert [t.mode for t in off.run(QUESTION).turns] == ["full", "reuse", "reuse", "reuse"]
+
+
+def test_offsets_are_evicted_under_the_budget_and_bad_settings_refused(
+        parts: tuple[Any, Any]) -> None:
+    t = torch.ones((2, 2, 5, 3))
+    pool = AnchorPool(budget_bytes=700)  # one offset of 5 positions: 500 bytes
+    assert pool.learn(b"s1", t, t) and pool.offset_samples(b"s1") == 1
+    assert pool.learn(b"s1", 3 * t, t)  # a second sample: the mean of the two
+    dk, dv, m = pool.offset(b"s1").mean(5)
+    assert m == 5 and torch.allclose(dk, 2 * t) and torch.allclose(dv, t)
+    assert not pool.learn(b"big", torch.ones((2, 2, 50, 3)), torch.ones((2, 2, 50, 3)))
+    assert pool.learn(b"s2", t, t) and pool.offset_samples(b"s1") == 0  # s1 evicted
+    assert pool.nbytes <= 700 and pool.evictions >= 1
+    eng = _engine(parts)
+    with pytest.raises(InvalidInputError, match="offsets"):
+        DocumentReuse(eng, pool=AnchorPool(), offsets=-1)
+    with pytest.raises(InvalidInputError, match="pool"):
+        DocumentReuse(eng, offsets=1)
+    # a slot is named under the engine's namespace: another tenant's layout key differs
+    p = build_prompt(eng.tokenizer, [System("r"), Document(QUESTION)])
+    other = DocumentReuse(_engine(parts, tenant="bob"), pool=AnchorPool(), offsets=1)
+    assert DocumentReuse(eng, pool=AnchorPool(), offsets=1).layout_key(p) != other.layout_key(p)

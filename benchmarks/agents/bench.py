@@ -14,7 +14,7 @@ agent position, one panel per model and set).
 
 Usage: ``python -m benchmarks.agents.bench [--quick] [--models a,b] [--sets gsm8k,arc_easy]
 [--n 5] [--agents 4] [--selector epic] [--recompute 0.15] [--gate margin]
-[--judge-gate always] [--judge-margin M] [--watch 0.1] [--max-new-tokens 0] [--threads 1] [--no-prefix] [--json FILE]
+[--judge-gate always] [--judge-margin M] [--watch 0.1] [--offsets 0] [--max-new-tokens 0] [--threads 1] [--no-prefix] [--json FILE]
 [--png FILE]``. ``--quick``: the reference receiver (a tiny Qwen2-shaped model shipped in the
 package), 2 GSM8K questions, 3 agents, 8 new tokens: a smoke run of seconds.
 """
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--judge-margin", type=float, default=None)
     ap.add_argument("--watch", type=float, default=0.1)
+    ap.add_argument("--offsets", type=int, default=0, help="KVCOMM's offsets (0: off)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0: 160 math, 48 choice")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache pipeline")
@@ -140,7 +141,7 @@ def main() -> None:
                 res = run_eval(runner, items, agents=a.agents, pipeline=a.pipeline,
                                selector=a.selector, recompute=a.recompute, gate=a.gate,
                                judge_gate=a.judge_gate, margin=a.margin, watch=a.watch,
-                               judge_margin=a.judge_margin,
+                               judge_margin=a.judge_margin, offsets=a.offsets,
                                max_new_tokens=a.max_new_tokens or None,
                                progress=lambda d, t, task=task: progress.update(task,
                                                                                 completed=d))

@@ -83,6 +83,9 @@ def eval_cmd(
                                 help="While a solver decodes after reused KV, rebuild the KV "
                                 "in full at the first step whose top-1 minus top-2 "
                                 "probability is below this (0: off)."),
+    offsets: int = typer.Option(0, "--offsets", min=0,
+                                help="KVCOMM's offsets: samples each agent's slot learns by "
+                                "full prefill before its learned offset is added (0: off)."),
     max_new_tokens: int = typer.Option(0, "--max-new-tokens", min=0,
                                        help="Per solver (0: 160 math, 48 choice)."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: its default)."),
@@ -116,14 +119,14 @@ def eval_cmd(
         res = run_eval(runner, items, agents=agents, pipeline=pipeline, selector=selector,
                        recompute=recompute, gate=gate, judge_gate=judge_gate, margin=margin,
                        watch=watch, judge_margin=judge_margin if judge_margin >= 0 else None,
-                       max_new_tokens=max_new_tokens or None,
+                       offsets=offsets, max_new_tokens=max_new_tokens or None,
                        progress=lambda done, total: progress.update(task, completed=done))
     out = dict(res["summary"])
     out["meta"] = {"model": name, "data": str(data), "limit": limit, "pipeline": pipeline,
                    "agents": agents, "selector": selector, "recompute": recompute,
                    "gate": gate, "judge_gate": judge_gate, "margin": margin,
                    "judge_margin": judge_margin if judge_margin >= 0 else margin, "watch": watch,
-                   "max_new_tokens": max_new_tokens or None, "threads": threads or None}
+                   "offsets": offsets, "max_new_tokens": max_new_tokens or None, "threads": threads or None}
     out["rows"] = res["rows"]
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(out, indent=2, default=str))

@@ -58,6 +58,7 @@ from ._anchors import AnchorPool
 from ._decode import DecodeState, SamplingParams, decode_steps
 from ._documents import (
     SELECTORS,
+    BlendStats,
     Document,
     DocumentReuse,
     Segment,
@@ -166,6 +167,8 @@ class AgentTurn:
     prefix_hit_tokens: int = 0  # exact prefix restored from the prefix cache
     recomputed_tokens: int = 0
     anchor_segments: int = 0  # shared segments placed from an anchor
+    offsets_applied: int = 0  # of those, segments that got their slot's learned offset
+    offsets_learned: int = 0  # exact segments of this turn learned as offset samples
     stored_segments: int = 0  # shared segments placed from the document store
     computed_segments: int = 0  # shared segments computed alone on a miss
     mode: str = "full"  # full, reuse, fallback
@@ -227,6 +230,11 @@ class AgentPipeline:
             Default 0.1.
         pool: the anchors (default: the engine's ``anchors``, else a new :class:`AnchorPool`).
         anchors: False never uses anchors (documents computed alone only; ``pool`` is None).
+        offsets: KVCOMM's offsets (engine/_anchors.py): each agent's shared segment placed
+            from an anchor gets the mean difference between exact and anchored KV learned for
+            that agent, segment and anchor source from earlier questions' exact prompts; an
+            agent prefills in full (``mode`` ``warmup``) until its slot has ``offsets``
+            samples. 0: off.
     """
 
     def __init__(self, engine: Any, solvers: Sequence[Agent], judge: Agent | None = None, *,
@@ -235,7 +243,7 @@ class AgentPipeline:
                  margin: float = 0.02,
                  dual_selector: str = "concat", pool: AnchorPool | None = None,
                  anchors: bool = True, kind: str = "math", watch: float = DEFAULT_WATCH,
-                 judge_margin: float | None = None):
+                 judge_margin: float | None = None, offsets: int = 0):
         for g in (gate, judge_gate):
             if g not in GATES:
                 raise InvalidInputError(f"unknown gate {g!r}; one of {', '.join(GATES)}")
@@ -264,8 +272,9 @@ class AgentPipeline:
         if self.reuse and self.use_anchors:
             self.pool = pool if pool is not None else engine.anchors or AnchorPool()
         # blended prompts are not stored whole: an agent's prompt is seldom asked again
-        self.shared = (DocumentReuse(engine, keep_blended=False, pool=self.pool)
-                       if self.reuse else None)
+        self.offsets = int(offsets) if self.pool is not None else 0
+        self.shared = (DocumentReuse(engine, keep_blended=False, pool=self.pool,
+                                     offsets=self.offsets) if self.reuse else None)
 
     # ----------------------------------------------------------- prompts
     @staticmethod
@@ -346,29 +355,42 @@ class AgentPipeline:
         restrict = self.choice_tokens(len(answers)) if agent.judge and answers else None
         cap = n + agent.max_new_tokens + 1
         full = True
-        if reusable and shared is not None:
+        g = gate or (self.judge_gate if agent.judge else self.gate)
+        if reusable and shared is not None and g == "always":  # no blend to test: in full
+            turn.gate, turn.gate_detail = g, {"forced": True}
+            turn.mode = "fallback"
+        elif reusable and shared is not None:
             pre = shared.prefill(prompt, selector=self.selector, recompute=self.recompute,
                                  capacity=cap, store=False)
             st = pre.stats
-            g = gate or (self.judge_gate if agent.judge else self.gate)
-            keep, detail = self._gate(g, pre.last_logits, prompt, restrict,
-                                      self.judge_margin if agent.judge else self.margin)
-            turn.gate, turn.gate_detail = g, detail
-            turn.selector, turn.recompute = st.selector, self.recompute
-            if keep:
+            if st.full_prefill:  # a slot's offset is still learning: prefilled in full
                 full = False
                 cache, logits = pre.cache, pre.last_logits
-                turn.mode = "reuse"
-                turn.reused_tokens = st.reused_tokens
+                turn.mode = "warmup"
                 turn.prefix_hit_tokens = st.prefix_hit_tokens
                 turn.recomputed_tokens = st.recomputed_tokens
-                turn.anchor_segments = st.documents_anchored
-                turn.stored_segments = st.documents_hit
-                turn.computed_segments = st.documents_computed
-                for job in pre.store_jobs:  # documents computed alone, the exact head
+                for job in pre.store_jobs:
                     job()
             else:
-                turn.mode = "fallback"
+                keep, detail = self._gate(g, pre.last_logits, prompt, restrict,
+                                          self.judge_margin if agent.judge else self.margin)
+                turn.gate, turn.gate_detail = g, detail
+                turn.selector, turn.recompute = st.selector, self.recompute
+                if keep:
+                    full = False
+                    cache, logits = pre.cache, pre.last_logits
+                    turn.mode = "reuse"
+                    turn.reused_tokens = st.reused_tokens
+                    turn.prefix_hit_tokens = st.prefix_hit_tokens
+                    turn.recomputed_tokens = st.recomputed_tokens
+                    turn.anchor_segments = st.documents_anchored
+                    turn.stored_segments = st.documents_hit
+                    turn.computed_segments = st.documents_computed
+                    turn.offsets_applied = st.offsets_applied
+                    for job in pre.store_jobs:  # documents computed alone, the exact head
+                        job()
+                else:
+                    turn.mode = "fallback"
         if full:
             cache, logits, hit = self._full_prefill(ids, cap)
             turn.prefix_hit_tokens = hit
@@ -378,11 +400,13 @@ class AgentPipeline:
             turn.ttft_s = turn.total_s = time.perf_counter() - t0
             turn.tokens = [restrict[turn.pick]]
             turn.text = str(turn.pick + 1)
+            if shared is not None and turn.mode != "reuse":  # exact: its documents as anchors
+                self._capture_exact(turn, prompt, cache, agent.name)
             return turn, cache, n
         seq = DecodeState(eng.tokenizer, SamplingParams(), eng.device,
                           max_new_tokens=agent.max_new_tokens, eos_ids=eng.eos_token_ids)
         step = torch.zeros((1, 1), dtype=torch.long, device=eng.device)
-        watch = self.watch if not full else 0.0
+        watch = self.watch if turn.mode == "reuse" else 0.0
 
         def forward(nxt: list[int]) -> torch.Tensor:
             nonlocal cache, watch
@@ -406,15 +430,23 @@ class AgentPipeline:
         turn.total_s = time.perf_counter() - t0
         # anchors: the shared segments of a fully prefilled prompt, and the answer itself
         if shared is not None and shared.pool is not None:
-            if full or turn.repaired_at is not None:  # the prompt's KV is exact
-                shared.capture_prompt(prompt, cache, agent.name)
-            shared.capture_answer(toks, cache, n, agent.name)
+            if turn.mode != "reuse" or turn.repaired_at is not None:  # the prompt's KV is exact
+                self._capture_exact(turn, prompt, cache, agent.name)
+            shared.capture_answer(toks, cache, n, agent.name, prompt=prompt)
         elif shared is not None and eng.store is not None:
             # documents only: each shared segment and the answer computed alone and stored
             # (after the agent's answer, so later agents find them)
             for seg in [ids[s:e] for s, e in prompt.spans] + ([toks] if toks else []):
                 shared.precompute(Document(tokens=tuple(seg)))
         return turn, cache, n
+
+    def _capture_exact(self, turn: AgentTurn, prompt: Any, cache: Any, source: str) -> None:
+        """An exactly computed prompt's documents as anchors (and offset samples)."""
+        assert self.shared is not None
+        if self.shared.pool is not None:
+            learned = BlendStats()
+            self.shared.capture_prompt(prompt, cache, source, stats=learned)
+            turn.offsets_learned = learned.offsets_learned
 
     # ----------------------------------------------------------- the pipeline
     def run(self, question: str, choices: Sequence[str] | None = None) -> PipelineRun:

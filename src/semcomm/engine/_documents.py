@@ -42,7 +42,8 @@ overwritten (and approximate KV never lands under an exact prefix key).
 With an :class:`AnchorPool` (engine/_anchors.py) a document's in-context KV from an earlier
 prompt or answer is used before the stored one, a prompt with no document at hand is prefilled
 in full, and the documents of a prompt computed wholly in context and its answer are captured
-as anchors; a blend over anchors is never stored whole.
+as anchors; a blend over anchors is never stored whole. With ``offsets`` an anchor placed in a
+prompt layout seen before gets that slot's learned offset added (engine/_anchors.py).
 """
 
 from __future__ import annotations
@@ -424,6 +425,9 @@ class BlendStats:
     watch: float | None = None  # rebuild the KV in full at the first decode step below it
     repaired_at: int | None = None  # ``watch``: the answer token after which KV was rebuilt
     full_prefill: bool = False  # nothing to reuse (no anchor, no stored document): in full
+    offsets_applied: int = 0  # anchored documents that got their slot's learned offset
+    offsets_learned: int = 0  # documents of an exact prompt whose offset was learned
+    offset_warmup: bool = False  # in full so that a slot's offset learns (``offsets``)
 
     @property
     def recompute_share(self) -> float:
@@ -482,13 +486,23 @@ class DocumentReuse:
             full (computing them alone costs more, and is further from their in-context KV);
             the documents of a prompt computed wholly in context (in full, a fallback,
             ``r = 1``) and the answer it generates are captured as anchors.
+        offsets: KVCOMM's offsets (engine/_anchors.py), for prompts whose layout repeats
+            (an agent pipeline): a document placed from an anchor gets the mean difference
+            between exact and anchored KV of the same slot (this prompt layout, this segment,
+            an anchor from the same source layout), learned from the exact prompts of that
+            slot; while a slot has fewer than ``offsets`` samples the prompt is prefilled in
+            full to learn one (``stats.offset_warmup``). 0 (default): off. Needs a pool.
     """
 
     def __init__(self, engine: Any, anchor: Sequence[int] | None = None,
                  key_mode: str = "rotated", keep_blended: bool = True,
-                 pool: AnchorPool | None = None):
+                 pool: AnchorPool | None = None, offsets: int = 0):
         if key_mode not in KEY_MODES:
             raise InvalidInputError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+        if isinstance(offsets, bool) or not isinstance(offsets, int) or offsets < 0:
+            raise InvalidInputError(f"offsets must be a sample count >= 0, got {offsets!r}")
+        if offsets and pool is None:
+            raise InvalidInputError("offsets need an anchor pool (pool=AnchorPool(...))")
         self.engine = engine
         self.model = engine.model
         self.spec = rope_spec(engine.model)
@@ -501,6 +515,7 @@ class DocumentReuse:
         self.root = document_root(engine.namespace_digest, self.anchor, key_mode)
         self.device = engine.device
         self.pool = pool
+        self.offsets = offsets
 
     def _default_anchor(self) -> tuple[int, ...]:
         tok = self.engine.tokenizer
@@ -651,32 +666,89 @@ class DocumentReuse:
         return self.is_stored(list(tokens))
 
     def capture(self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, start: int,
-                source: str) -> bool:
+                source: str, context: bytes = b"") -> bool:
         """Keep ``[L, H, n, D]`` KV of a segment computed in context at positions ``start..``
-        as an anchor; False without a pool or when it alone exceeds the pool's budget."""
+        as an anchor (``context``: where, :meth:`span_context`); False without a pool or
+        when it alone exceeds the pool's budget."""
         if self.pool is None:
             return False
         if k.shape[2] != len(tokens):
             raise InvalidInputError("an anchor's KV must cover its segment's tokens")
-        return self.pool.put(self.segment_key(tokens), k, v, start, source)
+        return self.pool.put(self.segment_key(tokens), k, v, start, source, context)
 
-    def capture_prompt(self, prompt: SegmentedPrompt, cache: Any, source: str = "prompt"
-                       ) -> int:
+    # a prompt's layout: its tokens with each document's left out (an agent's role, labels and
+    # ask), under the namespace root (tenant included); where an anchor was computed, and
+    # where it is placed, are named by it
+    def layout_key(self, prompt: SegmentedPrompt) -> bytes:
+        h = hashlib.blake2b(b"semcomm.layout/1", digest_size=16)
+        h.update(self.root)
+        at = 0
+        for s, e in prompt.spans:
+            h.update(struct.pack("<I", s - at) + _u32(prompt.ids[at:s]) + b"\xffdoc")
+            at = e
+        h.update(struct.pack("<I", len(prompt.ids) - at) + _u32(prompt.ids[at:]))
+        return h.digest()
+
+    @staticmethod
+    def span_context(layout: bytes, what: int | str) -> bytes:
+        """The context of a prompt's document ``what`` (its index) or of its ``"answer"``."""
+        return hashlib.blake2b(layout + str(what).encode(), digest_size=16).digest()
+
+    @staticmethod
+    def _slot(layout: bytes, i: int, source: bytes) -> bytes:
+        return hashlib.blake2b(b"slot" + layout + struct.pack("<I", i) + source,
+                               digest_size=16).digest()
+
+    def _candidates(self, tokens: Sequence[int], own: bytes) -> list[Any]:
+        """The anchors a prompt could place for a document (its own context's excluded)."""
+        if self.pool is None:
+            return []
+        return [a for a in self.pool.anchors(self.segment_key(tokens))
+                if a.k.shape[2] == len(tokens) and a.context != own]
+
+    def _needs_warmup(self, prompt: SegmentedPrompt) -> bool:
+        """``offsets``: a document would be placed from an anchor, and no anchor of it has a
+        slot with ``offsets`` samples learned."""
+        if not self.offsets or self.pool is None:
+            return False
+        lay = self.layout_key(prompt)
+        for i, (s, e) in enumerate(prompt.spans):
+            cands = [a for a in self._candidates(prompt.ids[s:e], self.span_context(lay, i))
+                     if a.context]
+            if cands and max(self.pool.offset_samples(self._slot(lay, i, a.context))
+                             for a in cands) < self.offsets:
+                return True
+        return False
+
+    def capture_prompt(self, prompt: SegmentedPrompt, cache: Any, source: str = "prompt",
+                       stats: BlendStats | None = None) -> int:
         """Every document of a prompt whose cache was computed wholly in context, as anchors;
-        returns how many were kept."""
+        returns how many were kept. With ``offsets``, first the difference between each
+        document's exact KV and the anchor it would have been placed from is learned."""
         if self.pool is None:
             return 0
         kept = 0
-        for s, e in prompt.spans:
+        lay = self.layout_key(prompt)
+        for i, (s, e) in enumerate(prompt.spans):
             k, v = ca.stack_range(cache, s, e)
-            kept += self.capture(prompt.ids[s:e], k, v, s, source)
+            toks = prompt.ids[s:e]
+            own = self.span_context(lay, i)
+            if self.offsets:  # one sample for the slot of every anchor it could be placed from
+                k0 = rotate_keys(k.float(), -s, self.spec)  # keys in the position-0 frame
+                for a in self._candidates(toks, own):
+                    if a.context and self.pool.learn(
+                            self._slot(lay, i, a.context),
+                            k0 - rotate_keys(a.k.float(), -a.start, self.spec),
+                            v.float() - a.v.float()) and stats is not None:
+                        stats.offsets_learned += 1
+            kept += self.capture(toks, k, v, s, source, own)
         return kept
 
     def capture_answer(self, tokens: Sequence[int], cache: Any, at: int,
-                       source: str = "answer") -> bool:
+                       source: str = "answer", prompt: SegmentedPrompt | None = None) -> bool:
         """The decode KV of ``tokens`` generated after a prompt of ``at`` tokens, as an anchor
-        keyed by those tokens; the last tokens the decode loop chose but never ran are run
-        first (one forward)."""
+        keyed by those tokens (its context: ``prompt``'s answer); the last tokens the decode
+        loop chose but never ran are run first (one forward)."""
         toks = list(tokens)
         if self.pool is None or not toks:
             return False
@@ -686,18 +758,40 @@ class DocumentReuse:
             with torch.inference_mode():
                 self.engine._runner.forward(x, cache)
         k, v = ca.stack_range(cache, at, at + len(toks))
-        return self.capture(toks, k, v, at, source)
+        context = self.span_context(self.layout_key(prompt), "answer") if prompt is not None else b""
+        return self.capture(toks, k, v, at, source, context)
 
     def _place_anchor(self, tokens: Sequence[int], s: int, bk: torch.Tensor, bv: torch.Tensor,
-                      stats: BlendStats) -> bool:
-        """The segment's most recent anchor into ``[:, :, s:s+n]``, its keys moved from where
-        they were computed to ``s`` (exact for RoPE); False when the pool has none."""
+                      stats: BlendStats, layout: bytes = b"", i: int = 0) -> bool:
+        """The segment's anchor into ``[:, :, s:s+n]`` (the most recent; with ``offsets``, the
+        one whose slot learned the most samples), its keys moved from where they were
+        computed to ``s`` (exact for RoPE), plus its slot's learned offset (``offsets``,
+        ``layout`` and ``i``: the prompt's layout and the document's index); False when the
+        pool has none."""
         e = s + len(tokens)
-        a = self.pool.get(self.segment_key(tokens)) if self.pool is not None else None
-        if a is None or a.k.shape[2] != e - s:
+        pool = self.pool
+        if pool is None:
+            return False
+        own = self.span_context(layout, i) if layout else b""
+        learned = self.offsets and layout
+
+        def rank(a: Any) -> tuple[bool, int]:  # usable first, then the most samples learned
+            ok = a.k.shape[2] == e - s and not (own and a.context == own)
+            n = pool.offset_samples(self._slot(layout, i, a.context)) if (
+                ok and learned and a.context) else 0
+            return ok, n
+
+        a = pool.get(self.segment_key(tokens), rank)
+        if a is None or not rank(a)[0]:
             return False
         bk[:, :, s:e] = rotate_keys(a.k, s - a.start, self.spec) if s != a.start else a.k
         bv[:, :, s:e] = a.v
+        o = pool.offset(self._slot(layout, i, a.context)) if learned and a.context else None
+        if o is not None and o.samples >= self.offsets:
+            dk, dv, m = o.mean(e - s)
+            bk[:, :, s:s + m] += rotate_keys(dk, s, self.spec).to(bk.dtype)
+            bv[:, :, s:s + m] += dv.to(bv.dtype)
+            stats.offsets_applied += 1
         stats.documents_anchored += 1
         stats.anchored_tokens += e - s
         return True
@@ -813,9 +907,13 @@ class DocumentReuse:
             cache = ca.buffer_cache(lay, cap, self.device, n, (bk, bv))
             stats.ttft_s = time.perf_counter() - t0
             return _Prefilled(cache, logits, prompt, stats)
-        # with anchors: nothing of the documents at hand, the prompt in full (then captured)
-        if self.pool is not None and not any(self.available(ids[s:e]) for s, e in prompt.spans):
+        # with anchors: nothing of the documents at hand, or a slot still learning its offset
+        # (``offsets``): the prompt in full (then captured)
+        warm = self._needs_warmup(prompt)
+        if self.pool is not None and (warm or not any(self.available(ids[s:e])
+                                                      for s, e in prompt.spans)):
             stats.full_prefill = True
+            stats.offset_warmup = warm
             pre = self.prefill_in_full(prompt, stats, capacity)
             stats.load_ms = (time.perf_counter() - t0) * 1e3
             stats.ttft_s = time.perf_counter() - t0
@@ -824,10 +922,11 @@ class DocumentReuse:
         # stored on a miss)
         a = len(self.anchor)
         doc_jobs = []
-        for (s, e) in prompt.spans:
+        lay_key = self.layout_key(prompt) if self.offsets else b""
+        for i, (s, e) in enumerate(prompt.spans):
             toks = ids[s:e]
             keys = self.document_keys(toks)
-            if self._place_anchor(toks, s, bk, bv, stats):
+            if self._place_anchor(toks, s, bk, bv, stats, lay_key, i):
                 continue
             delta: int | torch.Tensor = s - a  # keys as computed after the anchor
             if self._fetch_document(keys, e - s, bk, bv, s, stats):
@@ -1350,11 +1449,12 @@ class DocumentReuse:
         if self.pool is not None:  # anchors: in-context documents, and the answer
             exact = stats.reused_tokens == 0 or stats.repaired_at is not None
             if stats.document_tokens and exact and not stats.blend_hit:
-                stats.anchors_captured += self.capture_prompt(pre.prompt, cache)
+                stats.anchors_captured += self.capture_prompt(pre.prompt, cache, stats=stats)
             toks = list(seq.token_ids)
             while toks and (toks[-1] in eng.eos_token_ids or toks[-1] in stop_ids):
                 toks.pop()
-            stats.anchors_captured += self.capture_answer(toks, cache, len(ids))
+            stats.anchors_captured += self.capture_answer(toks, cache, len(ids),
+                                                          prompt=pre.prompt)
         stats.new_tokens = len(seq.token_ids)
         stats.finish_reason = seq.finish_reason or "length"
         stats.total_s = time.perf_counter() - t0

@@ -116,7 +116,7 @@ class Runner:
 def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selector: str,
                recompute: float, gate: str, judge_gate: str, margin: float,
                max_new_tokens: int | None, anchor_budget: int, watch: float = DEFAULT_WATCH,
-               judge_margin: float | None = None) -> dict[str, AgentPipeline]:
+               judge_margin: float | None = None, offsets: int = 0) -> dict[str, AgentPipeline]:
     if pipeline not in PIPELINES:
         raise InvalidInputError(f"unknown pipeline {pipeline!r}; one of {', '.join(PIPELINES)}")
     solvers, judge = default_agents(agents, kind, max_new_tokens)
@@ -125,7 +125,7 @@ def _pipelines(runner: Runner, kind: str, agents: int, pipeline: str, *, selecto
            "reuse": AgentPipeline(runner.reuse, solvers, j, reuse=True, selector=selector,
                                   recompute=recompute, gate=gate, judge_gate=judge_gate,
                                   margin=margin, pool=AnchorPool(anchor_budget), kind=kind,
-                                  watch=watch, judge_margin=judge_margin)}
+                                  watch=watch, judge_margin=judge_margin, offsets=offsets)}
     if runner.prefix is not None:
         out["prefix"] = AgentPipeline(runner.prefix, solvers, j, reuse=False, kind=kind)
     return out
@@ -136,13 +136,14 @@ def run_eval(runner: Runner, items: Sequence[dict[str, Any]], *, agents: int = 4
              gate: str = "margin", judge_gate: str = DEFAULT_JUDGE_GATE, margin: float = 0.02,
              max_new_tokens: int | None = None, anchor_budget: int = 256 << 20,
              watch: float = DEFAULT_WATCH, judge_margin: float | None = None,
+             offsets: int = 0,
              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every item through each pipeline; per-pipeline summaries, per-question rows, meta."""
     kind = items[0]["kind"]
     pipes = _pipelines(runner, kind, agents, pipeline, selector=selector, recompute=recompute,
                        gate=gate, judge_gate=judge_gate, margin=margin,
                        max_new_tokens=max_new_tokens, anchor_budget=anchor_budget,
-                       watch=watch, judge_margin=judge_margin)
+                       watch=watch, judge_margin=judge_margin, offsets=offsets)
     rows: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         row: dict[str, Any] = {"question": item["question"], "gold": item["answer"]}
@@ -195,6 +196,8 @@ def summarize(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str,
             s["fallbacks"] = sum(t["mode"] == "fallback" for t in turns)
             s["repairs"] = sum(t.get("repaired_at") is not None for t in turns)
             s["reused_turns"] = sum(t["mode"] == "reuse" for t in turns)
+            s["warmups"] = sum(t["mode"] == "warmup" for t in turns)
+            s["offsets_applied"] = sum(t.get("offsets_applied", 0) for t in turns)
             s["turns"] = len(turns)
             s["segment_reused_share"] = (sum(t["reused_tokens"] for t in turns)
                                          / max(1, sum(t["prompt_tokens"] for t in turns)))
