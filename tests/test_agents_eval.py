@@ -78,3 +78,24 @@ def test_eval_writes_the_contract(tmp_path: Path) -> None:
     bad = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "1",
                                    "--json", str(out), "--pipeline", "nope"])
     assert bad.exit_code != 0
+
+
+def test_eval_offsets_warm_up_on_the_first_question_then_apply(tmp_path: Path) -> None:
+    from semcomm.reference import receiver_path
+
+    data = _write(tmp_path / "g.jsonl", [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"},
+        {"question": "Ann had 9 pens and lost 2. How many?", "answer": "#### 7"}])
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "2",
+                                   "--json", str(out), "--agents", "2", "--model",
+                                   str(receiver_path()), "--max-new-tokens", "4",
+                                   "--watch", "0", "--gate", "off", "--offsets", "1"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    first, second = (r["reuse"]["turns"] for r in got["rows"])
+    assert [t["mode"] for t in first[:2]] == ["full", "warmup"]
+    assert first[1]["offsets_learned"] >= 1
+    assert second[1]["mode"] == "reuse" and second[1]["offsets_applied"] >= 1
+    assert got["reuse"]["warmups"] >= 1 and got["reuse"]["offsets_applied"] >= 1
+    assert got["meta"]["offsets"] == 1

@@ -13,8 +13,9 @@ Where a shared segment's KV comes from, best first:
 1. an **anchor**: the segment's KV as some agent computed it *in context*: the answer an agent
    generated (its own decode KV, free) and every shared segment of a prompt that was prefilled
    in full (the first agent, a fallback). KVCOMM (NeurIPS'25) keeps such in-context copies as
-   its anchors; here the most recent anchor of a segment is used (KVCOMM's interpolation of
-   offsets between anchors of *different* segment contents is not done). Anchors live in an
+   its anchors; here the most recent anchor of a segment is used, and with ``offsets`` the
+   anchor gets the offset (exact minus anchored KV) its slot learned on earlier questions,
+   as KVCOMM's placeholder offsets do (docs/agents.md "Offsets"). Anchors live in an
    :class:`AnchorPool` (engine/_anchors.py: bounded in bytes, keyed under the engine's
    namespace, tenant included); capturing and placing them is :class:`DocumentReuse`'s, the
    same code the engine runs for any prompt with documents (``HFEngine(anchors=...)``);
