@@ -300,15 +300,14 @@ class AgentPipeline:
         decision is among (a judge's candidate numbers)."""
         if restrict:
             logits = logits[restrict]
-        if gate == "off":
-            return True, {}
         if gate == "always":
             return False, {"forced": True}
-        detail: dict[str, Any] = {}
+        m = _margin(logits)
+        detail: dict[str, Any] = {"margin": round(m, 4)}  # reported under any test
+        if gate == "off":
+            return True, detail
         keep = True
         if "margin" in gate:
-            m = _margin(logits)
-            detail["margin"] = round(m, 4)
             keep = keep and m >= (self.margin if margin is None else margin)
         if "dual" in gate and keep:
             assert self.shared is not None
