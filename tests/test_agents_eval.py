@@ -19,6 +19,19 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _eval_reference(data: Path, out: Path, *extra: str) -> dict:
+    """``semcomm agents eval`` of 2 questions, 2 solvers, 4 new tokens, ``--watch 0`` on the
+    shipped reference receiver; the JSON it wrote."""
+    from semcomm.reference import receiver_path
+
+    res = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "2",
+                                   "--json", str(out), "--agents", "2", "--model",
+                                   str(receiver_path()), "--max-new-tokens", "4",
+                                   "--watch", "0", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text())
+
+
 def test_both_data_shapes_and_the_limit(tmp_path: Path) -> None:
     gsm = _write(tmp_path / "g.jsonl", [
         {"question": "2+2?", "answer": "2+2=<<2+2=4>>4\n#### 4"},
@@ -54,19 +67,12 @@ def test_summary_counts_the_reused_share_over_all_agents() -> None:
 
 
 def test_eval_writes_the_contract(tmp_path: Path) -> None:
-    from semcomm.reference import receiver_path
-
     data = _write(tmp_path / "g.jsonl", [
         {"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"},
         {"question": "Ann had 9 pens and lost 2. How many?", "answer": "#### 7"},
         {"question": "never read", "answer": "#### 1"}])
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "2",
-                                   "--json", str(out), "--agents", "2", "--model",
-                                   str(receiver_path()), "--max-new-tokens", "4",
-                                   "--watch", "0"])  # reuse kept past the first token
-    assert res.exit_code == 0, res.output
-    got = json.loads(out.read_text())
+    got = _eval_reference(data, out)  # watch 0: reuse kept past the first token
     for mode in ("full", "reuse"):
         assert {"accuracy", "latency_s", "last_agent_ttft_s", "n"} <= set(got[mode])
         assert got[mode]["n"] == 2
@@ -81,18 +87,10 @@ def test_eval_writes_the_contract(tmp_path: Path) -> None:
 
 
 def test_eval_offsets_warm_up_on_the_first_question_then_apply(tmp_path: Path) -> None:
-    from semcomm.reference import receiver_path
-
     data = _write(tmp_path / "g.jsonl", [
         {"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"},
         {"question": "Ann had 9 pens and lost 2. How many?", "answer": "#### 7"}])
-    out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, ["agents", "eval", "--data", str(data), "--limit", "2",
-                                   "--json", str(out), "--agents", "2", "--model",
-                                   str(receiver_path()), "--max-new-tokens", "4",
-                                   "--watch", "0", "--gate", "off", "--offsets", "1"])
-    assert res.exit_code == 0, res.output
-    got = json.loads(out.read_text())
+    got = _eval_reference(data, tmp_path / "r.json", "--gate", "off", "--offsets", "1")
     first, second = (r["reuse"]["turns"] for r in got["rows"])
     assert [t["mode"] for t in first[:2]] == ["full", "warmup"]
     assert first[1]["offsets_learned"] >= 1
