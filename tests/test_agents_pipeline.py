@@ -352,7 +352,8 @@ def test_offsets_are_evicted_under_the_budget_and_bad_settings_refused(
     pool = AnchorPool(budget_bytes=700)  # one offset of 5 positions: 500 bytes
     assert pool.learn(b"s1", t, t) and pool.offset_samples(b"s1") == 1
     assert pool.learn(b"s1", 3 * t, t)  # a second sample: the mean of the two
-    dk, dv, m = pool.offset(b"s1").mean(5)
+    assert pool.offset(b"s1", 5, min_samples=3) is None  # two samples only
+    dk, dv, m = pool.offset(b"s1", 5)
     assert m == 5 and torch.allclose(dk, 2 * t) and torch.allclose(dv, t)
     assert not pool.learn(b"big", torch.ones((2, 2, 50, 3)), torch.ones((2, 2, 50, 3)))
     assert pool.learn(b"s2", t, t) and pool.offset_samples(b"s1") == 0  # s1 evicted

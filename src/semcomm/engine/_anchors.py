@@ -176,13 +176,17 @@ class AnchorPool:
             self._evict()
             return slot in self._offsets
 
-    def offset(self, slot: bytes) -> Offset | None:
-        """A slot's offset (marked used), or None."""
+    def offset(self, slot: bytes, n: int, min_samples: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """A slot's mean offsets of its first ``m <= n`` positions and ``m`` (marked used;
+        read under the lock, so a concurrent :meth:`learn` is not half seen), or None when
+        it has fewer than ``min_samples`` samples."""
         with self._lock:
             o = self._offsets.get(slot)
-            if o is not None:
-                self._offsets.move_to_end(slot)
-            return o
+            if o is None or o.samples < min_samples:
+                return None
+            self._offsets.move_to_end(slot)
+            return o.mean(n)
 
     def offset_samples(self, slot: bytes) -> int:
         with self._lock:

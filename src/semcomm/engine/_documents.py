@@ -786,9 +786,10 @@ class DocumentReuse:
             return False
         bk[:, :, s:e] = rotate_keys(a.k, s - a.start, self.spec) if s != a.start else a.k
         bv[:, :, s:e] = a.v
-        o = pool.offset(self._slot(layout, i, a.context)) if learned and a.context else None
-        if o is not None and o.samples >= self.offsets:
-            dk, dv, m = o.mean(e - s)
+        o = (pool.offset(self._slot(layout, i, a.context), e - s, self.offsets)
+             if learned and a.context else None)
+        if o is not None:
+            dk, dv, m = o
             bk[:, :, s:s + m] += rotate_keys(dk, s, self.spec).to(bk.dtype)
             bv[:, :, s:s + m] += dv.to(bv.dtype)
             stats.offsets_applied += 1
