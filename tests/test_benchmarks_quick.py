@@ -54,6 +54,12 @@ SMOKE: dict[str, tuple[list[str], str, str | None]] = {
     "benchmarks.server.agent_chain": (["--json", "{out}/r.json"], "r.json", None),
     "benchmarks.server.security": (["--json", "{out}/r.json"], "r.json", None),
     "benchmarks.server.hardening": (["--json", "{out}/r.json"], "r.json", None),
+    "benchmarks.agents.bench": (["--json", "{out}/r.json", "--png", "{out}/r.png"], "r.json",
+                                None),
+    "benchmarks.agents.offsets": (["--json", "{out}/r.json", "--png", "{out}/r.png"], "r.json",
+                                  None),
+    "benchmarks.rag.bench": (["--json", "{out}/r.json", "--png", "{out}/r.png"], "r.json",
+                             _needs(DATA / "rag")),
     "benchmarks.vllm.compare": (["--json", "{out}/r.json", "--png", "{out}/r.png"], "r.json",
                                 None),
     "benchmarks.vllm.check": (["--vllm-python", str(VLLM_PY), "--out", "{out}/r.json",
@@ -69,8 +75,10 @@ NOT_SMOKED = {
                               "outputs; tests/test_fusion_eval.py covers the evaluation",
     "benchmarks.fusion.larger_sharer": "loads Qwen2.5-Coder-1.5B and two receivers (GBs of "
                                        "weights) even for its 3-item --quick run",
+    "benchmarks.rag.data": "writes evaluation sets, no measurement; the benchmarks.rag.bench "
+                           "smoke run builds its sets with it",
 }
-AREAS = {"kv", "engine", "semantic", "routing", "fusion", "server", "vllm"}
+AREAS = {"kv", "engine", "semantic", "routing", "fusion", "server", "vllm", "agents", "rag"}
 
 
 def test_every_benchmark_is_listed() -> None:

@@ -5,12 +5,16 @@ prefill's, reused share; one group of bars per setting).
 
 Usage: ``python -m benchmarks.agents.offsets --pair LABEL OFF.json ON.json [--pair ...]
 [--json benchmarks/results/agents_offsets.json] [--png benchmarks/results/agents_offsets.png]``.
+``--quick``: runs ``benchmarks.agents.bench --quick`` with ``--offsets 0`` and ``1`` (the
+reference receiver, seconds) and reports that pair.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +73,21 @@ def plot(rows: dict[str, dict[str, Any]], png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--pair", nargs=3, action="append", required=True,
+    ap.add_argument("--pair", nargs=3, action="append", default=[],
                     metavar=("LABEL", "OFF", "ON"))
+    ap.add_argument("--quick", action="store_true", help="a smoke run on the reference receiver")
     ap.add_argument("--json", type=Path, default=RESULTS / "agents_offsets.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "agents_offsets.png")
     a = ap.parse_args()
+    if a.quick:
+        files = [a.json.with_name(f"{a.json.stem}_quick_offsets{o}.json") for o in (0, 1)]
+        for o, f in enumerate(files):
+            subprocess.run([sys.executable, "-m", "benchmarks.agents.bench", "--quick",
+                            "--offsets", str(o), "--json", str(f),
+                            "--png", str(f.with_suffix(".png"))], check=True)
+        a.pair.append(("quick", *files))
+    if not a.pair:
+        ap.error("give --pair LABEL OFF.json ON.json (or --quick)")
     rows = {label: {"off": summarize(Path(off)), "on": summarize(Path(on))}
             for label, off, on in a.pair}
     for label, pair in rows.items():
