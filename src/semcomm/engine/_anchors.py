@@ -161,11 +161,10 @@ class AnchorPool:
         False when the offset alone would exceed the budget (nothing kept)."""
         with self._lock:
             o = self._offsets.pop(slot, None)
-            if o is None:
-                o = Offset(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int32))
-                o.sum_k = dk.new_zeros((*dk.shape[:2], 0, dk.shape[3]), dtype=torch.float32)
-                o.sum_v = dv.new_zeros((*dv.shape[:2], 0, dv.shape[3]), dtype=torch.float32)
-                o.count = torch.zeros(0, dtype=torch.int32, device=dk.device)
+            if o is None:  # empty, grown to the sample's length by add()
+                o = Offset(dk.new_zeros((*dk.shape[:2], 0, dk.shape[3]), dtype=torch.float32),
+                           dv.new_zeros((*dv.shape[:2], 0, dv.shape[3]), dtype=torch.float32),
+                           torch.zeros(0, dtype=torch.int32, device=dk.device))
             else:
                 self.nbytes -= o.nbytes
             o.add(dk, dv)

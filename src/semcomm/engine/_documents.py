@@ -699,19 +699,23 @@ class DocumentReuse:
         return hashlib.blake2b(b"slot" + layout + struct.pack("<I", i) + source,
                                digest_size=16).digest()
 
+    @staticmethod
+    def _usable(a: Any, n: int, own: bytes) -> bool:
+        """An anchor of ``n`` tokens, not computed in the very context it would go to."""
+        return bool(a.k.shape[2] == n and not (own and a.context == own))
+
     def _candidates(self, tokens: Sequence[int], own: bytes) -> list[Any]:
         """The anchors a prompt could place for a document (its own context's excluded)."""
         if self.pool is None:
             return []
         return [a for a in self.pool.anchors(self.segment_key(tokens))
-                if a.k.shape[2] == len(tokens) and a.context != own]
+                if self._usable(a, len(tokens), own)]
 
-    def _needs_warmup(self, prompt: SegmentedPrompt) -> bool:
+    def _needs_warmup(self, prompt: SegmentedPrompt, lay: bytes) -> bool:
         """``offsets``: a document would be placed from an anchor, and no anchor of it has a
-        slot with ``offsets`` samples learned."""
+        slot with ``offsets`` samples learned (``lay``: the prompt's layout key)."""
         if not self.offsets or self.pool is None:
             return False
-        lay = self.layout_key(prompt)
         for i, (s, e) in enumerate(prompt.spans):
             cands = [a for a in self._candidates(prompt.ids[s:e], self.span_context(lay, i))
                      if a.context]
@@ -776,7 +780,7 @@ class DocumentReuse:
         learned = self.offsets and layout
 
         def rank(a: Any) -> tuple[bool, int]:  # usable first, then the most samples learned
-            ok = a.k.shape[2] == e - s and not (own and a.context == own)
+            ok = self._usable(a, e - s, own)
             n = pool.offset_samples(self._slot(layout, i, a.context)) if (
                 ok and learned and a.context) else 0
             return ok, n
@@ -910,7 +914,8 @@ class DocumentReuse:
             return _Prefilled(cache, logits, prompt, stats)
         # with anchors: nothing of the documents at hand, or a slot still learning its offset
         # (``offsets``): the prompt in full (then captured)
-        warm = self._needs_warmup(prompt)
+        lay_key = self.layout_key(prompt) if self.offsets else b""
+        warm = self._needs_warmup(prompt, lay_key)
         if self.pool is not None and (warm or not any(self.available(ids[s:e])
                                                       for s, e in prompt.spans)):
             stats.full_prefill = True
@@ -923,7 +928,6 @@ class DocumentReuse:
         # stored on a miss)
         a = len(self.anchor)
         doc_jobs = []
-        lay_key = self.layout_key(prompt) if self.offsets else b""
         for i, (s, e) in enumerate(prompt.spans):
             toks = ids[s:e]
             keys = self.document_keys(toks)
